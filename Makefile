@@ -1,0 +1,30 @@
+# Two entry points, both safe on a fresh machine: `make run` and `make test`.
+# torch comes from the machine's local CPU wheel (pip install torch==2.13.0); installing it first
+# means no resolver ever pulls a CUDA build.
+VENV    := .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.laminar-installed
+EXAMPLE ?= examples/hello/config.yaml
+
+.PHONY: setup run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,ucx]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/laminar run $(EXAMPLE)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/transport.py --json runs/bench/transport.json
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Laminar: asynchronous RL post-training runtime."""

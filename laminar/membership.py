@@ -1,0 +1,105 @@
+"""The membership contract between every service and the manager.
+
+It lives here, not in ``roles/``, because every role's runtime speaks it (join, heartbeat,
+leave) while only the manager role implements it. :class:`MembershipApi` declares the endpoints;
+``roles.manager.ManagerService`` serves them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from .endpoint import endpoint, stream
+
+MemberState = Literal["alive", "dead", "left"]
+
+
+class Member(BaseModel):
+    instance: str
+    role: str
+    address: str
+    metrics: str | None = None
+    host: str = ""
+    pid: int = 0
+    state: MemberState = "alive"
+    reason: str = ""
+    joined_at: float = 0.0  # wall clock of the manager
+    last_seen: float = 0.0  # wall clock of the manager
+    incarnation: int = 1  # bumps each time the same instance id joins again (a restart)
+    stats: dict[str, float] = Field(default_factory=dict)
+
+
+class JoinRequest(BaseModel):
+    instance: str
+    role: str
+    address: str
+    metrics: str | None = None
+    host: str = ""
+    pid: int = 0
+
+
+class JoinReply(BaseModel):
+    cluster: str
+    manager: str
+    incarnation: int
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+class Heartbeat(BaseModel):
+    instance: str
+    stats: dict[str, float] = Field(default_factory=dict)
+
+
+class HeartbeatAck(BaseModel):
+    rejoin: bool = False  # the manager does not know this instance (it restarted): join again
+
+
+class LeaveRequest(BaseModel):
+    instance: str
+    reason: str = "shutdown"
+
+
+class ClusterStatus(BaseModel):
+    cluster: str
+    manager: str
+    now: float
+    heartbeat_timeout_s: float
+    members: list[Member]
+
+
+class WatchRequest(BaseModel):
+    snapshot: bool = True  # first yield every current member as a "snapshot" event
+
+
+class MemberEvent(BaseModel):
+    event: Literal["snapshot", "joined", "rejoined", "dead", "left", "revived"]
+    member: Member
+
+
+class MembershipApi:
+    """Endpoints of the membership service. Declaration only; the manager serves them."""
+
+    @endpoint
+    async def join(self, req: JoinRequest) -> JoinReply:
+        raise NotImplementedError
+
+    @endpoint
+    async def heartbeat(self, req: Heartbeat) -> HeartbeatAck:
+        raise NotImplementedError
+
+    @endpoint
+    async def leave(self, req: LeaveRequest) -> None:
+        raise NotImplementedError
+
+    @endpoint
+    async def status(self) -> ClusterStatus:
+        raise NotImplementedError
+
+    @stream
+    async def watch(self, req: WatchRequest) -> AsyncIterator[MemberEvent]:
+        raise NotImplementedError
+        yield  # pragma: no cover - makes this an async generator

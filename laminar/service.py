@@ -1,0 +1,286 @@
+"""The runtime every role shares: lifecycle, owned tasks, RPC serving, heartbeats, metrics.
+
+A role is a :class:`Service` subclass with endpoints (see :mod:`laminar.endpoint`). The
+:class:`ServiceHost` runs one service:
+
+1. binds its RPC listener (any transport) and its Prometheus ``/metrics`` endpoint,
+2. calls ``on_start``, joins the manager and heartbeats to it (every role but the manager),
+3. prints one ``LAMINAR_READY {json}`` line on stdout (how ``laminar run`` learns addresses),
+4. on SIGTERM/SIGINT, or ``host.stop()``: ``on_stop``, leaves the manager, closes the listener and
+   client connections, cancels every owned task, and returns.
+
+Structured concurrency: every background task a service starts with ``spawn`` belongs to the
+host's TaskGroup. If one crashes, the whole service stops with that error (the process exits
+non-zero, and the supervisor decides about a restart): a half-dead service that keeps answering
+heartbeats is worse than a dead one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any, ClassVar, TypeVar
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from laminar.transport import Limits, TransportOptions
+
+from .clock import Clock, get_clock
+from .config import ClusterConfig, ServiceConfig
+from .errors import CallTimeout, PeerUnavailable, RemoteError
+from .membership import Heartbeat, JoinRequest, LeaveRequest, MembershipApi
+from .metrics import RpcMetrics, start_metrics_server
+from .rpc import RpcClient, RpcServer, remote
+
+S = TypeVar("S")
+T = TypeVar("T")
+
+READY_PREFIX = "LAMINAR_READY "
+
+
+def transport_options(cluster: ClusterConfig, token: bytes) -> TransportOptions:
+    return TransportOptions(
+        token=token,
+        limits=Limits(max_frame_bytes=cluster.max_frame_mib * 1024 * 1024),
+        handshake_timeout=cluster.handshake_timeout_s,
+    )
+
+
+class ServiceContext:
+    """What a service gets from its host: identity, config, clock, logs, metrics, tasks, peers."""
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        instance: str,
+        cluster: ClusterConfig,
+        config: ServiceConfig,
+        options: TransportOptions,
+        clock: Clock | None = None,
+    ) -> None:
+        self.role = role
+        self.instance = instance
+        self.cluster = cluster
+        self.config = config
+        self.options = options
+        self.clock = clock or get_clock()
+        self.log = structlog.get_logger(role).bind(role=role, instance=instance)
+        self.registry = CollectorRegistry()
+        self.address: str | None = None  # the RPC address, once bound
+        self._group: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._clients: dict[str, RpcClient] = {}
+
+    def spawn(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
+        """Run ``coro`` as a task owned by the service: cancelled at stop, fatal if it raises."""
+        if self._group is None:
+            coro.close()
+            raise RuntimeError("spawn() is only available while the service runs")
+        task = self._group.create_task(coro, name=f"{self.instance}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def client(self, address: str, *, timeout: float | None = None) -> RpcClient:
+        """A shared, lazily connected client for ``address`` (closed when the service stops)."""
+        client = self._clients.get(address)
+        if client is None:
+            client = RpcClient(address, self.options, timeout=timeout or self.cluster.rpc_timeout_s)
+            self._clients[address] = client
+        return client
+
+    def connect(self, cls: type[S], address: str) -> S:
+        """A typed proxy of the service of class ``cls`` at ``address``."""
+        return remote(cls, self.client(address))
+
+    async def close_clients(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()
+
+
+class Service:
+    """Base class of roles. Subclasses set ``role``, maybe ``config_model``, and add endpoints."""
+
+    role: ClassVar[str] = "service"
+    config_model: ClassVar[type[ServiceConfig]] = ServiceConfig
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.log = ctx.log
+
+    async def on_start(self) -> None:
+        """Called once the RPC listener is bound, before the service joins the cluster."""
+
+    async def on_stop(self) -> None:
+        """Called at graceful shutdown, before connections close and tasks are cancelled."""
+
+    def on_disconnect(self, connection_id: int) -> None:
+        """A client connection closed (``rpc.current_call`` tells handlers their connection id)."""
+
+    def stats(self) -> dict[str, float]:
+        """Numbers sent to the manager with every heartbeat."""
+        return {}
+
+    def spawn(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
+        return self.ctx.spawn(coro, name=name)
+
+
+class ServiceHost:
+    """Runs one service until it is stopped; see the module docstring for the sequence."""
+
+    def __init__(
+        self,
+        service_cls: type[Service],
+        ctx: ServiceContext,
+        *,
+        manager: str | None = None,
+        ready: Callable[[dict[str, Any]], None] | None = None,
+        handle_signals: bool = False,
+    ) -> None:
+        self.service_cls = service_cls
+        self.ctx = ctx
+        self.manager = manager
+        self.ready = ready
+        self.handle_signals = handle_signals
+        self.service: Service | None = None
+        self.server: RpcServer | None = None
+        self._stopping: asyncio.Event | None = None
+        self._started = asyncio.Event()
+
+    async def started(self) -> Service:
+        await self._started.wait()
+        assert self.service is not None
+        return self.service
+
+    def stop(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def run(self) -> None:
+        ctx = self.ctx
+        self._stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if self.handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._stopping.set)
+        metrics_runner = None
+        try:
+            async with asyncio.TaskGroup() as group:
+                ctx._group = group
+                service = self.service = self.service_cls(ctx)
+                rpc_metrics = RpcMetrics(ctx.registry, ctx.role)
+                self.server = RpcServer(
+                    service,
+                    ctx.options,
+                    role=ctx.role,
+                    instance=ctx.instance,
+                    on_disconnect=service.on_disconnect,
+                    observe=rpc_metrics.observe,
+                )
+                listener = await self.server.listen(ctx.config.bind)
+                ctx.address = listener.address
+                metrics_address = None
+                if ctx.config.metrics:
+                    host, _, port = ctx.config.metrics.rpartition(":")
+                    metrics_runner, metrics_address = await start_metrics_server(
+                        ctx.registry, host or "127.0.0.1", int(port or 0)
+                    )
+                await service.on_start()
+                if self.manager is not None:
+                    ctx.spawn(self._membership(self.manager, metrics_address), name="membership")
+                info = {
+                    "role": ctx.role,
+                    "instance": ctx.instance,
+                    "address": listener.address,
+                    "metrics": metrics_address,
+                    "pid": os.getpid(),
+                }
+                ctx.log.info("service ready", **info)
+                if self.ready is not None:
+                    self.ready(info)
+                self._started.set()
+                await self._stopping.wait()
+                ctx.log.info("stopping")
+                await self._shutdown(service)
+        finally:
+            ctx._group = None
+            if self.server is not None:
+                await self.server.close()
+            await ctx.close_clients()
+            if metrics_runner is not None:
+                await metrics_runner.cleanup()
+            if self.handle_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+
+    async def _shutdown(self, service: Service) -> None:
+        ctx = self.ctx
+        try:
+            async with asyncio.timeout(10):
+                await service.on_stop()
+        except Exception:
+            ctx.log.exception("on_stop failed")
+        if self.manager is not None:
+            with contextlib.suppress(PeerUnavailable, CallTimeout, RemoteError):
+                mgr = ctx.connect(MembershipApi, self.manager)
+                await mgr.leave.options(timeout=1.0).call(LeaveRequest(instance=ctx.instance))
+        if self.server is not None:
+            await self.server.close()
+        for task in list(ctx._tasks):
+            task.cancel()
+
+    async def _membership(self, manager: str, metrics: str | None) -> None:
+        """Join the manager, then heartbeat; rejoin whenever the manager forgot us."""
+        ctx = self.ctx
+        interval = ctx.cluster.heartbeat_interval_s
+        client = ctx.client(manager, timeout=max(interval * 2, 1.0))
+        mgr = remote(MembershipApi, client)
+        assert ctx.address is not None and self.service is not None
+        join = JoinRequest(
+            instance=ctx.instance,
+            role=ctx.role,
+            address=ctx.address,
+            metrics=metrics,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+        joined, complained = False, False
+        while True:
+            try:
+                if not joined:
+                    reply = await mgr.join.call(join)
+                    joined, complained = True, False
+                    ctx.log.info(
+                        "joined cluster",
+                        manager=manager,
+                        cluster=reply.cluster,
+                        incarnation=reply.incarnation,
+                    )
+                else:
+                    ack = await mgr.heartbeat.call(
+                        Heartbeat(instance=ctx.instance, stats=self.service.stats())
+                    )
+                    joined = not ack.rejoin
+            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+                if not complained:
+                    ctx.log.warning(
+                        "manager unreachable; retrying", manager=manager, error=str(exc)
+                    )
+                    complained = True
+            await ctx.clock.sleep(interval)
+
+
+def print_ready(info: dict[str, Any]) -> None:
+    """The one machine-readable line a supervisor waits for."""
+    sys.stdout.write(READY_PREFIX + json.dumps(info) + "\n")
+    sys.stdout.flush()

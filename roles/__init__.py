@@ -1,0 +1,9 @@
+"""Laminar roles: one service class per role.
+
+``BUILTIN`` maps role names to ``module:Class`` so the runtime can start a role by name without
+importing every role (and its heavy dependencies) up front.
+"""
+
+BUILTIN: dict[str, str] = {
+    "manager": "laminar.roles.manager:ManagerService",
+}

@@ -1,0 +1,189 @@
+"""The manager role (control plane). This stage: membership, heartbeats and liveness.
+
+A member is *dead* as soon as either signal says so:
+
+* its connection to the manager closed without a ``leave`` (a process killed with -9 has its
+  sockets closed by the kernel, so this is immediate, the paper's "instantly without a timeout");
+* no heartbeat for ``cluster.heartbeat_timeout_s`` (a hung process, a cut network: no socket
+  event tells us, so the timeout does).
+
+A dead member that heartbeats again is *revived* (a network blip); a restarted process joins again
+under the same instance id and gets a new incarnation. Later stages add the relay chain and repack
+planning here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import ClassVar
+
+from pydantic import Field
+
+from laminar.config import ServiceConfig
+from laminar.endpoint import endpoint, stream
+from laminar.membership import (
+    ClusterStatus,
+    Heartbeat,
+    HeartbeatAck,
+    JoinReply,
+    JoinRequest,
+    LeaveRequest,
+    Member,
+    MemberEvent,
+    MembershipApi,
+    WatchRequest,
+)
+from laminar.rpc import current_call
+from laminar.service import Service, ServiceContext
+
+
+class ManagerConfig(ServiceConfig):
+    bind: str = Field("tcp://127.0.0.1:7420", description="Where members reach the manager.")
+    liveness_check_s: float = Field(0.1, gt=0, description="How often silence is checked.")
+
+
+class ManagerService(Service, MembershipApi):
+    role: ClassVar[str] = "manager"
+    config_model: ClassVar[type[ServiceConfig]] = ManagerConfig
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        super().__init__(ctx)
+        self.members: dict[str, Member] = {}
+        self._connections: dict[int, str] = {}  # RPC connection id -> instance heard on it
+        self._watchers: set[asyncio.Queue[MemberEvent]] = set()
+        self._stopping = False
+
+    async def on_start(self) -> None:
+        assert self.ctx.address is not None
+        now = self.ctx.clock.wall()
+        self.members[self.ctx.instance] = Member(
+            instance=self.ctx.instance,
+            role=self.role,
+            address=self.ctx.address,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            joined_at=now,
+            last_seen=now,
+        )
+        self.spawn(self._check_liveness(), name="liveness")
+
+    async def on_stop(self) -> None:
+        self._stopping = True  # our own listener closing drops every connection: not a death
+
+    # -- endpoints --
+
+    @endpoint
+    async def join(self, req: JoinRequest) -> JoinReply:
+        now = self.ctx.clock.wall()
+        old = self.members.get(req.instance)
+        incarnation = old.incarnation + 1 if old is not None else 1
+        member = Member(**req.model_dump(), joined_at=now, last_seen=now, incarnation=incarnation)
+        self.members[req.instance] = member
+        self._remember_connection(req.instance)
+        self._publish("rejoined" if old is not None else "joined", member)
+        self.log.info(
+            "member joined",
+            member=req.instance,
+            member_role=req.role,
+            address=req.address,
+            incarnation=incarnation,
+        )
+        cluster = self.ctx.cluster
+        return JoinReply(
+            cluster=cluster.name,
+            manager=self.ctx.instance,
+            incarnation=incarnation,
+            heartbeat_interval_s=cluster.heartbeat_interval_s,
+            heartbeat_timeout_s=cluster.heartbeat_timeout_s,
+        )
+
+    @endpoint
+    async def heartbeat(self, req: Heartbeat) -> HeartbeatAck:
+        member = self.members.get(req.instance)
+        if member is None or member.state == "left":
+            return HeartbeatAck(rejoin=True)
+        member.last_seen = self.ctx.clock.wall()
+        member.stats = req.stats
+        self._remember_connection(req.instance)
+        if member.state == "dead":
+            member.state, member.reason = "alive", ""
+            self._publish("revived", member)
+            self.log.info("member revived", member=req.instance)
+        return HeartbeatAck()
+
+    @endpoint
+    async def leave(self, req: LeaveRequest) -> None:
+        member = self.members.get(req.instance)
+        if member is not None and member.state != "left":
+            member.state, member.reason = "left", req.reason
+            self._publish("left", member)
+            self.log.info("member left", member=req.instance, reason=req.reason)
+
+    @endpoint
+    async def status(self) -> ClusterStatus:
+        cluster = self.ctx.cluster
+        self.members[self.ctx.instance].last_seen = self.ctx.clock.wall()
+        return ClusterStatus(
+            cluster=cluster.name,
+            manager=self.ctx.instance,
+            now=self.ctx.clock.wall(),
+            heartbeat_timeout_s=cluster.heartbeat_timeout_s,
+            members=list(self.members.values()),
+        )
+
+    @stream
+    async def watch(self, req: WatchRequest) -> AsyncIterator[MemberEvent]:
+        queue: asyncio.Queue[MemberEvent] = asyncio.Queue(maxsize=10_000)
+        self._watchers.add(queue)
+        try:
+            if req.snapshot:
+                for member in list(self.members.values()):
+                    yield MemberEvent(event="snapshot", member=member.model_copy())
+            while True:
+                yield await queue.get()
+        finally:
+            self._watchers.discard(queue)
+
+    # -- liveness --
+
+    def on_disconnect(self, connection_id: int) -> None:
+        instance = self._connections.pop(connection_id, None)
+        member = self.members.get(instance) if instance else None
+        if member is not None and member.state == "alive" and not self._stopping:
+            self._mark_dead(member, "connection to the manager lost")
+
+    async def _check_liveness(self) -> None:
+        timeout = self.ctx.cluster.heartbeat_timeout_s
+        while True:
+            now = self.ctx.clock.wall()
+            for member in self.members.values():
+                if (
+                    member.state == "alive"
+                    and member.instance != self.ctx.instance
+                    and now - member.last_seen > timeout
+                ):
+                    self._mark_dead(member, f"no heartbeat for {now - member.last_seen:.1f} s")
+            await self.ctx.clock.sleep(self.config.liveness_check_s)  # type: ignore[attr-defined]
+
+    def _mark_dead(self, member: Member, reason: str) -> None:
+        member.state, member.reason = "dead", reason
+        self._publish("dead", member)
+        self.log.warning(
+            "member dead", member=member.instance, member_role=member.role, reason=reason
+        )
+
+    def _remember_connection(self, instance: str) -> None:
+        call = current_call.get(None)
+        if call is not None:
+            self._connections[call.connection_id] = instance
+
+    def _publish(self, event: str, member: Member) -> None:
+        ev = MemberEvent(event=event, member=member.model_copy())  # type: ignore[arg-type]
+        for queue in list(self._watchers):
+            if queue.full():  # a watcher that stopped reading is cut off, never blocks us
+                self._watchers.discard(queue)
+                continue
+            queue.put_nowait(ev)

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+import laminar.transport  # noqa: F401  (registers the schemes)
+from laminar.config import ClusterConfig, ServiceConfig
+from laminar.service import ServiceContext, ServiceHost, transport_options
+from tests.support.procs import TOKEN
+
+TRANSPORTS = ["tcp://127.0.0.1:0", "inproc://*", "shm://*"]
+
+
+@pytest.fixture
+def cluster() -> ClusterConfig:
+    return ClusterConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, rpc_timeout_s=5.0)
+
+
+@pytest.fixture
+def options(cluster):  # type: ignore[no-untyped-def]
+    return transport_options(cluster, TOKEN.encode())
+
+
+@pytest.fixture
+async def serve(cluster, options):  # type: ignore[no-untyped-def]
+    """Start services in this event loop: ``host, service = await serve(Cls, bind)``."""
+    hosts: list[tuple[ServiceHost, asyncio.Task[None]]] = []
+
+    async def start(cls, bind="tcp://127.0.0.1:0", *, instance=None, manager=None, config=None):
+        cfg = config or cls.config_model(bind=bind, metrics=None)
+        ctx = ServiceContext(role=cls.role, instance=instance or f"{cls.role}-{len(hosts)}",
+                             cluster=cluster, config=cfg, options=options)
+        host = ServiceHost(cls, ctx, manager=manager)
+        task = asyncio.create_task(host.run())
+        hosts.append((host, task))
+        started = asyncio.create_task(host.started())
+        await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            started.cancel()
+            task.result()  # raises the startup error
+        return host, started.result()
+
+    yield start
+    for host, task in reversed(hosts):
+        host.stop()
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_shm():  # type: ignore[no-untyped-def]
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("laminar-")}
+    yield
+    after = {n for n in os.listdir("/dev/shm") if n.startswith("laminar-")}
+    assert after <= before, f"shared-memory segments leaked: {sorted(after - before)}"

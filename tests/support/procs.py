@@ -1,0 +1,61 @@
+"""Start real role processes and read their LAMINAR_READY line."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from laminar.service import READY_PREFIX
+
+ROOT = Path(__file__).resolve().parents[2]
+SUPPORT_ROLES = str(ROOT / "tests" / "support" / "roles.py")
+TOKEN = "test-token-0123456789abcdef"
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = dict(os.environ)
+    out.update({"LAMINAR_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}, **extra)
+    return out
+
+
+def laminar(*args: str) -> list[str]:
+    return [sys.executable, "-m", "laminar", *args]
+
+
+def start(args: list[str], *, timeout: float = 30.0, environ: dict[str, str] | None = None
+          ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """Start a process and wait for its ready line; kills it and raises if it never comes."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=environ or env(), cwd=ROOT)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    seen: list[str] = []
+    while time.monotonic() < deadline:
+        if not sel.select(timeout=0.1):
+            if proc.poll() is not None:
+                break
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if line.startswith(READY_PREFIX):
+            sel.close()
+            return proc, json.loads(line[len(READY_PREFIX):])
+    proc.kill()
+    _, err = proc.communicate(timeout=10)
+    raise RuntimeError(f"{args} never became ready:\n{''.join(seen)}\n{err}")
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=10)

@@ -1,0 +1,37 @@
+"""How bytes move: framing, TCP, in-process, shared memory, UCX. Knows nothing of roles.
+
+Import this package to get every built-in scheme registered; ``ucx://`` is registered lazily and
+needs the ``ucx`` extra.
+"""
+
+from . import inproc, shm, tcp  # noqa: F401  (register schemes)
+from .base import (
+    AuthenticationError,
+    Connection,
+    ConnectionClosed,
+    Listener,
+    TransportError,
+    TransportOptions,
+    connect,
+    listen,
+    split_address,
+)
+from .frames import Blob, Frame, FrameError, Limits, decode_payload, encode_payload
+
+__all__ = [
+    "AuthenticationError",
+    "Blob",
+    "Connection",
+    "ConnectionClosed",
+    "Frame",
+    "FrameError",
+    "Limits",
+    "Listener",
+    "TransportError",
+    "TransportOptions",
+    "connect",
+    "decode_payload",
+    "encode_payload",
+    "listen",
+    "split_address",
+]

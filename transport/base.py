@@ -1,0 +1,243 @@
+"""One interface over every transport: a :class:`Connection` moves :class:`Frame` objects.
+
+``connect(address)`` and ``listen(address, handler)`` pick the transport from the address scheme
+(``tcp://``, ``inproc://``, ``shm://``, ``ucx://``) and run the same authentication handshake on
+all of them, so nothing above this module cares how bytes move and no endpoint is ever reached by a
+peer that has not proven it holds the cluster token.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import hashlib
+import hmac
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+
+from .frames import Frame, FrameError, Limits
+from .reader import Allocator, default_allocator
+
+
+class TransportError(ConnectionError):
+    """Base class of transport failures."""
+
+
+class ConnectionClosed(TransportError):
+    """The connection is closed; ``reason`` says why (peer went away, protocol error, ...)."""
+
+    def __init__(self, reason: str = "connection closed") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class AuthenticationError(TransportError):
+    """The handshake failed: wrong or missing cluster token, or not a Laminar peer."""
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """What every connection needs to know; shared by client and server sides."""
+
+    token: bytes
+    limits: Limits = field(default_factory=Limits)
+    handshake_timeout: float = 5.0
+    connect_timeout: float = 5.0
+    allocator: Allocator = default_allocator
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token, bytes) or len(self.token) < 16:
+            raise ValueError("the cluster token must be at least 16 bytes")
+
+    def with_allocator(self, allocator: Allocator) -> TransportOptions:
+        return replace(self, allocator=allocator)
+
+
+class Connection(abc.ABC):
+    """A bidirectional, ordered, reliable stream of frames.
+
+    ``send`` waits for flow control (so a fast sender cannot grow memory without bound), ``recv``
+    raises :class:`ConnectionClosed` once the peer is gone or the stream is broken. ``close`` is
+    idempotent and never raises.
+    """
+
+    def __init__(self, peer: str, limits: Limits, allocator: Allocator) -> None:
+        self.peer = peer
+        self.limits = limits
+        self.allocator = allocator
+        self.close_reason: str | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @property
+    def closed(self) -> bool:
+        return self.close_reason is not None
+
+    @abc.abstractmethod
+    async def send(self, frame: Frame) -> None: ...
+
+    @abc.abstractmethod
+    async def recv(self) -> Frame: ...
+
+    @abc.abstractmethod
+    def close(self, reason: str = "closed locally") -> None: ...
+
+    @abc.abstractmethod
+    async def wait_closed(self) -> None: ...
+
+
+class Listener(abc.ABC):
+    """A bound server endpoint. ``address`` is the address peers dial (ports resolved)."""
+
+    address: str
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+Handler = Callable[[Connection], Awaitable[None]]
+
+
+class Transport(abc.ABC):
+    """A way of moving frames, registered under an address scheme."""
+
+    scheme: str
+
+    @abc.abstractmethod
+    async def connect(self, rest: str, options: TransportOptions) -> Connection: ...
+
+    @abc.abstractmethod
+    async def listen(
+        self, rest: str, options: TransportOptions, on_connection: Handler
+    ) -> Listener:
+        """Serve ``rest``; ``on_connection`` runs once per accepted connection, as its own task."""
+
+
+_TRANSPORTS: dict[str, Callable[[], Transport]] = {}
+
+
+def register_transport(scheme: str, factory: Callable[[], Transport]) -> None:
+    _TRANSPORTS[scheme] = factory
+
+
+def split_address(address: str) -> tuple[str, str]:
+    scheme, sep, rest = address.partition("://")
+    if not sep or not rest:
+        raise ValueError(f"address {address!r} is not of the form scheme://location")
+    if scheme not in _TRANSPORTS:
+        known = ", ".join(sorted(_TRANSPORTS))
+        raise ValueError(f"unknown transport scheme {scheme!r} in {address!r} (known: {known})")
+    return scheme, rest
+
+
+def get_transport(address: str) -> tuple[Transport, str]:
+    scheme, rest = split_address(address)
+    return _TRANSPORTS[scheme](), rest
+
+
+# ----------------------------------------------------------------------------------------------
+# handshake: mutual HMAC challenge-response keyed by the cluster token
+
+K_HELLO, K_AUTH, K_WELCOME, K_REJECT = 1, 2, 3, 4
+_NONCE = 32
+
+
+def _mac(token: bytes, label: bytes, *parts: bytes) -> bytes:
+    return hmac.new(token, label + b"".join(parts), hashlib.sha256).digest()
+
+
+async def server_handshake(conn: Connection, options: TransportOptions) -> None:
+    """Prove the client holds the token before any frame reaches an endpoint.
+
+    Runs under :meth:`Limits.handshake` (a few KiB), so an unauthenticated peer cannot make the
+    server allocate anything large. Raises :class:`AuthenticationError` or ConnectionClosed.
+    """
+    nonce = os.urandom(_NONCE)
+    await conn.send(Frame({"k": K_HELLO, "nonce": nonce}))
+    reply = await conn.recv()
+    if reply.meta.get("k") != K_AUTH:
+        raise AuthenticationError(f"expected an auth frame, got kind {reply.meta.get('k')!r}")
+    cnonce, mac = reply.meta.get("cnonce"), reply.meta.get("mac")
+    if not isinstance(cnonce, bytes) or len(cnonce) != _NONCE or not isinstance(mac, bytes):
+        raise AuthenticationError("malformed auth frame")
+    if not hmac.compare_digest(mac, _mac(options.token, b"client", nonce, cnonce)):
+        await conn.send(Frame({"k": K_REJECT, "why": "bad cluster token"}))
+        raise AuthenticationError("client presented a wrong cluster token")
+    conn.limits = options.limits  # before WELCOME: the client may send session frames right after
+    await conn.send(Frame({"k": K_WELCOME, "mac": _mac(options.token, b"server", cnonce, nonce)}))
+
+
+async def client_handshake(conn: Connection, options: TransportOptions) -> None:
+    hello = await conn.recv()
+    nonce = hello.meta.get("nonce")
+    if hello.meta.get("k") != K_HELLO or not isinstance(nonce, bytes) or len(nonce) != _NONCE:
+        raise AuthenticationError("peer did not open with a Laminar hello")
+    cnonce = os.urandom(_NONCE)
+    await conn.send(
+        Frame({"k": K_AUTH, "cnonce": cnonce, "mac": _mac(options.token, b"client", nonce, cnonce)})
+    )
+    answer = await conn.recv()
+    if answer.meta.get("k") == K_REJECT:
+        raise AuthenticationError(f"server refused us: {answer.meta.get('why', 'no reason')}")
+    mac = answer.meta.get("mac")
+    if answer.meta.get("k") != K_WELCOME or not isinstance(mac, bytes):
+        raise AuthenticationError("malformed handshake answer")
+    if not hmac.compare_digest(mac, _mac(options.token, b"server", cnonce, nonce)):
+        raise AuthenticationError("server does not hold the cluster token")
+
+
+async def connect(address: str, options: TransportOptions) -> Connection:
+    """Dial ``address`` and authenticate; returns a connection ready for session frames."""
+    transport, rest = get_transport(address)
+    conn = await asyncio.wait_for(transport.connect(rest, options), options.connect_timeout)
+    try:
+        await asyncio.wait_for(client_handshake(conn, options), options.handshake_timeout)
+    except BaseException as exc:
+        conn.close(f"handshake failed: {exc!r}")
+        if isinstance(exc, (FrameError, TimeoutError)):
+            raise AuthenticationError(f"handshake with {address} failed: {exc}") from exc
+        raise
+    conn.limits = options.limits
+    return conn
+
+
+async def listen(address: str, options: TransportOptions, handler: Handler) -> Listener:
+    """Serve ``address``; ``handler`` gets each connection after it passed the handshake.
+
+    The handler owns the connection; when it returns the connection is closed. Connections that
+    fail the handshake are closed here and never reach the handler.
+    """
+    transport, rest = get_transport(address)
+
+    async def on_connection(conn: Connection) -> None:
+        try:
+            await asyncio.wait_for(server_handshake(conn, options), options.handshake_timeout)
+        except (TransportError, FrameError, TimeoutError) as exc:
+            conn.close(f"handshake failed: {exc}")
+            return
+        try:
+            await handler(conn)
+        finally:
+            conn.close("handler finished")
+
+    return await transport.listen(rest, options, on_connection)
+
+
+__all__ = [
+    "Allocator",
+    "AuthenticationError",
+    "Connection",
+    "ConnectionClosed",
+    "Handler",
+    "Listener",
+    "Transport",
+    "TransportError",
+    "TransportOptions",
+    "connect",
+    "default_allocator",
+    "get_transport",
+    "listen",
+    "register_transport",
+    "split_address",
+]

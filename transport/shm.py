@@ -1,0 +1,231 @@
+"""``shm://name``: frames over a Unix socket, large buffers through POSIX shared memory.
+
+For processes on one host (a relay serving its rollouts, a rollout handing sequences to a
+neighbour). Small frames travel on the socket as usual; every buffer of at least
+:data:`SHM_MIN_BYTES` travels as a descriptor of a ``/dev/shm`` segment instead, and the receiver
+gets a view of that segment: the bytes cross the process boundary without passing through a
+socket.
+
+Two ways a buffer becomes a segment:
+
+* **handed over** (any buffer): the sender copies it into a fresh segment and sends its name; the
+  receiver maps it and unlinks it at once, so the segment lives exactly as long as the receiver's
+  view. One memcpy in total.
+* **shared** (a :class:`SharedBuffer` the sender already owns, or a slice of one): only the name,
+  offset and length travel; the receiver maps the sender's segment read-only. Zero copies. This is
+  how a relay serves a weight version to many local rollouts. The owner must keep the segment alive
+  and unchanged while readers may map it (the relay keeps the last K versions for that reason).
+
+Receivers map only names of the form ``laminar-<32 hex>`` under ``/dev/shm`` and check sizes, so an
+authenticated but buggy peer cannot make us map arbitrary files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import tempfile
+import weakref
+from typing import Any
+
+import numpy as np
+
+from .base import Connection, Handler, Listener, Transport, TransportOptions, register_transport
+from .frames import Frame, FrameError, Limits
+from .reader import Allocator
+from .tcp import StreamConnection, StreamListener, protocol_factory
+
+SHM_DIR = "/dev/shm"
+SHM_MIN_BYTES = 1 << 20
+_NAME = re.compile(r"^laminar-[0-9a-f]{32}$")
+#: segments alive in this process that were created as SharedBuffers: id(mmap) -> SharedBuffer
+_SHARED: weakref.WeakValueDictionary[int, SharedBuffer] = weakref.WeakValueDictionary()
+
+
+class SharedBuffer:
+    """A named shared-memory segment owned by this process (unlinked on :meth:`close`).
+
+    ``view`` is a writable memoryview of the whole segment; fill it, then send it (or any slice of
+    it) in a frame over ``shm://`` and receivers map it without a copy.
+    """
+
+    def __init__(self, size: int, name: str | None = None) -> None:
+        if size <= 0:
+            raise ValueError("a shared buffer needs a positive size")
+        self.name = name or f"laminar-{secrets.token_hex(16)}"
+        self.size = size
+        path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._mmap)
+        self._address = np.frombuffer(self._mmap, dtype=np.uint8).ctypes.data
+        _SHARED[id(self._mmap)] = self
+        self._finalizer = weakref.finalize(self, _unlink, self.name)
+
+    def locate(self, view: memoryview) -> int | None:
+        """Offset of ``view`` inside this segment, or None if it does not lie inside it."""
+        start = np.frombuffer(view, dtype=np.uint8).ctypes.data if view.nbytes else -1
+        offset = start - self._address
+        return offset if 0 <= offset and offset + view.nbytes <= self.size else None
+
+    def close(self) -> None:
+        """Unlink the segment. Views already mapped (here or by readers) stay valid."""
+        self._finalizer()
+
+
+def _unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, name))
+
+
+def _shared_origin(view: memoryview) -> tuple[SharedBuffer, int] | None:
+    owner = _SHARED.get(id(view.obj))
+    if owner is None:
+        return None
+    offset = owner.locate(view)
+    return None if offset is None else (owner, offset)
+
+
+def map_segment(name: str, offset: int, size: int, *, owned: bool) -> memoryview:
+    """Map ``size`` bytes at ``offset`` of segment ``name``; unlink it first if ``owned``."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise FrameError(f"refusing to map shared-memory segment {name!r}")
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDWR if owned else os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise FrameError(f"shared-memory segment {name} is gone") from exc
+    try:
+        if owned:
+            os.unlink(path)
+        total = os.fstat(fd).st_size
+        if offset < 0 or size < 0 or offset + size > total:
+            raise FrameError(f"segment {name} has {total} bytes, frame wants {offset}+{size}")
+        if size == 0:
+            return memoryview(b"")
+        access = mmap.ACCESS_WRITE if owned else mmap.ACCESS_READ
+        mapped = mmap.mmap(fd, total, access=access)
+    finally:
+        os.close(fd)
+    return memoryview(mapped)[offset : offset + size]
+
+
+class ShmConnection(StreamConnection):
+    """A stream connection that moves large buffers through shared memory."""
+
+    def __init__(self, peer: str, limits: Limits, allocator: Allocator) -> None:
+        super().__init__(peer, limits, allocator)
+        self._handed: set[str] = set()  # segments we created that the peer may not have mapped
+
+    async def send(self, frame: Frame) -> None:
+        segments: list[list[Any]] = []
+        buffers: list[memoryview] = []
+        for index, buf in enumerate(frame.buffers):
+            if buf.nbytes < SHM_MIN_BYTES:
+                buffers.append(buf)
+                continue
+            origin = _shared_origin(buf)
+            if origin is not None:
+                owner, offset = origin
+                segments.append([index, owner.name, offset, buf.nbytes, False])
+            else:
+                segments.append([index, self._hand_over(buf), 0, buf.nbytes, True])
+            buffers.append(memoryview(b""))
+        if segments:
+            frame = Frame({**frame.meta, "shm": segments}, frame.payload, buffers)
+        await super().send(frame)
+
+    def _hand_over(self, buf: memoryview) -> str:
+        segment = SharedBuffer(buf.nbytes)
+        segment.view[:] = buf.cast("B") if buf.format != "B" else buf
+        segment._finalizer.detach()  # the receiver unlinks it; we only clean up if it never does
+        self._handed.add(segment.name)
+        if len(self._handed) > 64:
+            self._handed = {n for n in self._handed if os.path.exists(os.path.join(SHM_DIR, n))}
+        return segment.name
+
+    def deliver(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            segments = frame.meta.pop("shm", None)
+            if segments is None:
+                continue
+            if not isinstance(segments, list):
+                raise FrameError("meta 'shm' must be a list")
+            for entry in segments:
+                if not (isinstance(entry, list) and len(entry) == 5):
+                    raise FrameError(f"bad shared-memory descriptor {entry!r}")
+                index, name, offset, size, owned = entry
+                if not isinstance(index, int) or not 0 <= index < len(frame.buffers):
+                    raise FrameError(f"shared-memory descriptor names buffer {index!r}")
+                if size > self.limits.max_frame_bytes:
+                    raise FrameError(f"shared buffer of {size} bytes over the frame limit")
+                frame.buffers[index] = map_segment(name, offset, size, owned=bool(owned))
+        super().deliver(frames)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for name in self._handed:  # segments the peer never took: do not leak them
+            _unlink(name)
+        self._handed.clear()
+        super().connection_lost(exc)
+
+
+def _socket_path(name: str) -> str:
+    directory = os.environ.get("LAMINAR_RUNTIME_DIR") or os.path.join(
+        tempfile.gettempdir(), f"laminar-{os.getuid()}"
+    )
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    return os.path.join(directory, f"{name}.sock")
+
+
+class ShmTransport(Transport):
+    scheme = "shm"
+
+    async def connect(self, rest: str, options: TransportOptions) -> Connection:
+        import asyncio
+
+        path = _socket_path(rest)
+        _, conn = await asyncio.get_running_loop().create_unix_connection(
+            lambda: ShmConnection(f"shm://{rest}", Limits.handshake(), options.allocator), path
+        )
+        return conn
+
+    async def listen(
+        self, rest: str, options: TransportOptions, on_connection: Handler
+    ) -> Listener:
+        import asyncio
+
+        name = rest if rest not in ("", "*") else f"auto-{os.getpid()}-{secrets.token_hex(4)}"
+        path = _socket_path(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a stale socket from a dead process
+        box: list[StreamListener] = []
+        server = await asyncio.get_running_loop().create_unix_server(
+            protocol_factory(options, box, on_connection, f"shm://{name}", ShmConnection), path
+        )
+        os.chmod(path, 0o600)
+        box.append(_ShmListener(server, f"shm://{name}", path))
+        return box[0]
+
+
+class _ShmListener(StreamListener):
+    def __init__(self, server: Any, address: str, path: str) -> None:
+        super().__init__(server, address)
+        self._path = path
+
+    async def close(self) -> None:
+        await super().close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+
+
+register_transport("shm", ShmTransport)

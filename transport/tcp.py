@@ -1,0 +1,262 @@
+"""``tcp://host:port`` (and Unix-domain sockets, used by ``shm://``) over asyncio protocols.
+
+Receiving uses ``asyncio.BufferedProtocol`` with :class:`FrameReader`, so large buffers are read
+straight into their destination memory (``recv_into``), several times faster than
+``StreamReader``. Sending hands the head and each buffer to the transport without joining them:
+uvloop writes a memoryview without copying it, so a sender must not modify a buffer until ``send``
+has returned *and* the peer has acknowledged it (the RPC reply does that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections import deque
+from typing import Any
+
+import structlog
+
+from .base import (
+    Connection,
+    ConnectionClosed,
+    Handler,
+    Listener,
+    Transport,
+    TransportOptions,
+    register_transport,
+)
+from .frames import Frame, FrameError, Limits, encode_head
+from .reader import Allocator, FrameReader
+
+log = structlog.get_logger("laminar.transport")
+
+_WRITE_HIGH_WATER = 8 << 20
+_MAX_QUEUED_FRAMES = 256  # frames parsed but not yet taken by recv(); beyond this stop reading
+
+
+class StreamConnection(Connection, asyncio.BufferedProtocol):
+    """A Connection that is also the asyncio protocol of its socket."""
+
+    def __init__(self, peer: str, limits: Limits, allocator: Allocator) -> None:
+        Connection.__init__(self, peer, limits, allocator)
+        self._reader = FrameReader(limits, allocator)
+        self._transport: asyncio.Transport | None = None
+        self._frames: deque[Frame] = deque()
+        self._recv_waiter: asyncio.Future[None] | None = None
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._closed = asyncio.get_running_loop().create_future()
+        self._reading_paused = False
+
+    # -- Connection --
+
+    async def send(self, frame: Frame) -> None:
+        if self.close_reason is not None or self._transport is None:
+            raise ConnectionClosed(self.close_reason or "not connected")
+        head = encode_head(frame)
+        self._transport.write(head)
+        for buf in frame.buffers:
+            if buf.nbytes:
+                self._transport.write(buf)
+        self.bytes_sent += len(head) + sum(b.nbytes for b in frame.buffers)
+        if self._drain_waiter is not None:
+            await asyncio.shield(self._drain_waiter)
+            if self.close_reason is not None:
+                raise ConnectionClosed(self.close_reason)
+
+    async def recv(self) -> Frame:
+        while not self._frames:
+            if self.close_reason is not None:
+                raise ConnectionClosed(self.close_reason)
+            self._recv_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._recv_waiter
+            finally:
+                self._recv_waiter = None
+        frame = self._frames.popleft()
+        if self._reading_paused and len(self._frames) < _MAX_QUEUED_FRAMES // 2:
+            self._reading_paused = False
+            if self._transport is not None and self.close_reason is None:
+                self._transport.resume_reading()
+        return frame
+
+    def close(self, reason: str = "closed locally") -> None:
+        if self.close_reason is None:
+            self.close_reason = reason
+        if self._transport is not None:
+            self._transport.close()
+        else:
+            self._finish()
+        self._wake()
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)
+
+    # -- limits can be raised after the handshake --
+
+    @property  # type: ignore[override]
+    def limits(self) -> Limits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, value: Limits) -> None:
+        self._limits = value
+        if hasattr(self, "_reader"):
+            self._reader.limits = value
+
+    # -- asyncio protocol --
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self._transport = transport  # type: ignore[assignment]
+        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        try:
+            frames = self._reader.buffer_updated(nbytes)
+            if frames:
+                self.deliver(frames)
+        except FrameError as exc:
+            log.warning("closing connection: malformed input", peer=self.peer, error=str(exc))
+            self.close(f"protocol error: {exc}")
+
+    def deliver(self, frames: list[Frame]) -> None:
+        """Queue parsed frames for recv(); subclasses may transform them (FrameError closes)."""
+        self._frames.extend(frames)
+        self._wake()
+        if len(self._frames) >= _MAX_QUEUED_FRAMES and not self._reading_paused:
+            self._reading_paused = True
+            assert self._transport is not None
+            self._transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        if self.close_reason is None:
+            self.close_reason = (
+                "peer closed the connection"
+                if self._reader.idle
+                else "peer closed the connection in the middle of a frame"
+            )
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.close_reason is None:
+            self.close_reason = f"connection lost: {exc}" if exc else "peer closed the connection"
+        self._finish()
+        self._wake()
+
+    def pause_writing(self) -> None:
+        if self._drain_waiter is None:
+            self._drain_waiter = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        waiter, self._drain_waiter = self._drain_waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- internals --
+
+    def _wake(self) -> None:
+        waiter = self._recv_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _finish(self) -> None:
+        if not self._closed.done():
+            self._closed.set_result(None)
+        self.resume_writing()
+
+
+class StreamListener(Listener):
+    def __init__(self, server: asyncio.Server, address: str) -> None:
+        self._server = server
+        self.address = address
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def close(self) -> None:
+        self._server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        if self._handlers:
+            await asyncio.gather(*self._handlers, return_exceptions=True)
+        await self._server.wait_closed()
+
+
+def protocol_factory(
+    options: TransportOptions,
+    listener_box: list[StreamListener],
+    handler: Handler,
+    label: str,
+    cls: type[StreamConnection] = StreamConnection,
+) -> Any:
+    """Server-side factory: each accepted connection gets a handler task on the listener."""
+
+    def factory() -> StreamConnection:
+        conn = cls(label, Limits.handshake(), options.allocator)
+        listener = listener_box[0]
+
+        async def serve() -> None:
+            # connection_made has run by the time this task starts
+            transport = conn._transport
+            if transport is not None:
+                peer = transport.get_extra_info("peername")
+                if isinstance(peer, tuple):
+                    conn.peer = f"tcp://{peer[0]}:{peer[1]}"
+            try:
+                await handler(conn)
+            finally:
+                conn.close("server side finished")
+
+        listener.track(asyncio.get_running_loop().create_task(serve()))
+        return conn
+
+    return factory
+
+
+class TcpTransport(Transport):
+    scheme = "tcp"
+
+    @staticmethod
+    def parse(rest: str) -> tuple[str, int]:
+        host, sep, port = rest.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"tcp address needs host:port, got {rest!r}")
+        return host.strip("[]") or "127.0.0.1", int(port)
+
+    async def connect(self, rest: str, options: TransportOptions) -> Connection:
+        host, port = self.parse(rest)
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(
+            lambda: StreamConnection(f"tcp://{host}:{port}", Limits.handshake(), options.allocator),
+            host,
+            port,
+        )
+        return conn
+
+    async def listen(
+        self, rest: str, options: TransportOptions, on_connection: Handler
+    ) -> Listener:
+        host, port = self.parse(rest)
+        box: list[StreamListener] = []
+        server = await asyncio.get_running_loop().create_server(
+            protocol_factory(options, box, on_connection, "tcp"), host, port, reuse_address=True
+        )
+        bound = server.sockets[0].getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        box.append(StreamListener(server, f"tcp://{shown}:{bound[1]}"))
+        return box[0]
+
+
+register_transport("tcp", TcpTransport)
