@@ -131,8 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--instance", help="instance id (default: ROLE-HOST-PID)")
     serve.add_argument("--section", help="config section of this role (default: the role name)")
     serve.add_argument("--bind", help="RPC listen address, e.g. tcp://0.0.0.0:7420")
-    serve.add_argument("--standalone", action="store_true",
-                       help="serve without joining a manager (tests, debugging)")
+    serve.add_argument(
+        "--standalone",
+        action="store_true",
+        help="serve without joining a manager (tests, debugging)",
+    )
     common(serve)
     serve.set_defaults(fn=cmd_serve)
 

@@ -17,21 +17,6 @@ from .endpoint import endpoint, stream
 MemberState = Literal["alive", "dead", "left"]
 
 
-class Member(BaseModel):
-    instance: str
-    role: str
-    address: str
-    metrics: str | None = None
-    host: str = ""
-    pid: int = 0
-    state: MemberState = "alive"
-    reason: str = ""
-    joined_at: float = 0.0  # wall clock of the manager
-    last_seen: float = 0.0  # wall clock of the manager
-    incarnation: int = 1  # bumps each time the same instance id joins again (a restart)
-    stats: dict[str, float] = Field(default_factory=dict)
-
-
 class JoinRequest(BaseModel):
     instance: str
     role: str
@@ -39,6 +24,17 @@ class JoinRequest(BaseModel):
     metrics: str | None = None
     host: str = ""
     pid: int = 0
+
+
+class Member(JoinRequest):
+    """A joined service as the manager sees it."""
+
+    state: MemberState = "alive"
+    reason: str = ""
+    joined_at: float = 0.0  # wall clock of the manager
+    last_seen: float = 0.0  # wall clock of the manager
+    incarnation: int = 1  # bumps each time the same instance id joins again (a restart)
+    stats: dict[str, float] = Field(default_factory=dict)
 
 
 class JoinReply(BaseModel):

@@ -243,9 +243,15 @@ class RpcServer:
         self, conn: Connection, spec: EndpointSpec, call_id: int, items: AsyncIterator[Any]
     ) -> None:
         try:
+            sent = 0
             async for item in items:
                 payload, buffers = _encode(self._checked(spec, item))
                 await conn.send(Frame({"k": K_ITEM, "i": call_id}, payload, buffers))
+                sent += 1
+                if sent % 16 == 0:
+                    # A generator that never awaits would otherwise hold the loop until it ends:
+                    # no CANCEL could be read, no heartbeat answered.
+                    await asyncio.sleep(0)
         finally:
             await items.aclose()  # type: ignore[attr-defined]
         await conn.send(Frame({"k": K_END, "i": call_id}))

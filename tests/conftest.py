@@ -6,7 +6,7 @@ import os
 import pytest
 
 import laminar.transport  # noqa: F401  (registers the schemes)
-from laminar.config import ClusterConfig, ServiceConfig
+from laminar.config import ClusterConfig
 from laminar.service import ServiceContext, ServiceHost, transport_options
 from tests.support.procs import TOKEN
 
@@ -30,8 +30,13 @@ async def serve(cluster, options):  # type: ignore[no-untyped-def]
 
     async def start(cls, bind="tcp://127.0.0.1:0", *, instance=None, manager=None, config=None):
         cfg = config or cls.config_model(bind=bind, metrics=None)
-        ctx = ServiceContext(role=cls.role, instance=instance or f"{cls.role}-{len(hosts)}",
-                             cluster=cluster, config=cfg, options=options)
+        ctx = ServiceContext(
+            role=cls.role,
+            instance=instance or f"{cls.role}-{len(hosts)}",
+            cluster=cluster,
+            config=cfg,
+            options=options,
+        )
         host = ServiceHost(cls, ctx, manager=manager)
         task = asyncio.create_task(host.run())
         hosts.append((host, task))

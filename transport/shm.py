@@ -1,22 +1,18 @@
-"""``shm://name``: frames over a Unix socket, large buffers through POSIX shared memory.
+"""``shm://name``: frames over a Unix socket; shared-memory buffers move by reference.
 
-For processes on one host (a relay serving its rollouts, a rollout handing sequences to a
-neighbour). Small frames travel on the socket as usual; every buffer of at least
-:data:`SHM_MIN_BYTES` travels as a descriptor of a ``/dev/shm`` segment instead, and the receiver
-gets a view of that segment: the bytes cross the process boundary without passing through a
-socket.
+For processes on one host (a relay serving a weight version to its local rollouts). A buffer that
+lies inside a :class:`SharedBuffer` the sender owns travels as a descriptor (segment name, offset,
+length); the receiver maps the segment read-only and gets a view of it: zero copies, whatever the
+size. Every other buffer goes inline over the Unix socket like on ``tcp://``.
 
-Two ways a buffer becomes a segment:
+Why not copy ordinary buffers into fresh segments: on this kind of machine a new tmpfs segment
+costs page allocation (measured ~1.5 GB/s for 256 MiB), slower than the socket itself (~3 GB/s),
+so that "shared memory" path would lose. Producers that want zero-copy write into a SharedBuffer
+from the start (``SharedBuffer(n).view``), which is what the relay does.
 
-* **handed over** (any buffer): the sender copies it into a fresh segment and sends its name; the
-  receiver maps it and unlinks it at once, so the segment lives exactly as long as the receiver's
-  view. One memcpy in total.
-* **shared** (a :class:`SharedBuffer` the sender already owns, or a slice of one): only the name,
-  offset and length travel; the receiver maps the sender's segment read-only. Zero copies. This is
-  how a relay serves a weight version to many local rollouts. The owner must keep the segment alive
-  and unchanged while readers may map it (the relay keeps the last K versions for that reason).
-
-Receivers map only names of the form ``laminar-<32 hex>`` under ``/dev/shm`` and check sizes, so an
+The owner keeps a segment alive and unchanged while readers may map it (the relay keeps the last K
+versions for that reason); readers' existing mappings survive ``close()`` (unlink). Receivers map
+only names of the form ``laminar-<32 hex>`` under ``/dev/shm`` and check bounds, so an
 authenticated but buggy peer cannot make us map arbitrary files.
 """
 
@@ -35,11 +31,10 @@ import numpy as np
 
 from .base import Connection, Handler, Listener, Transport, TransportOptions, register_transport
 from .frames import Frame, FrameError, Limits
-from .reader import Allocator
 from .tcp import StreamConnection, StreamListener, protocol_factory
 
 SHM_DIR = "/dev/shm"
-SHM_MIN_BYTES = 1 << 20
+SHM_MIN_BYTES = 64 << 10  # smaller shared slices go inline: a mapping costs more
 _NAME = re.compile(r"^laminar-[0-9a-f]{32}$")
 #: segments alive in this process that were created as SharedBuffers: id(mmap) -> SharedBuffer
 _SHARED: weakref.WeakValueDictionary[int, SharedBuffer] = weakref.WeakValueDictionary()
@@ -96,63 +91,43 @@ def _shared_origin(view: memoryview) -> tuple[SharedBuffer, int] | None:
     return None if offset is None else (owner, offset)
 
 
-def map_segment(name: str, offset: int, size: int, *, owned: bool) -> memoryview:
-    """Map ``size`` bytes at ``offset`` of segment ``name``; unlink it first if ``owned``."""
+def map_segment(name: str, offset: int, size: int) -> memoryview:
+    """Map ``size`` bytes at ``offset`` of segment ``name`` read-only."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise FrameError(f"refusing to map shared-memory segment {name!r}")
-    path = os.path.join(SHM_DIR, name)
+    if not all(isinstance(v, int) for v in (offset, size)):
+        raise FrameError("shared-memory offset and size must be integers")
     try:
-        fd = os.open(path, os.O_RDWR if owned else os.O_RDONLY)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except FileNotFoundError as exc:
         raise FrameError(f"shared-memory segment {name} is gone") from exc
     try:
-        if owned:
-            os.unlink(path)
         total = os.fstat(fd).st_size
         if offset < 0 or size < 0 or offset + size > total:
             raise FrameError(f"segment {name} has {total} bytes, frame wants {offset}+{size}")
         if size == 0:
             return memoryview(b"")
-        access = mmap.ACCESS_WRITE if owned else mmap.ACCESS_READ
-        mapped = mmap.mmap(fd, total, access=access)
+        mapped = mmap.mmap(fd, total, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
     return memoryview(mapped)[offset : offset + size]
 
 
 class ShmConnection(StreamConnection):
-    """A stream connection that moves large buffers through shared memory."""
-
-    def __init__(self, peer: str, limits: Limits, allocator: Allocator) -> None:
-        super().__init__(peer, limits, allocator)
-        self._handed: set[str] = set()  # segments we created that the peer may not have mapped
+    """A stream connection that sends SharedBuffer slices as descriptors."""
 
     async def send(self, frame: Frame) -> None:
         segments: list[list[Any]] = []
-        buffers: list[memoryview] = []
-        for index, buf in enumerate(frame.buffers):
-            if buf.nbytes < SHM_MIN_BYTES:
-                buffers.append(buf)
-                continue
-            origin = _shared_origin(buf)
+        buffers = list(frame.buffers)
+        for index, buf in enumerate(buffers):
+            origin = _shared_origin(buf) if buf.nbytes >= SHM_MIN_BYTES else None
             if origin is not None:
                 owner, offset = origin
-                segments.append([index, owner.name, offset, buf.nbytes, False])
-            else:
-                segments.append([index, self._hand_over(buf), 0, buf.nbytes, True])
-            buffers.append(memoryview(b""))
+                segments.append([index, owner.name, offset, buf.nbytes])
+                buffers[index] = memoryview(b"")
         if segments:
             frame = Frame({**frame.meta, "shm": segments}, frame.payload, buffers)
         await super().send(frame)
-
-    def _hand_over(self, buf: memoryview) -> str:
-        segment = SharedBuffer(buf.nbytes)
-        segment.view[:] = buf.cast("B") if buf.format != "B" else buf
-        segment._finalizer.detach()  # the receiver unlinks it; we only clean up if it never does
-        self._handed.add(segment.name)
-        if len(self._handed) > 64:
-            self._handed = {n for n in self._handed if os.path.exists(os.path.join(SHM_DIR, n))}
-        return segment.name
 
     def deliver(self, frames: list[Frame]) -> None:
         for frame in frames:
@@ -162,21 +137,15 @@ class ShmConnection(StreamConnection):
             if not isinstance(segments, list):
                 raise FrameError("meta 'shm' must be a list")
             for entry in segments:
-                if not (isinstance(entry, list) and len(entry) == 5):
+                if not (isinstance(entry, list) and len(entry) == 4):
                     raise FrameError(f"bad shared-memory descriptor {entry!r}")
-                index, name, offset, size, owned = entry
+                index, name, offset, size = entry
                 if not isinstance(index, int) or not 0 <= index < len(frame.buffers):
                     raise FrameError(f"shared-memory descriptor names buffer {index!r}")
-                if size > self.limits.max_frame_bytes:
-                    raise FrameError(f"shared buffer of {size} bytes over the frame limit")
-                frame.buffers[index] = map_segment(name, offset, size, owned=bool(owned))
+                if not isinstance(size, int) or size > self.limits.max_frame_bytes:
+                    raise FrameError(f"shared buffer of {size!r} bytes over the frame limit")
+                frame.buffers[index] = map_segment(name, offset, size)
         super().deliver(frames)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        for name in self._handed:  # segments the peer never took: do not leak them
-            _unlink(name)
-        self._handed.clear()
-        super().connection_lost(exc)
 
 
 def _socket_path(name: str) -> str:

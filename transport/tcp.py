@@ -109,6 +109,9 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it
         self._transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and self.peer == "tcp":  # server side: name the client
+            self.peer = f"tcp://{peer[0]}:{peer[1]}"
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -208,12 +211,6 @@ def protocol_factory(
         listener = listener_box[0]
 
         async def serve() -> None:
-            # connection_made has run by the time this task starts
-            transport = conn._transport
-            if transport is not None:
-                peer = transport.get_extra_info("peername")
-                if isinstance(peer, tuple):
-                    conn.peer = f"tcp://{peer[0]}:{peer[1]}"
             try:
                 await handler(conn)
             finally:

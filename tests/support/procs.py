@@ -28,11 +28,18 @@ def laminar(*args: str) -> list[str]:
     return [sys.executable, "-m", "laminar", *args]
 
 
-def start(args: list[str], *, timeout: float = 30.0, environ: dict[str, str] | None = None
-          ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+def start(
+    args: list[str], *, timeout: float = 30.0, environ: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """Start a process and wait for its ready line; kills it and raises if it never comes."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=environ or env(), cwd=ROOT)
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environ or env(),
+        cwd=ROOT,
+    )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     sel = selectors.DefaultSelector()
@@ -49,7 +56,7 @@ def start(args: list[str], *, timeout: float = 30.0, environ: dict[str, str] | N
         seen.append(line)
         if line.startswith(READY_PREFIX):
             sel.close()
-            return proc, json.loads(line[len(READY_PREFIX):])
+            return proc, json.loads(line[len(READY_PREFIX) :])
     proc.kill()
     _, err = proc.communicate(timeout=10)
     raise RuntimeError(f"{args} never became ready:\n{''.join(seen)}\n{err}")

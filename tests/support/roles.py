@@ -91,10 +91,14 @@ class Calculator(Service):
 
     @endpoint
     async def history(self) -> Tags:
-        return Tags(tags=[*(f"started:{t}" for t in self.started),
-                          *(f"cancelled:{t}" for t in self.cancelled),
-                          *(f"finished:{t}" for t in self.finished),
-                          *(f"note:{t}" for t in self.notes)])
+        return Tags(
+            tags=[
+                *(f"started:{t}" for t in self.started),
+                *(f"cancelled:{t}" for t in self.cancelled),
+                *(f"finished:{t}" for t in self.finished),
+                *(f"note:{t}" for t in self.notes),
+            ]
+        )
 
     @stream
     async def count(self, req: Upto) -> AsyncIterator[Item]:

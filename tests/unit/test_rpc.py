@@ -138,8 +138,9 @@ async def test_blobs_travel_out_of_band(calc) -> None:  # type: ignore[no-untype
     proxy, _ = calc
     big = np.arange(3 << 20, dtype=np.uint8)
     small = b"tiny"
-    digest = await proxy.digest.call(Payload(name="w", data=Blob(big), extra=[Blob(small),
-                                                                               Blob(b"")]))
+    digest = await proxy.digest.call(
+        Payload(name="w", data=Blob(big), extra=[Blob(small), Blob(b"")])
+    )
     expected = 0
     for buf in (memoryview(big), memoryview(small), memoryview(b"")):
         expected = (expected * 31 + sum(buf[::4096])) % (1 << 61)

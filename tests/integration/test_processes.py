@@ -1,0 +1,236 @@
+"""Real processes, real signals: what happens when a role is killed with -9."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from laminar.config import ClusterConfig
+from laminar.errors import PeerUnavailable
+from laminar.rpc import RpcClient, remote
+from laminar.service import transport_options
+from laminar.status import fetch_status
+from tests.support.procs import ROOT, SUPPORT_ROLES, TOKEN, env, laminar, start, stop
+from tests.support.roles import Calculator, Pair, Sleep
+
+pytestmark = pytest.mark.integration
+
+
+async def test_server_killed_fails_pending_calls_within_1s() -> None:
+    proc, info = start(
+        laminar(
+            "serve",
+            "--role",
+            f"{SUPPORT_ROLES}:Calculator",
+            "--standalone",
+            "--set",
+            "calculator.metrics=null",
+        )
+    )
+    client = RpcClient(info["address"], transport_options(ClusterConfig(), TOKEN.encode()))
+    try:
+        proxy = remote(Calculator, client)
+        assert (await proxy.add.call(Pair(a=1, b=2))).value == 3
+        pending = [
+            asyncio.create_task(proxy.sleep.call(Sleep(seconds=60, tag=str(i)))) for i in range(5)
+        ]
+        await asyncio.sleep(0.2)  # the calls are running on the server
+        assert not any(t.done() for t in pending)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        os.kill(proc.pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 5)
+        elapsed = loop.time() - t0
+        assert all(isinstance(r, PeerUnavailable) for r in results), results
+        assert elapsed < 1.0, f"pending calls failed only after {elapsed:.2f} s"
+    finally:
+        await client.close()
+        stop(proc)
+
+
+def _status(manager: str) -> dict:
+    out = subprocess.run(
+        laminar("status", "--join", manager, "--json", "--timeout", "2"),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    return {m["instance"]: m for m in json.loads(out.stdout)["members"]}
+
+
+def _status_until(manager: str, done, timeout: float) -> tuple[dict, float]:  # type: ignore[no-untyped-def]
+    """Poll `laminar status` until done(view); returns the last view and the seconds it took."""
+    start = time.monotonic()
+    view = _status(manager)
+    while not done(view) and time.monotonic() - start < timeout:
+        time.sleep(0.05)
+        view = _status(manager)
+    return view, time.monotonic() - start
+
+
+def test_member_killed_shows_dead_in_status_within_heartbeat_timeout() -> None:
+    timing = [
+        "--set",
+        "cluster.heartbeat_interval_s=0.2",
+        "--set",
+        "cluster.heartbeat_timeout_s=1.0",
+    ]
+    manager, minfo = start(
+        laminar("serve", "--role", "manager", "--set", "manager.bind=tcp://127.0.0.1:0", *timing)
+    )
+    members = []
+    try:
+        for i in range(2):
+            members.append(
+                start(
+                    laminar(
+                        "serve",
+                        "--role",
+                        f"{SUPPORT_ROLES}:Calculator",
+                        "--join",
+                        minfo["address"],
+                        "--instance",
+                        f"calc-{i}",
+                        *timing,
+                    )
+                )[0]
+            )
+        view, _ = _status_until(
+            minfo["address"],
+            lambda v: all(v.get(f"calc-{i}", {}).get("state") == "alive" for i in range(2)),
+            10,
+        )
+        assert view["calc-0"]["pid"] == members[0].pid
+        assert view["calc-0"]["metrics"]  # every role exports Prometheus metrics
+        os.kill(members[0].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        noticed = None
+        while time.monotonic() - killed_at < 5:  # a fast in-process poll times the detection
+            fast = asyncio.run(fetch_status(minfo["address"], TOKEN.encode(), ClusterConfig()))
+            if {m.instance: m.state for m in fast.members}["calc-0"] == "dead":
+                noticed = time.monotonic() - killed_at
+                break
+            time.sleep(0.01)
+        assert noticed is not None and noticed < 1.0, f"noticed after {noticed} s"
+        view = _status(minfo["address"])  # and `laminar status` shows it
+        assert view["calc-0"]["state"] == "dead", view
+        assert view["calc-1"]["state"] == "alive"
+        # A hung member (SIGSTOP: its socket stays open) is caught by the heartbeat timeout.
+        os.kill(members[1].pid, signal.SIGSTOP)
+        view, _ = _status_until(minfo["address"], lambda v: v["calc-1"]["state"] == "dead", 5)
+        assert view["calc-1"]["state"] == "dead" and "no heartbeat" in view["calc-1"]["reason"]
+        os.kill(members[1].pid, signal.SIGCONT)  # it heartbeats again and is revived
+        view, _ = _status_until(minfo["address"], lambda v: v["calc-1"]["state"] == "alive", 5)
+        assert view["calc-1"]["state"] == "alive"
+    finally:
+        for proc in members:
+            stop(proc)
+        stop(manager)
+
+
+def test_status_without_token_is_refused() -> None:
+    manager, minfo = start(
+        laminar("serve", "--role", "manager", "--set", "manager.bind=tcp://127.0.0.1:0")
+    )
+    try:
+        bad = env(LAMINAR_TOKEN="not-the-cluster-token")
+        out = subprocess.run(
+            laminar("status", "--join", minfo["address"], "--timeout", "2"),
+            capture_output=True,
+            text=True,
+            env=bad,
+            cwd=ROOT,
+            timeout=30,
+        )
+        assert out.returncode == 2 and "bad cluster token" in out.stderr
+        missing = {k: v for k, v in env().items() if k != "LAMINAR_TOKEN"}
+        out = subprocess.run(
+            laminar("status", "--join", minfo["address"], "--run-dir", "/nonexistent"),
+            capture_output=True,
+            text=True,
+            env=missing,
+            cwd=ROOT,
+            timeout=30,
+        )
+        assert out.returncode == 2 and "LAMINAR_TOKEN" in out.stderr
+    finally:
+        stop(manager)
+
+
+def test_laminar_run_restarts_a_killed_member_and_stops_cleanly(tmp_path) -> None:
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"""
+cluster: {{heartbeat_interval_s: 0.2, heartbeat_timeout_s: 1.0}}
+manager: {{bind: "tcp://127.0.0.1:0"}}
+run:
+  run_dir: {tmp_path / "run"}
+  view_interval_s: 0.2
+  roles:
+    - role: manager
+    - role: {SUPPORT_ROLES}:Calculator
+      count: 2
+      restart: on-failure
+      max_restarts: 2
+""")
+    sup = subprocess.Popen(
+        laminar("run", str(config)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        cluster_file = tmp_path / "run" / "cluster.json"
+        deadline = time.monotonic() + 30
+        while not cluster_file.is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        manager = json.loads(cluster_file.read_text())["manager"]
+        view, _ = _status_until(
+            manager, lambda v: sum(m["state"] == "alive" for m in v.values()) == 3, 30
+        )
+        assert sum(m["state"] == "alive" for m in view.values()) == 3, view
+        victim = view["calculator-0"]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        view, _ = _status_until(
+            manager,
+            lambda v: (
+                v["calculator-0"]["state"] == "alive" and v["calculator-0"]["incarnation"] == 2
+            ),
+            20,
+        )
+        assert view["calculator-0"]["incarnation"] == 2 and view["calculator-0"]["pid"] != victim
+        assert view["calculator-0"]["state"] == "alive"
+        sup.send_signal(signal.SIGINT)  # what Ctrl-C does
+        out, _ = sup.communicate(timeout=30)
+        assert sup.returncode == 0, out
+        assert "restarting (1/2)" in out and "all roles stopped" in out
+        assert "left" in out  # members left the manager cleanly before it stopped
+        for m in view.values():
+            with pytest.raises(ProcessLookupError):
+                os.kill(m["pid"], 0)  # no orphan left behind
+    finally:
+        if sup.poll() is None:
+            os.killpg(sup.pid, signal.SIGKILL)
+            sup.communicate(timeout=10)
+
+
+def test_bad_config_names_key_value_and_expectation(tmp_path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("cluster:\n  heartbeat_timeout_s: soon\n  heartbeet: 1\n")
+    out = subprocess.run(
+        laminar("run", str(config)), capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30
+    )
+    assert out.returncode == 2
+    assert "cluster.heartbeat_timeout_s = 'soon'" in out.stderr and "number" in out.stderr
+    assert "cluster.heartbeet: unknown key" in out.stderr

@@ -1,0 +1,63 @@
+"""Shared-memory specifics: SharedBuffer slices are mapped without a copy, ordinary buffers go
+inline, and descriptors naming foreign files are refused."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from laminar.transport import Frame, FrameError, TransportOptions, connect, listen
+from laminar.transport.shm import SHM_DIR, SharedBuffer, map_segment
+
+OPTIONS = TransportOptions(token=b"s" * 32)
+
+
+async def test_shared_buffer_is_mapped_not_copied_and_plain_buffers_go_inline() -> None:
+    received: list[Frame] = []
+    before = set(os.listdir(SHM_DIR))
+
+    async def handler(conn):  # type: ignore[no-untyped-def]
+        received.append(await conn.recv())
+        received.append(await conn.recv())
+        await conn.send(Frame({"k": "ok"}))
+        await conn.recv()
+
+    listener = await listen("shm://*", OPTIONS, handler)
+    conn = await connect(listener.address, OPTIONS)
+    shared = SharedBuffer(4 << 20)
+    np.frombuffer(shared.view, dtype=np.uint8)[:] = 7
+    plain = np.full(2 << 20, 9, dtype=np.uint8)
+    await conn.send(Frame({"k": 1}, b"", [shared.view[1 << 20 :]]))
+    await conn.send(Frame({"k": 2}, b"", [memoryview(plain)]))
+    assert (await conn.recv()).meta == {"k": "ok"}
+    shared_view, handed_view = received[0].buffers[0], received[1].buffers[0]
+    assert shared_view.nbytes == 3 << 20 and set(bytes(shared_view[:100])) == {7}
+    assert handed_view.nbytes == 2 << 20 and set(bytes(handed_view[-100:])) == {9}
+    # the sender writes into its shared segment: the receiver's mapping sees it (no copy was made)
+    shared.view[1 << 20] = 42
+    assert shared_view[0] == 42
+    # the plain buffer arrived as a private copy; the only segment is the sender's own
+    plain[:] = 1
+    assert handed_view[0] == 9
+    assert set(os.listdir(SHM_DIR)) - before == {shared.name}
+    shared.close()
+    assert shared_view[0] == 42  # existing mappings stay valid after unlink
+    conn.close()
+    await listener.close()
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "laminar-xyz", "other-" + "0" * 32, 5])
+def test_map_segment_refuses_foreign_names(name) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(FrameError, match="refusing"):
+        map_segment(name, 0, 1)
+
+
+def test_map_segment_checks_bounds() -> None:
+    seg = SharedBuffer(4096)
+    try:
+        with pytest.raises(FrameError, match="4096 bytes"):
+            map_segment(seg.name, 4000, 200)
+    finally:
+        seg.close()

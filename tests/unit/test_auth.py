@@ -1,0 +1,47 @@
+"""No endpoint runs for a peer that does not hold the cluster token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from laminar.errors import PeerUnavailable
+from laminar.rpc import K_CALL, RpcClient, remote
+from laminar.service import transport_options
+from laminar.transport import Frame, TransportOptions, encode_payload
+from laminar.transport.frames import encode_head
+from tests.conftest import TRANSPORTS
+from tests.support.roles import Calculator, Pair, Sleep
+
+
+@pytest.mark.parametrize("bind", TRANSPORTS)
+async def test_wrong_token_is_refused_before_any_endpoint(serve, cluster, options, bind) -> None:
+    host, service = await serve(Calculator, bind)
+    wrong = transport_options(cluster, b"this-is-not-the-cluster-token")
+    client = RpcClient(host.ctx.address, wrong, timeout=2.0)
+    with pytest.raises(PeerUnavailable, match="bad cluster token"):
+        await remote(Calculator, client).sleep.call(Sleep(seconds=0, tag="intruder"))
+    await client.close()
+    assert service.started == []
+    good = RpcClient(host.ctx.address, options)
+    assert (await remote(Calculator, good).add.call(Pair(a=1, b=1))).value == 2
+    await good.close()
+
+
+async def test_missing_handshake_closes_connection_without_running_anything(serve) -> None:
+    host, service = await serve(Calculator, "tcp://127.0.0.1:0")
+    hostname, port = host.ctx.address.removeprefix("tcp://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(hostname, int(port))
+    payload, _ = encode_payload({"seconds": 0, "tag": "no-handshake"})
+    writer.write(encode_head(Frame({"k": K_CALL, "i": 1, "m": "sleep"}, payload)))
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), 5)  # the server's hello, then it closes
+    writer.close()
+    assert data.startswith(b"LMNR")
+    assert service.started == []
+
+
+def test_short_tokens_are_rejected() -> None:
+    with pytest.raises(ValueError, match="16 bytes"):
+        TransportOptions(token=b"short")
