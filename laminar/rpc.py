@@ -336,6 +336,7 @@ class RpcClient:
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._failures = 0
+        self.last_error = "timed out connecting"
 
     @property
     def connected(self) -> bool:
@@ -425,9 +426,7 @@ class RpcClient:
                 frame = await future
         except TimeoutError:
             if conn is None:
-                raise PeerUnavailable(
-                    self.address, getattr(self, "last_error", "timed out connecting")
-                ) from None
+                raise PeerUnavailable(self.address, self.last_error) from None
             self._cancel_remote(conn, call_id)
             raise CallTimeout(self.address, method, timeout) from None
         except asyncio.CancelledError:
@@ -473,9 +472,16 @@ class RpcClient:
         conn: Connection | None = None
         finished = False
         try:
-            async with asyncio.timeout(timeout if timeout is not None else self.timeout):
-                conn = await self._connection()
-                await conn.send(Frame({"k": K_STREAM, "i": call_id, "m": method}, payload, buffers))
+            try:
+                async with asyncio.timeout(timeout if timeout is not None else self.timeout):
+                    conn = await self._connection()
+                    await conn.send(
+                        Frame({"k": K_STREAM, "i": call_id, "m": method}, payload, buffers)
+                    )
+            except TimeoutError:
+                raise PeerUnavailable(self.address, self.last_error) from None
+            except ConnectionClosed as exc:
+                raise PeerUnavailable(self.address, exc.reason) from None
             while True:
                 try:
                     async with asyncio.timeout(timeout):
@@ -493,8 +499,6 @@ class RpcClient:
                     finished = True
                     self._result(item, None)
                 yield _decode(item_type, item)
-        except TimeoutError:
-            raise PeerUnavailable(self.address, getattr(self, "last_error", "timed out")) from None
         finally:
             self._pending.pop(call_id, None)
             if conn is not None and not finished:

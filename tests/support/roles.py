@@ -107,6 +107,12 @@ class Calculator(Service):
                 raise RuntimeError(f"stream broke at {i}")
             yield Item(i=i)
 
+    @stream
+    async def stall(self, req: Sleep) -> AsyncIterator[Item]:
+        yield Item(i=0)
+        await self.sleep(req)  # records started / cancelled like the sleep endpoint
+        yield Item(i=1)
+
     @endpoint
     async def digest(self, req: Payload) -> Digest:
         blobs = [req.data, *req.extra]

@@ -169,3 +169,17 @@ async def test_server_gone_fails_pending_calls_and_reconnect_backs_off(  # type:
     with pytest.raises(PeerUnavailable):  # nobody listens now: fails within the call timeout
         await proxy.add.options(timeout=0.5).call(Pair(a=1, b=1))
     await client.close()
+
+
+async def test_stalled_stream_times_out_as_call_timeout(calc) -> None:  # type: ignore[no-untyped-def]
+    proxy, service = calc
+    got = []
+    with pytest.raises(CallTimeout):
+        async for item in proxy.stall.options(timeout=0.3).stream(Sleep(seconds=30, tag="st")):
+            got.append(item.i)
+    assert got == [0]
+    for _ in range(100):
+        if "st" in service.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert service.cancelled == ["st"]  # the server-side generator was cancelled too
