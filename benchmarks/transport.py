@@ -179,7 +179,7 @@ def bench_frames(scheme: str, size: int, repeat: int, *, zero_copy: bool = False
     import laminar.transport as lt
     from laminar.transport.shm import SharedBuffer
 
-    use_uvloop = scheme != "ucx"
+    use_uvloop = True  # every scheme, ucx included, runs on uvloop
     bind = {"tcp": "tcp://127.0.0.1:0", "shm": "shm://*", "ucx": "ucx://127.0.0.1:0"}[scheme]
     proc, address = spawn(frame_receiver, bind, scheme == "shm", use_uvloop)
     if scheme == "ucx":
@@ -216,7 +216,7 @@ def bench_frames(scheme: str, size: int, repeat: int, *, zero_copy: bool = False
 
 def bench_rpc(calls: int) -> dict[str, float]:
     from laminar.config import ClusterConfig
-    from laminar.rpc import RpcClient
+    from laminar.rpc_client import RpcClient
     from laminar.service import transport_options
 
     proc, (address, raw_port) = spawn(rpc_receiver)

@@ -37,7 +37,8 @@ from .config import ClusterConfig, ServiceConfig
 from .errors import CallTimeout, PeerUnavailable, RemoteError
 from .membership import Heartbeat, JoinRequest, LeaveRequest, MembershipApi
 from .metrics import RpcMetrics, start_metrics_server
-from .rpc import RpcClient, RpcServer, remote
+from .rpc import RpcServer
+from .rpc_client import RpcClient, remote
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -154,6 +155,7 @@ class ServiceHost:
         self.handle_signals = handle_signals
         self.service: Service | None = None
         self.server: RpcServer | None = None
+        self.metrics_address: str | None = None
         self._stopping: asyncio.Event | None = None
         self._started = asyncio.Event()
 
@@ -195,6 +197,7 @@ class ServiceHost:
                     metrics_runner, metrics_address = await start_metrics_server(
                         ctx.registry, host or "127.0.0.1", int(port or 0)
                     )
+                    self.metrics_address = metrics_address
                 await service.on_start()
                 if self.manager is not None:
                     ctx.spawn(self._membership(self.manager, metrics_address), name="membership")

@@ -6,7 +6,7 @@ from rich.table import Table
 
 from .config import ClusterConfig
 from .membership import ClusterStatus, MembershipApi
-from .rpc import RpcClient, remote
+from .rpc_client import RpcClient, remote
 from .service import transport_options
 
 _STATE_STYLE = {"alive": "green", "dead": "bold red", "left": "dim"}

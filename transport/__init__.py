@@ -1,10 +1,10 @@
 """How bytes move: framing, TCP, in-process, shared memory, UCX. Knows nothing of roles.
 
-Import this package to get every built-in scheme registered; ``ucx://`` is registered lazily and
-needs the ``ucx`` extra.
+Importing this package registers every built-in scheme; ``ucx://`` imports ``ucxx`` only when first
+used, and needs the ``ucx`` extra.
 """
 
-from . import inproc, shm, tcp  # noqa: F401  (register schemes)
+from . import inproc, shm, tcp, ucx  # noqa: F401  (register schemes; ucxx loads lazily)
 from .base import (
     AuthenticationError,
     Connection,

@@ -13,7 +13,7 @@ import pytest
 
 from laminar.config import ClusterConfig
 from laminar.errors import PeerUnavailable
-from laminar.rpc import RpcClient, remote
+from laminar.rpc_client import RpcClient, remote
 from laminar.service import transport_options
 from laminar.status import fetch_status
 from tests.support.procs import ROOT, SUPPORT_ROLES, TOKEN, env, laminar, start, stop

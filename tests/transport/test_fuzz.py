@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from laminar.config import ClusterConfig, ServiceConfig
-from laminar.rpc import RpcClient, remote
+from laminar.rpc_client import RpcClient, remote
 from laminar.service import ServiceContext, ServiceHost, transport_options
 from laminar.transport import Frame
 from laminar.transport.base import K_AUTH

@@ -1,0 +1,93 @@
+"""The service runtime: metrics served, owned tasks, graceful stop, crash propagation."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import ClassVar
+
+import aiohttp
+import pytest
+
+from laminar.config import ServiceConfig
+from laminar.rpc_client import RpcClient, remote
+from laminar.service import Service, ServiceContext, ServiceHost
+from tests.support.roles import Calculator, Pair
+
+
+async def test_metrics_endpoint_counts_rpc_calls(serve, options) -> None:  # type: ignore[no-untyped-def]
+    host, _ = await serve(Calculator, config=Calculator.config_model(metrics="127.0.0.1:0"))
+    client = RpcClient(host.ctx.address, options)
+    for i in range(3):
+        await remote(Calculator, client).add.call(Pair(a=i, b=1))
+    await client.close()
+    metrics = host.metrics_address  # "host:port"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://{metrics}/metrics") as resp:
+            text = await resp.text()
+        async with session.get(f"http://{metrics}/healthz") as resp:
+            assert (await resp.json()) == {"ok": True}
+    line = next(
+        x
+        for x in text.splitlines()
+        if x.startswith("laminar_rpc_calls_total{") and 'method="add"' in x
+    )
+    assert 'outcome="ok"' in line and line.endswith(" 3.0")
+
+
+class Lifecycle(Service):
+    role: ClassVar[str] = "lifecycle"
+    events: ClassVar[list[str]] = []
+
+    async def on_start(self) -> None:
+        self.spawn(self._forever(), name="forever")
+
+    async def _forever(self) -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            Lifecycle.events.append("task cancelled")
+            raise
+
+    async def on_stop(self) -> None:
+        Lifecycle.events.append("on_stop")
+
+
+class Crashing(Service):
+    role: ClassVar[str] = "crashing"
+
+    async def on_start(self) -> None:
+        self.spawn(self._boom(), name="boom")
+
+    async def _boom(self) -> None:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("background task failed")
+
+
+def _host(cls: type[Service], cluster, options) -> ServiceHost:  # type: ignore[no-untyped-def]
+    ctx = ServiceContext(
+        role=cls.role,
+        instance=f"{cls.role}-0",
+        cluster=cluster,
+        config=ServiceConfig(metrics=None),
+        options=options,
+    )
+    return ServiceHost(cls, ctx)
+
+
+async def test_graceful_stop_runs_on_stop_and_cancels_owned_tasks(cluster, options) -> None:  # type: ignore[no-untyped-def]
+    Lifecycle.events.clear()
+    before = len(asyncio.all_tasks())
+    host = _host(Lifecycle, cluster, options)
+    task = asyncio.create_task(host.run())
+    await host.started()
+    host.stop()
+    await asyncio.wait_for(task, 5)
+    assert Lifecycle.events == ["on_stop", "task cancelled"]
+    assert len(asyncio.all_tasks()) == before  # nothing left behind
+
+
+async def test_crashing_owned_task_stops_the_service(cluster, options) -> None:  # type: ignore[no-untyped-def]
+    host = _host(Crashing, cluster, options)
+    with pytest.raises(ExceptionGroup) as info:
+        await asyncio.wait_for(host.run(), 5)
+    assert info.group_contains(RuntimeError, match="background task failed")
