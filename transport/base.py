@@ -88,12 +88,36 @@ class Connection(abc.ABC):
 
 
 class Listener(abc.ABC):
-    """A bound server endpoint. ``address`` is the address peers dial (ports resolved)."""
+    """A bound server endpoint. ``address`` is the address peers dial (ports resolved).
 
-    address: str
+    A listener owns the handler task of every connection it accepted: ``track`` registers one,
+    and ``close`` must cancel and await them all (``cancel_handlers``), so no task outlives it.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def cancel_handlers(self) -> None:
+        for task in list(self._handlers):
+            task.cancel()
+        if self._handlers:
+            await asyncio.gather(*self._handlers, return_exceptions=True)
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+def parse_host_port(scheme: str, rest: str) -> tuple[str, int]:
+    """``host:port`` (IPv6 hosts in brackets) of a ``tcp://`` or ``ucx://`` address."""
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{scheme} address needs host:port, got {rest!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 Handler = Callable[[Connection], Awaitable[None]]
@@ -238,6 +262,7 @@ __all__ = [
     "default_allocator",
     "get_transport",
     "listen",
+    "parse_host_port",
     "register_transport",
     "split_address",
 ]

@@ -102,20 +102,17 @@ class InprocConnection(Connection):
 
 class InprocListener(Listener):
     def __init__(self, name: str, options: TransportOptions, handler: Handler) -> None:
-        self.address = f"inproc://{name}"
+        super().__init__(f"inproc://{name}")
         self.name = name
         self.options = options
         self.handler = handler
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def accept(self, client: InprocConnection) -> None:
         server = InprocConnection(
             f"inproc://{self.name}#{next(_ids)}", Limits.handshake(), self.options.allocator
         )
         server.remote, client.remote = client, server
-        task = asyncio.get_running_loop().create_task(self._serve(server))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.track(asyncio.get_running_loop().create_task(self._serve(server)))
 
     async def _serve(self, conn: InprocConnection) -> None:
         try:
@@ -125,10 +122,7 @@ class InprocListener(Listener):
 
     async def close(self) -> None:
         _LISTENERS.pop(self.name, None)
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.cancel_handlers()
 
 
 _LISTENERS: dict[str, InprocListener] = {}

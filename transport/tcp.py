@@ -24,6 +24,7 @@ from .base import (
     Listener,
     Transport,
     TransportOptions,
+    parse_host_port,
     register_transport,
 )
 from .frames import Frame, FrameError, Limits, encode_head
@@ -180,20 +181,12 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
 class StreamListener(Listener):
     def __init__(self, server: asyncio.Server, address: str) -> None:
+        super().__init__(address)
         self._server = server
-        self.address = address
-        self._handlers: set[asyncio.Task[None]] = set()
-
-    def track(self, task: asyncio.Task[None]) -> None:
-        self._handlers.add(task)
-        task.add_done_callback(self._handlers.discard)
 
     async def close(self) -> None:
         self._server.close()
-        for task in list(self._handlers):
-            task.cancel()
-        if self._handlers:
-            await asyncio.gather(*self._handlers, return_exceptions=True)
+        await self.cancel_handlers()
         await self._server.wait_closed()
 
 
@@ -225,15 +218,8 @@ def protocol_factory(
 class TcpTransport(Transport):
     scheme = "tcp"
 
-    @staticmethod
-    def parse(rest: str) -> tuple[str, int]:
-        host, sep, port = rest.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"tcp address needs host:port, got {rest!r}")
-        return host.strip("[]") or "127.0.0.1", int(port)
-
     async def connect(self, rest: str, options: TransportOptions) -> Connection:
-        host, port = self.parse(rest)
+        host, port = parse_host_port("tcp", rest)
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(
             lambda: StreamConnection(f"tcp://{host}:{port}", Limits.handshake(), options.allocator),
@@ -245,7 +231,7 @@ class TcpTransport(Transport):
     async def listen(
         self, rest: str, options: TransportOptions, on_connection: Handler
     ) -> Listener:
-        host, port = self.parse(rest)
+        host, port = parse_host_port("tcp", rest)
         box: list[StreamListener] = []
         server = await asyncio.get_running_loop().create_server(
             protocol_factory(options, box, on_connection, "tcp"), host, port, reuse_address=True

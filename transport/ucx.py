@@ -59,6 +59,7 @@ from .base import (
     Listener,
     Transport,
     TransportOptions,
+    parse_host_port,
     register_transport,
 )
 from .frames import PREFIX_SIZE, Frame, FrameError, Limits, decode_meta, decode_prefix, encode_head
@@ -367,34 +368,19 @@ class UcxConnection(Connection):
 
 class UcxListener(Listener):
     def __init__(self) -> None:
-        self.address = ""
+        super().__init__("")  # the address is known once ucxx has bound the port
         self.ucx_listener: Any = None  # listening stops when this is dropped
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def track(self, task: asyncio.Task[None]) -> None:
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         self.ucx_listener = None
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.cancel_handlers()
 
 
 class UcxTransport(Transport):
     scheme = "ucx"
 
-    @staticmethod
-    def parse(rest: str) -> tuple[str, int]:
-        host, sep, port = rest.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"ucx address needs host:port, got {rest!r}")
-        return host.strip("[]") or "127.0.0.1", int(port)
-
     async def connect(self, rest: str, options: TransportOptions) -> Connection:
-        host, port = self.parse(rest)
+        host, port = parse_host_port("ucx", rest)
         driver = _driver()
         try:
             raw = driver.lib.UCXEndpoint.create(driver.worker, host, port, True)
@@ -406,7 +392,7 @@ class UcxTransport(Transport):
     async def listen(
         self, rest: str, options: TransportOptions, on_connection: Handler
     ) -> Listener:
-        host, port = self.parse(rest)
+        host, port = parse_host_port("ucx", rest)
         driver = _driver()
         loop = asyncio.get_running_loop()
         listener = UcxListener()
