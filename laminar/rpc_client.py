@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import itertools
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -187,9 +187,7 @@ class RpcClient:
                     "one-way call dropped", address=self.address, method=method, error=str(exc)
                 )
 
-        task = asyncio.create_task(send())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(send())
 
     async def stream(
         self,
@@ -241,6 +239,12 @@ class RpcClient:
 
     # -- helpers --
 
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run background work owned by this client (cancelled by close())."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _cancel_remote(self, conn: Connection, call_id: int) -> None:
         if conn.closed:
             return
@@ -249,9 +253,7 @@ class RpcClient:
             with contextlib.suppress(ConnectionClosed):
                 await conn.send(Frame({"k": K_CANCEL, "i": call_id}))
 
-        task = asyncio.create_task(send())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(send())
 
     def _result(self, frame: Frame, reply_type: type[BaseModel] | None) -> Any:
         if frame.meta.get("k") == K_ERROR:

@@ -16,7 +16,7 @@ from laminar.errors import PeerUnavailable
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import transport_options
 from laminar.status import fetch_status
-from tests.support.procs import ROOT, SUPPORT_ROLES, TOKEN, env, laminar, start, stop
+from tests.support.procs import ROOT, SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
 from tests.support.roles import Calculator, Pair, Sleep
 
 pytestmark = pytest.mark.integration
@@ -55,14 +55,7 @@ async def test_server_killed_fails_pending_calls_within_1s() -> None:
 
 
 def _status(manager: str) -> dict:
-    out = subprocess.run(
-        laminar("status", "--join", manager, "--json", "--timeout", "2"),
-        capture_output=True,
-        text=True,
-        env=env(),
-        cwd=ROOT,
-        timeout=30,
-    )
+    out = run_cli("status", "--join", manager, "--json", "--timeout", "2")
     assert out.returncode == 0, out.stderr
     return {m["instance"]: m for m in json.loads(out.stdout)["members"]}
 
@@ -143,23 +136,11 @@ def test_status_without_token_is_refused() -> None:
     )
     try:
         bad = env(LAMINAR_TOKEN="not-the-cluster-token")
-        out = subprocess.run(
-            laminar("status", "--join", minfo["address"], "--timeout", "2"),
-            capture_output=True,
-            text=True,
-            env=bad,
-            cwd=ROOT,
-            timeout=30,
-        )
+        out = run_cli("status", "--join", minfo["address"], "--timeout", "2", environ=bad)
         assert out.returncode == 2 and "bad cluster token" in out.stderr
         missing = {k: v for k, v in env().items() if k != "LAMINAR_TOKEN"}
-        out = subprocess.run(
-            laminar("status", "--join", minfo["address"], "--run-dir", "/nonexistent"),
-            capture_output=True,
-            text=True,
-            env=missing,
-            cwd=ROOT,
-            timeout=30,
+        out = run_cli(
+            "status", "--join", minfo["address"], "--run-dir", "/nonexistent", environ=missing
         )
         assert out.returncode == 2 and "LAMINAR_TOKEN" in out.stderr
     finally:
@@ -228,9 +209,7 @@ run:
 def test_bad_config_names_key_value_and_expectation(tmp_path) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text("cluster:\n  heartbeat_timeout_s: soon\n  heartbeet: 1\n")
-    out = subprocess.run(
-        laminar("run", str(config)), capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30
-    )
+    out = run_cli("run", str(config))
     assert out.returncode == 2
     assert "cluster.heartbeat_timeout_s = 'soon'" in out.stderr and "number" in out.stderr
     assert "cluster.heartbeet: unknown key" in out.stderr

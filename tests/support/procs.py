@@ -28,6 +28,13 @@ def laminar(*args: str) -> list[str]:
     return [sys.executable, "-m", "laminar", *args]
 
 
+def run_cli(*args: str, environ: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run one `laminar ...` command to completion, output captured."""
+    return subprocess.run(
+        laminar(*args), capture_output=True, text=True, env=environ or env(), cwd=ROOT, timeout=30
+    )
+
+
 def start(
     args: list[str], *, timeout: float = 30.0, environ: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
