@@ -35,7 +35,7 @@ from laminar.transport import Limits, TransportOptions
 from .clock import Clock, get_clock
 from .config import ClusterConfig, ServiceConfig
 from .errors import CallTimeout, PeerUnavailable, RemoteError
-from .membership import Heartbeat, JoinRequest, LeaveRequest, MembershipApi
+from .membership import Heartbeat, JoinRequest, LeaveRequest, Member, MembershipApi
 from .metrics import RpcMetrics, start_metrics_server
 from .rpc import RpcServer
 from .rpc_client import RpcClient, remote
@@ -76,6 +76,7 @@ class ServiceContext:
         self.log = structlog.get_logger(role).bind(role=role, instance=instance)
         self.registry = CollectorRegistry()
         self.address: str | None = None  # the RPC address, once bound
+        self.manager: str | None = None  # the manager's address (None: standalone)
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._clients: dict[str, RpcClient] = {}
@@ -101,6 +102,24 @@ class ServiceContext:
     def connect(self, cls: type[S], address: str) -> S:
         """A typed proxy of the service of class ``cls`` at ``address``."""
         return remote(cls, self.client(address))
+
+    async def members(self, role: str | None = None) -> list[Member]:
+        """Alive members of the cluster (of one ``role``), as the manager sees them now."""
+        if self.manager is None:
+            raise PeerUnavailable(f"{self.instance} runs standalone: no manager to ask for peers")
+        status = await self.connect(MembershipApi, self.manager).status.call()
+        return [
+            m for m in status.members if m.state == "alive" and (role is None or m.role == role)
+        ]
+
+    async def find(self, role: str, *, poll_s: float = 0.5) -> str:
+        """The address of an alive member of ``role``, waiting until one has joined."""
+        while True:
+            with contextlib.suppress(PeerUnavailable, CallTimeout):
+                found = await self.members(role)
+                if found:
+                    return found[0].address
+            await self.clock.sleep(poll_s)
 
     async def close_clients(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
@@ -151,6 +170,7 @@ class ServiceHost:
         self.service_cls = service_cls
         self.ctx = ctx
         self.manager = manager
+        ctx.manager = manager
         self.ready = ready
         self.handle_signals = handle_signals
         self.service: Service | None = None

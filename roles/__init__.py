@@ -6,4 +6,6 @@ importing every role (and its heavy dependencies) up front.
 
 BUILTIN: dict[str, str] = {
     "manager": "laminar.roles.manager:ManagerService",
+    "data": "laminar.roles.data.service:DataService",
+    "rollout": "laminar.roles.rollout:RolloutService",
 }

