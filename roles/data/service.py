@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import statistics
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +69,11 @@ class SamplingConfig(Strict):
     temperature: Annotated[float, Field(ge=0)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
+    seed: int | None = Field(
+        None,
+        description="Set: each trajectory samples with its own seed derived from this and its id "
+        "(reproducible runs). null: engine randomness.",
+    )
 
 
 class DataConfig(ServiceConfig):
@@ -88,6 +94,12 @@ class DataConfig(ServiceConfig):
     reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     sampler: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="fifo"))
     eviction: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="none"))
+
+
+def trajectory_seed(seed: int, trajectory_id: str) -> int:
+    """A stable 31-bit sampling seed per trajectory (the same on every rollout and every run)."""
+    digest = hashlib.blake2b(f"{seed}/{trajectory_id}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 class DataService(Service, DataApi):
@@ -177,7 +189,19 @@ class DataService(Service, DataApi):
     def _lease(self, store: Store, req: TakeRequest) -> list[Assignment]:
         c = self.config
         store.refill(c.queue_ahead + req.max_count, c.samples_per_prompt, c.seed, c.epochs)
-        return store.lease(req.rollout, req.max_count, req.version, set(req.holding), self.params)
+        out = store.lease(req.rollout, req.max_count, req.version, set(req.holding), self.params)
+        if c.sampling.seed is not None:
+            out = [
+                a.model_copy(
+                    update={
+                        "params": a.params.model_copy(
+                            update={"seed": trajectory_seed(c.sampling.seed, a.trajectory_id)}
+                        )
+                    }
+                )
+                for a in out
+            ]
+        return out
 
     @endpoint
     async def report(self, req: Report) -> ReportReply:

