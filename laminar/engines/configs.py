@@ -31,9 +31,6 @@ class VllmEngineConfig(Strict):
         description="processed = logprobs of the distribution actually sampled (after "
         "temperature/top-k/top-p), which is what RL's behaviour policy is.",
     )
-    threads: Annotated[int, Field(ge=0)] = Field(
-        0, description="torch CPU threads for this engine (0 = leave vLLM's default)."
-    )
     extra: dict[str, object] = Field(
         default_factory=dict, description="More vLLM engine arguments, passed through."
     )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,26 @@ def eos_token_ids(model_dir: str) -> list[int]:
     return []
 
 
+def engine_args(cfg: VllmEngineConfig) -> Any:
+    """vLLM's ``AsyncEngineArgs`` for a config (also what benchmarks use for bare vLLM)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=cfg.model,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=cfg.enforce_eager,
+        seed=cfg.seed,
+        skip_tokenizer_init=True,
+        logprobs_mode=cfg.logprobs_mode,
+        worker_extension_cls="laminar.engines.vllm_worker.LaminarWorkerExtension",
+        disable_log_stats=True,
+        **cfg.extra,  # type: ignore[arg-type]
+    )
+
+
 class VllmEngine(Engine):
     backend = "vllm"
 
@@ -62,11 +81,7 @@ class VllmEngine(Engine):
 
     async def start(self) -> None:
         cfg = self.config
-        if cfg.threads:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
-            os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
         self.eos_token_ids = eos_token_ids(cfg.model)
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -83,20 +98,7 @@ class VllmEngine(Engine):
             def log_engine_initialized(self) -> None:
                 pass
 
-        args = AsyncEngineArgs(
-            model=cfg.model,
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=cfg.enforce_eager,
-            seed=cfg.seed,
-            skip_tokenizer_init=True,
-            logprobs_mode=cfg.logprobs_mode,
-            worker_extension_cls="laminar.engines.vllm_worker.LaminarWorkerExtension",
-            disable_log_stats=True,
-            **cfg.extra,  # type: ignore[arg-type]
-        )
+        args = engine_args(cfg)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_KeepLatest])
 
     async def close(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.scenario import Cluster, kill_data_midway, write_config
+from tests.support.scenario import kill_data_midway, process_cluster, write_config
 from tests.support.task import write_prompts, write_tokenizer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -36,16 +36,13 @@ async def test_kill_9_of_the_data_role_loses_nothing(tmp_path):
             },
         },
     )
-    cluster = Cluster(tmp_path, config)
-    try:
-        cluster.manager = cluster.serve("manager", "manager")["address"]
+    with process_cluster(tmp_path, config) as cluster:
+        cluster.serve("manager", "manager")
         for i in range(2):
             cluster.serve("rollout", f"rollout-{i}")
         trajectories, figures = await kill_data_midway(
             cluster, total=192, kill_after=60, timeout=90
         )
-    finally:
-        cluster.shutdown()
     assert figures["done_before_kill"] >= 60
     assert figures["partials_before_kill"] > 0  # the kill hit trajectories in flight
     assert {t.rollout for t in trajectories} == {"rollout-0", "rollout-1"}

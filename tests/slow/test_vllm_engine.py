@@ -44,7 +44,9 @@ async def generate(engine, prompts, params, prefix="r"):
     """Run requests to completion; returns {request_id: (tokens, logprobs, finish_reason)}."""
     results = {f"{prefix}{i}": ([], [], None) for i in range(len(prompts))}
     for i, prompt in enumerate(prompts):
-        await engine.add_request(EngineRequest(request_id=f"{prefix}{i}", prompt_token_ids=prompt, params=params))
+        await engine.add_request(
+            EngineRequest(request_id=f"{prefix}{i}", prompt_token_ids=prompt, params=params)
+        )
     pending = set(results)
     async with asyncio.timeout(120):
         async for batch in engine.outputs():
@@ -78,7 +80,7 @@ def reference_greedy(model, prompt, n):
         out.append(nxt)
         if nxt == EOS:
             break
-    return out[len(prompt):]
+    return out[len(prompt) :]
 
 
 def hf_model(model_dir):
@@ -99,7 +101,9 @@ async def test_sampled_logprobs_match_transformers(engine, model_dir):
 
 
 async def test_in_place_reload_matches_transformers_with_new_weights(engine, model_dir, tmp_path):
-    before = await generate(engine, PROMPTS, SamplingParams(max_tokens=16, temperature=0), prefix="a")
+    before = await generate(
+        engine, PROMPTS, SamplingParams(max_tokens=16, temperature=0), prefix="a"
+    )
     digest_before = await engine.weight_digest()
     # new weights: the old ones plus seeded noise, saved as a second checkpoint for transformers
     model = hf_model(model_dir)
@@ -111,7 +115,9 @@ async def test_in_place_reload_matches_transformers_with_new_weights(engine, mod
     await engine.load_weights(1, model.state_dict().items())
     assert engine.version == 1 and await engine.weight_digest() != digest_before
 
-    after = await generate(engine, PROMPTS, SamplingParams(max_tokens=16, temperature=0), prefix="b")
+    after = await generate(
+        engine, PROMPTS, SamplingParams(max_tokens=16, temperature=0), prefix="b"
+    )
     new_model = hf_model(tmp_path / "v1")
     changed = 0
     for i, prompt in enumerate(PROMPTS):
@@ -125,7 +131,9 @@ async def test_in_place_reload_matches_transformers_with_new_weights(engine, mod
 
 async def test_abort_returns_what_was_streamed_and_eos_stops(engine):
     params = SamplingParams(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
-    await engine.add_request(EngineRequest(request_id="long", prompt_token_ids=[5, 6, 7], params=params))
+    await engine.add_request(
+        EngineRequest(request_id="long", prompt_token_ids=[5, 6, 7], params=params)
+    )
     seen: list[int] = []
     async with asyncio.timeout(60):
         async for batch in engine.outputs():

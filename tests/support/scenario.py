@@ -7,60 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from laminar.config import ClusterConfig
+from laminar.launch import ProcessCluster
 from laminar.roles.data.api import DataApi, DataStatus, SampleRequest
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import transport_options
 from laminar.trajectory import Trajectory
 
-from .procs import TOKEN, laminar, start
+from .procs import TOKEN, env
 
 
-@dataclass
-class Cluster:
-    tmp: Path
-    config: Path
-    procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
-    manager: str = ""
-
-    def serve(self, role: str, instance: str, *, timeout: float = 60.0, extra: tuple = ()) -> dict:
-        args = ["serve", "--role", role, "--config", str(self.config), "--instance", instance]
-        if role != "manager":
-            args += ["--join", self.manager]
-        proc, info = start(
-            laminar(*args, *extra), timeout=timeout, log=self.tmp / f"{instance}.log"
-        )
-        self.procs[instance] = proc
-        return info
-
-    def kill9(self, instance: str) -> None:
-        proc = self.procs.pop(instance)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
-
-    def shutdown(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        self.procs.clear()
-
-    def log_tail(self, instance: str, n: int = 3000) -> str:
-        path = self.tmp / f"{instance}.log"
-        return path.read_text()[-n:] if path.exists() else ""
+def process_cluster(tmp: Path, config: Path) -> ProcessCluster:
+    return ProcessCluster(config, tmp / "logs", env=env())
 
 
 def write_config(tmp: Path, sections: dict[str, Any]) -> Path:
@@ -94,7 +57,7 @@ async def wait_status(data: DataApi, predicate, timeout: float) -> DataStatus:
 
 
 async def kill_data_midway(
-    cluster: Cluster, *, total: int, kill_after: int, timeout: float
+    cluster: ProcessCluster, *, total: int, kill_after: int, timeout: float
 ) -> tuple[list[Trajectory], dict[str, Any]]:
     """Run to completion with one kill -9 of the data role once ``kill_after`` are done.
 

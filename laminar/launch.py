@@ -1,0 +1,124 @@
+"""Start role processes from Python: ``laminar serve`` children with their ready lines and logs.
+
+For programs that need a real multi-process cluster without the dev-mode supervisor's console:
+integration tests, benchmarks. Each child is ``python -m laminar serve --role R ...``; its
+``LAMINAR_READY`` line gives the address; everything else it prints goes to ``<log_dir>/<name>.log``
+(a thread drains stdout after the ready line, so a chatty child never blocks on a full pipe).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from .errors import LaminarError
+from .service import READY_PREFIX
+
+
+class ProcessCluster:
+    def __init__(
+        self,
+        config: str | Path,
+        log_dir: str | Path,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+    ) -> None:
+        self.config = Path(config)
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.cwd = cwd
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.info: dict[str, dict[str, Any]] = {}
+        self.manager: str | None = None
+
+    def serve(
+        self, role: str, name: str, *, timeout: float = 120.0, args: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
+        """Start one role process named ``name``; return its ready info (address, pid, ...)."""
+        cmd = [sys.executable, "-m", "laminar", "serve", "--role", role]
+        cmd += ["--config", str(self.config), "--instance", name, *args]
+        if role != "manager":
+            if self.manager is None:
+                raise LaminarError("start the manager first")
+            cmd += ["--join", self.manager]
+        log = (self.log_dir / f"{name}.log").open("a")
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=self.env, cwd=self.cwd
+        )
+        self.procs[name] = proc
+        info = self._wait_ready(name, proc, log, timeout)
+        self.info[name] = info
+        if role == "manager":
+            self.manager = info["address"]
+        return info
+
+    def _wait_ready(
+        self, name: str, proc: subprocess.Popen[str], log: IO[str], timeout: float
+    ) -> dict[str, Any]:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if not sel.select(timeout=0.1):
+                    if proc.poll() is not None:
+                        break
+                    continue
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                log.write(line)
+                log.flush()
+                if line.startswith(READY_PREFIX):
+                    threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
+                    return json.loads(line[len(READY_PREFIX) :])
+        proc.kill()
+        proc.wait(timeout=10)
+        raise LaminarError(f"{name} never became ready; its log ends:\n{self.log_tail(name)}")
+
+    def kill9(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def shutdown(self, grace: float = 20.0) -> None:
+        """SIGTERM the members, then the manager; SIGKILL whatever outlives ``grace``."""
+        members = [p for name, p in self.procs.items() if name != "manager"]
+        manager = [p for name, p in self.procs.items() if name == "manager"]
+        for group in (members, manager):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in group:
+                try:
+                    proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+        self.procs.clear()
+
+    def log_tail(self, name: str, chars: int = 4000) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text()[-chars:] if path.exists() else ""
+
+    def __enter__(self) -> ProcessCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _drain(src: IO[str], dst: IO[str]) -> None:
+    for line in src:
+        dst.write(line)
+        dst.flush()
