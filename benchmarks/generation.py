@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -127,7 +129,14 @@ async def run_bare(args: argparse.Namespace, model: Path, prompts: Path) -> dict
             await one(*queue.pop(0))
 
     try:
-        await one("warmup/0", jobs[0][1])  # first-request costs stay out of the timing
+        # the rollout's engine warms up the same way before it reports ready (VllmEngine._warmup)
+        warm = SamplingParams(max_tokens=4, temperature=1.0, logprobs=0, detokenize=False)
+
+        async def warmup(i: int) -> None:
+            async for _ in llm.generate({"prompt_token_ids": [i % 2] * 8}, warm, f"warmup-{i}"):
+                pass
+
+        await asyncio.gather(*(warmup(i) for i in range(min(8, args.concurrency))))
         tokens = 0
         queue = list(jobs)
         t0 = time.perf_counter()
@@ -135,11 +144,13 @@ async def run_bare(args: argparse.Namespace, model: Path, prompts: Path) -> dict
         wall = time.perf_counter() - t0
     finally:
         llm.shutdown()
+        llm = None  # collect it now: its __del__ at interpreter exit would find vLLM torn down
+        gc.collect()
     return {"tokens": tokens, "seconds": wall, "requests": len(jobs)}
 
 
 async def run_role(
-    args: argparse.Namespace, model: Path, prompts: Path, work: Path
+    args: argparse.Namespace, model: Path, prompts: Path, work: Path, run: int
 ) -> dict[str, float]:
     from laminar.config import ClusterConfig
     from laminar.rpc_client import RpcClient, remote
@@ -155,7 +166,7 @@ async def run_role(
             "reward": f"{TASK}:reward",
             "samples_per_prompt": args.samples,
             "sampling": {"max_tokens": args.max_tokens, "temperature": 1.0, "seed": args.seed},
-            "store": str(work / "role" / "data.sqlite"),
+            "store": str(work / f"role-{run}" / "data.sqlite"),
             "metrics": None,
         },
         "rollout": {
@@ -167,7 +178,8 @@ async def run_role(
     path = work / "role.yaml"
     path.write_text(yaml.safe_dump(config))
     total = len(read_records(prompts)) * args.samples
-    with ProcessCluster(path, work / "role" / "logs", env={"LAMINAR_TOKEN": token}) as cluster:
+    logs = work / f"role-{run}" / "logs"
+    with ProcessCluster(path, logs, env={"LAMINAR_TOKEN": token}) as cluster:
         cluster.serve("manager", "manager")
         data_info = cluster.serve("data", "data-0")
         cluster.serve("rollout", "rollout-0", timeout=300)
@@ -194,23 +206,33 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="alternate bare and role runs this many times"
+    )
     parser.add_argument("--work", help="scratch directory (default: a temporary one)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="laminar-bench-gen-"))
     work.mkdir(parents=True, exist_ok=True)
     model, prompts = prepare(args, work)
-    bare = asyncio.run(run_bare(args, model, prompts))
-    role = asyncio.run(run_role(args, model, prompts, work))
-    bare_tps = bare["tokens"] / bare["seconds"]
-    role_tps = role["tokens"] / role["seconds"]
+    bares, roles = [], []
+    for run in range(args.repeat):  # alternating, so drift in the machine hits both alike
+        bares.append(asyncio.run(run_bare(args, model, prompts)))
+        roles.append(asyncio.run(run_role(args, model, prompts, work, run)))
+    bare_runs = [b["tokens"] / b["seconds"] for b in bares]
+    role_runs = [r["tokens"] / r["seconds"] for r in roles]
+    bare_tps, role_tps = statistics.median(bare_runs), statistics.median(role_runs)
+    bare, role = bares[-1], roles[-1]
     figures = {
         "vllm_bare_tokens_per_s": round(bare_tps, 1),
         "rollout_role_tokens_per_s": round(role_tps, 1),
         "overhead_ratio": round(role_tps / bare_tps, 4),
-        "bare": bare,
-        "role": role,
+        "bare_runs_tokens_per_s": [round(x, 1) for x in bare_runs],
+        "role_runs_tokens_per_s": [round(x, 1) for x in role_runs],
+        "bare": bares,
+        "role": roles,
         "settings": {
+            "repeat": args.repeat,
             "model": str(model),
             "prompts": args.prompts,
             "samples": args.samples,
@@ -218,8 +240,11 @@ def main() -> None:
             "max_tokens": args.max_tokens,
         },
     }
-    for name, tps, run in (("bare vLLM", bare_tps, bare), ("role path", role_tps, role)):
-        print(f"{name:10s} {tps:9.1f} tokens/s  ({run['tokens']} tokens, {run['seconds']:.1f} s)")
+    for name, tps, last in (("bare vLLM", bare_tps, bare), ("role path", role_tps, role)):
+        print(
+            f"{name:10s} {tps:9.1f} tokens/s median  (last: {last['tokens']} tokens in "
+            f"{last['seconds']:.1f} s)"
+        )
     print(f"overhead_ratio (role / bare) = {role_tps / bare_tps:.3f}   (goal >= 0.95)")
     print(json.dumps(figures))
     if args.json:

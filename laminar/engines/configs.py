@@ -31,6 +31,13 @@ class VllmEngineConfig(Strict):
         description="processed = logprobs of the distribution actually sampled (after "
         "temperature/top-k/top-p), which is what RL's behaviour policy is.",
     )
+    warmup: bool = Field(True, description="Run a few tiny requests before reporting ready.")
+    stream_interval: Annotated[int, Field(ge=1)] = Field(
+        4,
+        description="Tokens per streamed output of a request (vLLM's stream_interval). Larger is "
+        "cheaper for the rollout's event loop; partial tokens reach the data role in batches "
+        "anyway.",
+    )
     extra: dict[str, object] = Field(
         default_factory=dict, description="More vLLM engine arguments, passed through."
     )

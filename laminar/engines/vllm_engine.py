@@ -64,6 +64,7 @@ def engine_args(cfg: VllmEngineConfig) -> Any:
         logprobs_mode=cfg.logprobs_mode,
         worker_extension_cls="laminar.engines.vllm_worker.LaminarWorkerExtension",
         disable_log_stats=True,
+        stream_interval=cfg.stream_interval,
         **cfg.extra,  # type: ignore[arg-type]
     )
 
@@ -100,6 +101,21 @@ class VllmEngine(Engine):
 
         args = engine_args(cfg)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_KeepLatest])
+        if cfg.warmup:
+            await self._warmup()
+
+    async def _warmup(self) -> None:
+        """A few tiny batched requests, so the first real requests do not pay for kernel set-up
+        (oneDNN/JIT caches on CPU): a rollout reports ready when it can serve at speed."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        sp = VllmSamplingParams(max_tokens=4, temperature=1.0, logprobs=0, detokenize=False)
+
+        async def one(i: int) -> None:
+            async for _ in self._llm.generate({"prompt_token_ids": [i % 2] * 8}, sp, f"warmup-{i}"):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(min(8, self.config.max_num_seqs))))
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())
