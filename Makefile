@@ -10,7 +10,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.laminar-installed
 EXAMPLE ?= examples/hello/config.yaml
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench clean generate
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,22 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/transport.py --json runs/bench/transport.json
+	$(PY) benchmarks/generation.py --json runs/bench/generation.json
+
+# The generation path on the example task: data, a model, its warm start (cached under runs/),
+# then manager + data + 2 vLLM rollouts for run.duration_s.
+runs/arith/train.jsonl: | $(STAMP)
+	$(PY) examples/arith/task.py generate --out runs/arith --train 20000 --test 500 --seed 0
+
+runs/models/arith-init/config.json: | $(STAMP)
+	$(VENV)/bin/laminar model init --task examples/arith --out runs/models/arith-init
+
+runs/models/arith-sft/config.json: runs/models/arith-init/config.json
+	$(VENV)/bin/laminar sft --task examples/arith --model runs/models/arith-init \
+		--out runs/models/arith-sft --minutes 4
+
+generate: runs/arith/train.jsonl runs/models/arith-sft/config.json
+	$(VENV)/bin/laminar run examples/arith/config.yaml
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=5.0)
     common(status)
     status.set_defaults(fn=cmd_status)
+
+    from .recipe.cli import register as register_recipe  # model init, sft, eval (lazy imports)
+
+    register_recipe(sub)
     return parser
 
 

@@ -1,0 +1,144 @@
+"""The recipe's sub-commands: ``laminar model init``, ``laminar sft``, ``laminar eval``.
+
+Why here and lazily: ``laminar serve`` must start fast and must not import torch/transformers, so
+:func:`register` only declares arguments; each command imports its module when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+DEFAULT_TASK = "examples/arith"
+#: the default SFT budget; a step count (not minutes) so the warm start is reproducible
+DEFAULT_SFT_STEPS = 3500
+
+
+def cmd_model_init(args: argparse.Namespace) -> int:
+    from .model import ModelShape, count_parameters, init_model, load_model
+    from .tasks import load_task
+
+    task = load_task(args.task)
+    shape = ModelShape(
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        max_len=args.max_len,
+        tie_embeddings=args.tie_embeddings,
+    )
+    out = init_model(task.alphabet, args.out, shape, seed=args.seed)
+    model, tok = load_model(out)
+    print(
+        f"wrote {out}: Qwen2 {count_parameters(model) / 1e6:.2f} M parameters, "
+        f"vocab {tok.get_vocab_size()}, head dim {args.hidden // args.heads}"
+    )
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from .sft import SftConfig, train_sft
+    from .tasks import load_task
+
+    task = load_task(args.task)
+    steps = args.steps
+    if steps is None and args.minutes is None:
+        steps = DEFAULT_SFT_STEPS
+    cfg = SftConfig(
+        steps=steps, minutes=args.minutes, seed=args.seed, threads=args.threads, demos=args.demos
+    )
+    for name in ("batch_size", "lr", "warmup"):
+        if getattr(args, name) is not None:
+            setattr(cfg, name, getattr(args, name))
+    result = train_sft(task, args.model, args.out, cfg)
+    print(
+        f"wrote {result.out}: {result.steps} steps, {result.sequences} sequences, "
+        f"{result.tokens} tokens in {result.seconds:.0f} s, final loss {result.final_loss:.4f}"
+    )
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from .evaluate import evaluate, render
+    from .tasks import load_task
+
+    task = load_task(args.task)
+    result = evaluate(
+        task,
+        args.model,
+        n=args.n,
+        seed=args.seed,
+        data=args.data,
+        batch_size=args.batch_size,
+        threads=args.threads,
+    )
+    print(json.dumps(asdict(result), indent=2) if args.json else render(result))
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add ``model`` (``init``), ``sft`` and ``eval`` to ``laminar``'s sub-command parsers.
+
+    Imports nothing heavy (the recipe modules import torch, transformers and tokenizers inside
+    their functions). SFT flags left unset take ``SftConfig``'s defaults when the command runs.
+    """
+    from .model import ModelShape
+
+    def task_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--task",
+            default=DEFAULT_TASK,
+            help="task module: path/to/task.py, a directory with task.py, or a module name "
+            f"(default: {DEFAULT_TASK})",
+        )
+
+    def threads_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--threads", type=int, default=2, help="torch CPU threads (0 = default)")
+
+    model = sub.add_parser("model", help="create task models (HF format)")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    init = model_sub.add_parser("init", help="a small random Qwen2 model + char tokenizer")
+    task_arg(init)
+    init.add_argument("--out", required=True, help="model directory to write")
+    shape = ModelShape()
+    init.add_argument("--hidden", type=int, default=shape.hidden)
+    init.add_argument("--layers", type=int, default=shape.layers)
+    init.add_argument(
+        "--heads", type=int, default=shape.heads, help="attention heads (hidden/heads: 32 or 64)"
+    )
+    init.add_argument("--kv-heads", type=int, default=shape.kv_heads)
+    init.add_argument("--intermediate", type=int, default=shape.intermediate, help="MLP width")
+    init.add_argument("--max-len", type=int, default=shape.max_len, help="max positions")
+    init.add_argument("--tie-embeddings", action="store_true", help="tie input/output embeddings")
+    init.add_argument("--seed", type=int, default=0)
+    init.set_defaults(fn=cmd_model_init)
+
+    sft = sub.add_parser("sft", help="supervised warm start on the task's demonstrations")
+    task_arg(sft)
+    sft.add_argument("--model", required=True, help="model directory to start from")
+    sft.add_argument("--out", required=True, help="model directory to write (atomically)")
+    budget = sft.add_argument_group(f"budget (default: --steps {DEFAULT_SFT_STEPS})")
+    budget.add_argument("--minutes", type=float, help="train for this long (schedule by time)")
+    budget.add_argument("--steps", type=int, help="train for this many steps")
+    sft.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
+    sft.add_argument("--lr", type=float, help="peak learning rate")
+    sft.add_argument("--warmup", type=float, help="warmup fraction of the budget")
+    sft.add_argument("--seed", type=int, default=0)
+    sft.add_argument("--demos", help="JSONL of prompt/response rows (default: from the task)")
+    threads_arg(sft)
+    sft.set_defaults(fn=cmd_sft)
+
+    ev = sub.add_parser("eval", help="greedy accuracy on held-out test records")
+    task_arg(ev)
+    ev.add_argument("--model", required=True, help="model directory")
+    ev.add_argument("--n", type=int, default=500, help="number of test records")
+    ev.add_argument("--seed", type=int, default=0, help="seed of the test records")
+    ev.add_argument("--data", help="JSONL of test records instead of generating them")
+    ev.add_argument("--batch-size", type=int, default=64)
+    ev.add_argument("--json", action="store_true", help="print JSON")
+    threads_arg(ev)
+    ev.set_defaults(fn=cmd_eval)

@@ -1,0 +1,168 @@
+"""``laminar eval``: greedy accuracy of a model directory on a task's held-out records.
+
+Why greedy and per bucket: the warm start must leave RL room to help, which means "right on short
+problems, wrong on long ones". One overall number hides that, so accuracy is also reported per
+bucket of the record's ``steps`` (powers of two: 1, 2, 3-4, 5-8, ...), together with the
+response-length distribution (in tokens) of the demonstrations and of what the model wrote.
+
+Generation is HF ``generate`` with the KV cache, batched over records sorted by prompt length
+(left padding), so a batch's sequences finish at similar times. Each batch may write at most
+``2 x`` its longest demonstration + 16 tokens: a model that never stops costs bounded time and
+is simply wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .model import load_model
+from .tasks import Record, Task, read_jsonl
+from .tokenizer import EOS, PAD, special_id
+
+
+@dataclass
+class EvalResult:
+    """Accuracy overall and per steps bucket, plus length statistics (tokens)."""
+
+    model: str
+    n: int
+    accuracy: float
+    seconds: float
+    buckets: dict[str, dict[str, float]] = field(default_factory=dict)
+    demo_length: dict[str, float] = field(default_factory=dict)
+    response_length: dict[str, float] = field(default_factory=dict)
+
+
+def bucket_of(steps: int) -> str:
+    """Power-of-two bucket label: 1, 2, 3-4, 5-8, 9-16, ..."""
+    if steps <= 2:
+        return str(steps)
+    hi = 1 << (steps - 1).bit_length()
+    return f"{hi // 2 + 1}-{hi}"
+
+
+def length_stats(lengths: list[int]) -> dict[str, float]:
+    """Mean, median, p90, p99 and max of a list of lengths (nearest-rank percentiles)."""
+    if not lengths:
+        return {}
+    ordered = sorted(lengths)
+
+    def pct(q: float) -> float:
+        return float(ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))])
+
+    return {
+        "mean": round(sum(ordered) / len(ordered), 1),
+        "median": pct(0.5),
+        "p90": pct(0.9),
+        "p99": pct(0.99),
+        "max": float(ordered[-1]),
+    }
+
+
+def greedy_responses(
+    model: Any, tok: Any, prompts: list[str], budgets: list[int], batch_size: int = 32
+) -> list[list[int]]:
+    """Greedy response token ids (EOS and padding stripped) of each prompt, in input order."""
+    import torch
+
+    eos, pad = special_id(tok, EOS), special_id(tok, PAD)
+    encoded = [tok.encode(p).ids for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: (len(encoded[i]), budgets[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    limit = int(model.config.max_position_embeddings)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        width = max(len(encoded[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            ids[row, width - len(encoded[i]) :] = torch.tensor(encoded[i])
+            mask[row, width - len(encoded[i]) :] = 1
+        new = max(1, min(max(budgets[i] for i in idx), limit - width))
+        with torch.inference_mode():
+            gen = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
+        for row, i in enumerate(idx):
+            resp = gen[row, width:].tolist()
+            if eos in resp:
+                resp = resp[: resp.index(eos)]
+            out[i] = [t for t in resp if t != pad]
+    return out
+
+
+def evaluate(
+    task: Task,
+    model_dir: str | Path,
+    n: int = 200,
+    seed: int = 0,
+    data: str | None = None,
+    batch_size: int = 32,
+    threads: int = 2,
+) -> EvalResult:
+    """Greedy accuracy of ``model_dir`` on ``n`` test records (or the records of ``data``)."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    records: list[Record] = read_jsonl(data)[:n] if data else task.test_records(n, seed)
+    model, tok = load_model(model_dir)
+    model.eval()
+    demos = [task.demonstration(r) for r in records]
+    demo_lens = [len(tok.encode(d).ids) + 1 for d in demos]  # + EOS
+    budgets = [2 * length + 16 for length in demo_lens]
+    start = time.monotonic()
+    responses = greedy_responses(model, tok, [r["prompt"] for r in records], budgets, batch_size)
+    seconds = time.monotonic() - start
+    rewards = [
+        float(task.reward(r, tok.decode(ids))) for r, ids in zip(records, responses, strict=True)
+    ]
+    groups: dict[str, list[float]] = {}
+    for record, reward in zip(records, rewards, strict=True):
+        if "steps" in record:
+            groups.setdefault(bucket_of(int(record["steps"])), []).append(reward)
+    buckets = {
+        label: {"n": len(vals), "accuracy": round(sum(vals) / len(vals), 3)}
+        for label, vals in sorted(groups.items(), key=lambda kv: int(kv[0].split("-")[0]))
+    }
+    return EvalResult(
+        model=str(model_dir),
+        n=len(records),
+        accuracy=round(sum(rewards) / max(1, len(rewards)), 3),
+        seconds=round(seconds, 1),
+        buckets=buckets,
+        demo_length=length_stats(demo_lens),
+        response_length=length_stats([len(r) + 1 for r in responses]),
+    )
+
+
+def render(result: EvalResult) -> str:
+    """A short human-readable report of an :class:`EvalResult`."""
+    lines = [
+        f"{result.model}: accuracy {result.accuracy:.3f} on {result.n} test records "
+        f"({result.seconds:.0f} s)",
+    ]
+    if result.buckets:
+        lines.append("  steps      n  accuracy")
+        for label, row in result.buckets.items():
+            lines.append(f"  {label:>6} {int(row['n']):>6}  {row['accuracy']:.3f}")
+    for name, stats in (("demo", result.demo_length), ("model", result.response_length)):
+        if stats:
+            lines.append(
+                f"  {name} response tokens: median {stats['median']:.0f}, p90 {stats['p90']:.0f}, "
+                f"p99 {stats['p99']:.0f}, max {stats['max']:.0f}"
+            )
+    return "\n".join(lines)
+
+
+def to_json(result: EvalResult) -> str:
+    return json.dumps(asdict(result), indent=2)

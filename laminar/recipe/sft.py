@@ -1,0 +1,238 @@
+"""``laminar sft``: supervised warm start of a task model on the task's demonstrations.
+
+Why a warm start: RL from a random model on a verifiable task never sees a reward. A short SFT run
+teaches the response *format* and most of the per-step skill, so that after it the model solves
+short problems and fails long ones, which is where RL has room to help (and where the long tail of
+response lengths is).
+
+What it does: draws training records from the task (an endless stream from the ``train`` split,
+or a fixed ``demos.jsonl`` with ``prompt``/``response``), tokenizes ``prompt`` + ``response`` +
+EOS, and trains with the loss on response tokens only. Batches hold ``batch_size`` sequences of
+similar length (a pool is sorted by length, cut into batches, and the batches shuffled), so the
+heavy-tailed lengths do not turn most of each batch into padding. AdamW, linear warmup then cosine
+decay to ``min_lr_ratio``, gradient-norm clipping.
+
+The budget is ``steps`` or ``minutes`` (whichever ends first when both are given). With a time
+budget the learning-rate schedule follows the elapsed fraction of the budget, so a run of M
+minutes always completes its schedule, on whatever machine. The result is written atomically
+with ``sft.json`` (settings, steps, seconds, loss curve) beside the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .model import check_model_dir, save_model_dir
+from .tasks import Record, Task, read_jsonl
+from .tokenizer import EOS, PAD, load_tokenizer, special_id
+
+IGNORE = -100
+
+
+@dataclass
+class SftConfig:
+    """Settings of one SFT run (the CLI flags of ``laminar sft``)."""
+
+    steps: int | None = None
+    minutes: float | None = None
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.05
+    warmup: float = 0.03
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    seed: int = 0
+    threads: int = 2
+    pool_batches: int = 16
+    max_len: int = 1024
+    demos: str | None = None
+
+    def validate(self) -> None:
+        if self.steps is None and self.minutes is None:
+            raise ConfigError("give a budget: --steps N or --minutes M")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, not {self.steps}")
+        if self.minutes is not None and self.minutes <= 0:
+            raise ConfigError(f"--minutes must be > 0, not {self.minutes}")
+        if self.batch_size < 1 or self.lr <= 0 or not 0 <= self.warmup < 1:
+            raise ConfigError("need batch size >= 1, lr > 0 and 0 <= warmup < 1")
+
+
+@dataclass
+class SftResult:
+    """What a run did: written to ``OUT/sft.json``."""
+
+    out: str
+    steps: int
+    seconds: float
+    tokens: int
+    sequences: int
+    final_loss: float
+    losses: list[tuple[int, float, float]] = field(default_factory=list)  # step, seconds, loss
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def lr_factor(progress: float, warmup: float, min_ratio: float) -> float:
+    """Learning-rate multiplier at ``progress`` in [0, 1]: linear warmup, cosine to min_ratio."""
+    if warmup > 0 and progress < warmup:
+        return max(progress / warmup, 1e-3)
+    rest = (progress - warmup) / max(1e-9, 1 - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, rest)))
+
+
+def _pairs(task: Task, cfg: SftConfig) -> Iterator[tuple[str, str]]:
+    """An endless stream of ``(prompt, response)`` pairs, in pools of ``pool_batches`` batches."""
+    pool = cfg.batch_size * cfg.pool_batches
+    if cfg.demos:
+        rows = read_jsonl(cfg.demos)
+        if not rows or not all("prompt" in r and "response" in r for r in rows):
+            raise ConfigError(f"{cfg.demos}: need rows with 'prompt' and 'response'")
+        rng = random.Random(cfg.seed)
+        while True:
+            rng.shuffle(rows)
+            for row in rows:
+                yield row["prompt"], row["response"]
+    chunk = 0
+    while True:
+        # One fresh stream per chunk; the chunk index is part of the seed, so no chunk repeats.
+        records: list[Record] = task.train_records(pool, cfg.seed * 1_000_003 + chunk)
+        for record in records:
+            yield record["prompt"], task.demonstration(record)
+        chunk += 1
+
+
+def _batches(task: Task, tok: Any, cfg: SftConfig) -> Iterator[tuple[list[list[int]], list[int]]]:
+    """Batches of ``(token ids, prompt lengths)``, of similar total length within a batch."""
+    eos = special_id(tok, EOS)
+    rng = random.Random(cfg.seed + 1)
+    pairs = _pairs(task, cfg)
+    pool_size = cfg.batch_size * cfg.pool_batches
+    while True:
+        pool: list[tuple[list[int], int]] = []
+        for prompt, response in pairs:
+            p_ids = tok.encode(prompt).ids
+            ids = (p_ids + tok.encode(response).ids + [eos])[: cfg.max_len]
+            if len(ids) > len(p_ids):
+                pool.append((ids, len(p_ids)))
+            if len(pool) >= pool_size:
+                break
+        pool.sort(key=lambda item: len(item[0]))
+        batches = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
+        rng.shuffle(batches)
+        for batch in batches:
+            yield [ids for ids, _ in batch], [n for _, n in batch]
+
+
+def collate(seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict[str, Any]:
+    """Right-padded ``input_ids``/``attention_mask``/``labels``; labels only on response tokens."""
+    import torch
+
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
+    for row, (seq, n_prompt) in enumerate(zip(seqs, prompt_lens, strict=True)):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+        labels[row, n_prompt : len(seq)] = torch.tensor(seq[n_prompt:])
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def train_sft(task: Task, model_dir: str | Path, out: str | Path, cfg: SftConfig) -> SftResult:
+    """Run SFT from ``model_dir`` and save the result (model + tokenizer + sft.json) to ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg.validate()
+    src = check_model_dir(model_dir)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    tok = load_tokenizer(src)
+    pad = special_id(tok, PAD)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.train()
+    cfg.max_len = min(cfg.max_len, int(model.config.max_position_embeddings))
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
+    optim = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.98),
+    )
+    budget_s = cfg.minutes * 60 if cfg.minutes is not None else math.inf
+    result = SftResult(
+        out=str(out),
+        steps=0,
+        seconds=0.0,
+        tokens=0,
+        sequences=0,
+        final_loss=math.nan,
+        config=asdict(cfg),
+    )
+    ema: float | None = None
+    start = time.monotonic()
+    progress = 0.0
+    with _progress_bar() as bar:
+        bar_task = bar.add_task("sft", total=1000, loss=math.nan, tps=0.0)
+        for seqs, prompt_lens in _batches(task, tok, cfg):
+            elapsed = time.monotonic() - start
+            progress = max(
+                result.steps / cfg.steps if cfg.steps else 0.0,
+                elapsed / budget_s,
+            )
+            if progress >= 1.0:
+                break
+            for group in optim.param_groups:
+                group["lr"] = cfg.lr * lr_factor(progress, cfg.warmup, cfg.min_lr_ratio)
+            batch = collate(seqs, prompt_lens, pad)
+            loss = model(**batch).loss
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            optim.step()
+            value = float(loss.detach())
+            ema = value if ema is None else 0.95 * ema + 0.05 * value
+            result.steps += 1
+            result.tokens += int(batch["attention_mask"].sum())
+            result.sequences += len(seqs)
+            if result.steps == 1 or result.steps % 10 == 0:
+                result.losses.append((result.steps, round(elapsed, 2), round(value, 4)))
+            bar.update(
+                bar_task,
+                completed=int(1000 * progress),
+                loss=ema,
+                tps=result.tokens / max(1e-9, time.monotonic() - start),
+            )
+        bar.update(bar_task, completed=1000)
+    result.seconds = round(time.monotonic() - start, 2)
+    result.final_loss = round(ema if ema is not None else math.nan, 4)
+    model.eval()
+    summary = json.dumps(asdict(result), indent=1) + "\n"
+    result.out = str(save_model_dir(model, src, out, extra={"sft.json": summary}))
+    return result
+
+
+def _progress_bar() -> Any:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[tps]:.0f} tok/s"),
+        TimeElapsedColumn(),
+        transient=False,
+    )

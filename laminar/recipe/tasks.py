@@ -1,0 +1,154 @@
+"""Load a task module by path or name, and check it offers what the recipe needs.
+
+A *task* is a plain Python module (see ``examples/arith/task.py``) with:
+
+* ``ALPHABET: str`` — every character a prompt or response may contain (builds the tokenizer);
+* ``generate(n, seed[, split])`` — ``n`` records, dicts with at least ``id``, ``prompt``,
+  ``answer`` (and, for per-bucket reports, ``steps``); deterministic in its arguments;
+* ``demonstration(record) -> str`` — the target response for supervised warm start;
+* ``reward(record, response) -> float`` — the verifier.
+
+Why a module and not a class: the reward runs in other processes (the data role), which import it
+by ``module:function`` or ``file.py:function``; a module-level function is importable and picklable
+there with no state to rebuild.
+
+Held-out records: when ``generate`` takes a ``split`` argument, the task owns the separation
+(``split="test"``); otherwise the recipe draws test records from a far-away seed
+(:data:`TEST_SEED_OFFSET`) and drops training records whose prompt is among the first
+:data:`HELD_OUT` test records of seed 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..errors import ConfigError
+
+Record = dict[str, Any]
+TEST_SEED_OFFSET = 1_000_003
+#: without task-side splits: how many test records (from seed 0) are kept out of training
+HELD_OUT = 5000
+REQUIRED = ("ALPHABET", "generate", "demonstration", "reward")
+
+
+def _load_file(path: Path) -> ModuleType:
+    path = path.resolve()
+    name = f"laminar_task_{path.parent.name}_{path.stem}".replace("-", "_")
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__file__", None) == str(path):
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"task {path}: cannot load it as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ConfigError(f"task {path}: importing it raised {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def load_task_module(spec: str) -> ModuleType:
+    """``path/to/task.py``, a directory holding ``task.py``, or a dotted module name."""
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "task.py"
+        if not path.is_file():
+            raise ConfigError(f"task {spec!r}: directory has no task.py")
+        return _load_file(path)
+    if spec.endswith(".py"):
+        if not path.is_file():
+            raise ConfigError(f"task {spec!r}: file does not exist")
+        return _load_file(path)
+    try:
+        return importlib.import_module(spec)
+    except ImportError as exc:
+        raise ConfigError(
+            f"task {spec!r}: not a file, a directory with task.py, or an importable module ({exc})"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class Task:
+    """A loaded task module plus the recipe's uniform view of its splits."""
+
+    spec: str
+    module: ModuleType
+
+    @property
+    def alphabet(self) -> str:
+        return str(self.module.ALPHABET)
+
+    @property
+    def reward(self) -> Callable[[Record, str], float]:
+        return self.module.reward  # type: ignore[no-any-return]
+
+    def demonstration(self, record: Record) -> str:
+        return str(self.module.demonstration(record))
+
+    @cached_property
+    def has_splits(self) -> bool:
+        """Whether the task's ``generate`` takes ``split`` (and so keeps test problems apart)."""
+        try:
+            return "split" in inspect.signature(self.module.generate).parameters
+        except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
+            return False
+
+    @cached_property
+    def _held_out_prompts(self) -> frozenset[str]:
+        return frozenset(r["prompt"] for r in self.test_records(HELD_OUT))
+
+    def test_records(self, n: int, seed: int = 0) -> list[Record]:
+        """``n`` held-out records (never produced by :meth:`train_records`)."""
+        if self.has_splits:
+            return list(self.module.generate(n, seed, split="test"))
+        return list(self.module.generate(n, seed + TEST_SEED_OFFSET))
+
+    def train_records(self, n: int, seed: int) -> list[Record]:
+        """``n`` training records, none with the prompt of a held-out record."""
+        if self.has_splits:
+            return list(self.module.generate(n, seed, split="train"))
+        exclude = self._held_out_prompts
+        want = n
+        while want <= 64 * n:
+            out = [r for r in self.module.generate(want, seed) if r["prompt"] not in exclude]
+            if len(out) >= n:
+                return out[:n]
+            want *= 2
+        raise ConfigError(f"task {self.spec!r}: almost every generated prompt is a test prompt")
+
+
+def load_task(spec: str) -> Task:
+    """Load and validate a task; raises :class:`ConfigError` naming what is missing."""
+    module = load_task_module(spec)
+    missing = [name for name in REQUIRED if not hasattr(module, name)]
+    if missing:
+        raise ConfigError(f"task {spec!r} lacks {', '.join(missing)} (see laminar.recipe.tasks)")
+    return Task(spec=spec, module=module)
+
+
+def read_jsonl(path: str | Path) -> list[Record]:
+    """Records from a JSON-lines file (blank lines skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no such file: {path}")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
+    return rows

@@ -1,0 +1,292 @@
+"""The model recipe (tokenizer, ``model init``, ``sft``, ``eval``) and the ``examples/arith`` task.
+
+Everything runs on a tiny model on CPU; the whole module takes well under 30 s.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from laminar.cli import main
+from laminar.errors import ConfigError
+from laminar.recipe.evaluate import bucket_of, length_stats
+from laminar.recipe.model import ModelShape, init_model
+from laminar.recipe.sft import IGNORE, collate, lr_factor
+from laminar.recipe.tasks import Task, load_task
+from laminar.recipe.tokenizer import EOS, PAD, build_tokenizer, load_tokenizer, special_id
+
+ROOT = Path(__file__).resolve().parents[2]
+ARITH = str(ROOT / "examples" / "arith")
+TINY = [
+    "--hidden",
+    "64",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--kv-heads",
+    "1",
+    "--intermediate",
+    "128",
+    "--max-len",
+    "512",
+]
+
+
+@pytest.fixture(scope="module")
+def task():  # type: ignore[no-untyped-def]
+    return load_task(ARITH)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, task):  # type: ignore[no-untyped-def]
+    out = tmp_path_factory.mktemp("models") / "init"
+    assert main(["model", "init", "--task", ARITH, "--out", str(out), *TINY]) == 0
+    return out
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+
+def test_tokenizer_one_id_per_char_and_round_trip(task) -> None:  # type: ignore[no-untyped-def]
+    tok = build_tokenizer(task.alphabet)
+    text = "37a+8-5=\n37a+8=45\n45b-5=40\n#40"
+    ids = tok.encode(text).ids
+    assert len(ids) == len(text)
+    assert len(set(ids)) == len(set(text))
+    assert tok.decode(ids) == text
+    assert tok.get_vocab_size() % 16 == 0
+    eos = special_id(tok, EOS)
+    assert tok.decode([*ids, eos, special_id(tok, PAD)]) == text  # specials decode to nothing
+    assert len(tok.encode("x?").ids) == 2  # outside the alphabet: <unk>, still one per char
+
+
+def test_autotokenizer_agrees_with_tokenizer(tiny_model, task) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(tiny_model)
+    tok = load_tokenizer(tiny_model)
+    for record in task.test_records(20):
+        text = record["prompt"] + task.demonstration(record)
+        assert auto(text).input_ids == tok.encode(text).ids
+        assert auto.decode(auto(text).input_ids) == text
+    assert auto.eos_token_id == special_id(tok, EOS)
+    assert auto.pad_token_id == special_id(tok, PAD)
+
+
+# --- model init --------------------------------------------------------------------------------
+
+
+def test_model_init_writes_a_loadable_qwen2(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (tiny_model / name).is_file(), name
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert config["hidden_size"] // config["num_attention_heads"] in (32, 64)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    tok = load_tokenizer(tiny_model)
+    assert model.config.vocab_size == tok.get_vocab_size()
+    assert model.config.eos_token_id == special_id(tok, EOS)
+    assert not list(tiny_model.parent.glob(".init.*"))  # no temp dirs left behind
+
+
+def test_model_init_rejects_bad_shapes(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="head dim"):
+        init_model("0123", tmp_path / "m", ModelShape(hidden=96, heads=2, kv_heads=1))
+    with pytest.raises(ConfigError, match="kv-heads"):
+        init_model("0123", tmp_path / "m", ModelShape(hidden=128, heads=4, kv_heads=3))
+    assert not (tmp_path / "m").exists()
+
+
+def test_cli_reports_missing_task_and_model(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["model", "init", "--task", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
+    assert "nope" in capsys.readouterr().err
+    args = [
+        "sft",
+        "--task",
+        ARITH,
+        "--model",
+        str(tmp_path / "none"),
+        "--out",
+        str(tmp_path / "o"),
+        "--steps",
+        "1",
+    ]
+    assert main(args) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_parser_does_not_import_transformers() -> None:
+    code = (
+        "import sys, laminar.cli as c; c.build_parser(); "
+        "print(any(m in sys.modules for m in ('transformers', 'torch', 'tokenizers')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# --- task --------------------------------------------------------------------------------------
+
+
+def test_task_loads_by_file_dir_and_module(task) -> None:  # type: ignore[no-untyped-def]
+    by_file = load_task(str(Path(ARITH) / "task.py"))
+    assert by_file.module is task.module
+    sys.path.insert(0, str(ROOT))
+    try:
+        by_name = load_task("examples.arith.task")
+    finally:
+        sys.path.remove(str(ROOT))
+    assert by_name.module.generate(5, 3) == task.module.generate(5, 3)
+    with pytest.raises(ConfigError):
+        load_task("no.such.module")
+
+
+def test_task_without_splits_keeps_test_prompts_out_of_training(tmp_path: Path) -> None:
+    (tmp_path / "task.py").write_text(
+        "import random\n"
+        "ALPHABET = '0123456789'\n"
+        "SPACE = 10**6\n"
+        "def generate(n, seed):\n"
+        "    rng = random.Random(seed)\n"
+        "    return [{'id': str(i), 'prompt': str(rng.randrange(SPACE)), 'answer': 0}"
+        " for i in range(n)]\n"
+        "def demonstration(record):\n    return '0'\n"
+        "def reward(record, response):\n    return 1.0\n"
+    )
+    task = load_task(str(tmp_path))
+    assert not task.has_splits
+    held_out = {r["prompt"] for r in task.test_records(5000)}
+    train = task.train_records(200, seed=3)
+    assert len(train) == 200
+    assert not held_out & {r["prompt"] for r in train}
+    task.module.SPACE = 300  # every possible prompt is held out: a clear error, not a hang
+    with pytest.raises(ConfigError, match="test prompt"):
+        Task(task.spec, task.module).train_records(10, seed=4)
+    with pytest.raises(ConfigError, match="lacks"):
+        (tmp_path / "bad.py").write_text("ALPHABET = '01'\n")
+        load_task(str(tmp_path / "bad.py"))
+
+
+def test_generator_is_deterministic_and_splits_are_disjoint(task) -> None:  # type: ignore[no-untyped-def]
+    gen = task.module.generate
+    assert gen(50, 7) == gen(50, 7)
+    assert gen(50, 7) != gen(50, 8)
+    assert gen(20, 7) == gen(50, 7)[:20]  # prefix-stable
+    train = gen(3000, 1)
+    assert len({r["id"] for r in train}) == len(train)
+    test_prompts = {r["prompt"] for r in task.test_records(500)}
+    assert not test_prompts & {r["prompt"] for r in train}
+    assert set(task.alphabet) >= set("".join(r["prompt"] + task.demonstration(r) for r in train))
+
+
+def test_steps_are_heavy_tailed(task) -> None:  # type: ignore[no-untyped-def]
+    steps = sorted(r["steps"] for r in task.module.generate(5000, 0))
+    median = statistics.median(steps)
+    p99 = steps[int(0.99 * len(steps)) - 1]
+    assert p99 / median >= 5, (median, p99)
+    assert min(steps) >= 1
+
+
+def test_reward_of_demonstration_and_corruptions(task) -> None:  # type: ignore[no-untyped-def]
+    for record in task.module.generate(200, 0):
+        demo = task.demonstration(record)
+        assert task.reward(record, demo) == 1.0
+        head, _, answer = demo.rpartition("#")
+        assert task.reward(record, f"{head}#{int(answer) + 1}") == 0.0
+        assert task.reward(record, demo.replace("#", "")) == 0.0
+        assert task.reward(record, f"{head}#x#{answer}") == 0.0  # first '#' counts
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    response=st.one_of(st.text(), st.none(), st.integers(), st.binary()),
+    answer=st.one_of(st.integers(), st.text(), st.none()),
+)
+def test_reward_never_raises(task, response, answer) -> None:  # type: ignore[no-untyped-def]
+    assert task.reward({"answer": answer}, response) in (0.0, 1.0)
+    assert task.reward({}, "#12") == 0.0
+
+
+# --- sft and eval ------------------------------------------------------------------------------
+
+
+def test_collate_masks_prompt_and_padding() -> None:
+    batch = collate([[5, 6, 7, 1], [5, 7]], [2, 1], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 1], [5, 7, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, IGNORE, 7, 1], [IGNORE, 7, IGNORE, IGNORE]]
+
+
+def test_lr_schedule_warms_up_then_decays() -> None:
+    assert lr_factor(0.0, 0.1, 0.05) < 0.01
+    assert lr_factor(0.1, 0.1, 0.05) == pytest.approx(1.0)
+    assert lr_factor(0.5, 0.1, 0.05) < 1.0
+    assert lr_factor(1.0, 0.1, 0.05) == pytest.approx(0.05)
+
+
+def test_sft_reduces_loss_and_saves_a_loadable_model(tiny_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "sft"
+    args = [
+        "sft",
+        "--task",
+        ARITH,
+        "--model",
+        str(tiny_model),
+        "--out",
+        str(out),
+        "--steps",
+        "20",
+        "--batch-size",
+        "8",
+        "--lr",
+        "3e-3",
+        "--threads",
+        "1",
+    ]
+    assert main(args) == 0
+    summary = json.loads((out / "sft.json").read_text())
+    assert summary["steps"] == 20
+    losses = [loss for _, _, loss in summary["losses"]]
+    assert losses[-1] < 0.7 * losses[0], losses
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == "qwen2"
+    assert (out / "tokenizer.json").read_bytes() == (tiny_model / "tokenizer.json").read_bytes()
+    assert not list(tmp_path.glob(".sft.*"))
+
+
+def test_eval_reports_buckets(tiny_model, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["eval", "--task", ARITH, "--model", str(tiny_model), "--n", "6", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["n"] == 6
+    assert 0.0 <= result["accuracy"] <= 1.0
+    assert sum(b["n"] for b in result["buckets"].values()) == 6
+    assert result["demo_length"]["max"] >= result["demo_length"]["median"]
+
+
+def test_buckets_and_length_stats() -> None:
+    assert [bucket_of(k) for k in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [
+        "1",
+        "2",
+        "3-4",
+        "3-4",
+        "5-8",
+        "5-8",
+        "9-16",
+        "9-16",
+        "17-32",
+    ]
+    stats = length_stats(list(range(1, 101)))
+    assert (stats["median"], stats["p90"], stats["p99"], stats["max"]) == (50, 90, 99, 100)
