@@ -38,11 +38,11 @@ runs/arith/train.jsonl: | $(STAMP)
 	$(PY) examples/arith/task.py generate --out runs/arith --train 20000 --test 500 --seed 0
 
 runs/models/arith-init/config.json: | $(STAMP)
-	$(VENV)/bin/laminar model init --task examples/arith --out runs/models/arith-init
+	$(VENV)/bin/laminar model init --task examples/arith --out runs/models/arith-init --seed 1
 
 runs/models/arith-sft/config.json: runs/models/arith-init/config.json
 	$(VENV)/bin/laminar sft --task examples/arith --model runs/models/arith-init \
-		--out runs/models/arith-sft --minutes 4
+		--out runs/models/arith-sft --seed 1
 
 generate: runs/arith/train.jsonl runs/models/arith-sft/config.json
 	$(VENV)/bin/laminar run examples/arith/config.yaml

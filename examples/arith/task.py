@@ -32,7 +32,8 @@ hash of its prompt falls in a fixed 10% bucket, so records generated for trainin
 repeat a test problem, with no list of test prompts to coordinate.
 
 Interface used by ``laminar.recipe`` (and by the data role, through ``reward``):
-:data:`ALPHABET`, :func:`generate`, :func:`demonstration`, :func:`reward`.
+:data:`ALPHABET`, :func:`generate`, :func:`demonstration`, :func:`reward`, and optionally
+:data:`SFT_STOP_AT`.
 
 CLI::
 
@@ -63,6 +64,9 @@ STEPS_SIGMA = 1.05
 MAX_STEPS = 48  # <= len(LABELS)
 #: share of all problems reserved for the test split (by prompt hash)
 TEST_FRACTION = 0.1
+#: ``laminar sft`` stops once greedy accuracy on training problems reaches this: RL needs a
+#: policy that is right on some problems but far from all (``--stop-at`` overrides)
+SFT_STOP_AT = 0.5
 
 _ORDER = {label: i for i, label in enumerate(LABELS)}
 _ANSWER = re.compile(r"#\s*(-?\d+)")

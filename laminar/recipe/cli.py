@@ -52,12 +52,31 @@ def cmd_sft(args: argparse.Namespace) -> int:
     for name in ("batch_size", "lr", "warmup"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
+    cfg.stop_at = _stop_at(args.stop_at, getattr(task.module, "SFT_STOP_AT", None))
     result = train_sft(task, args.model, args.out, cfg)
+    val = f", val accuracy {result.evals[-1][2]:.2f}" if result.evals else ""
     print(
-        f"wrote {result.out}: {result.steps} steps, {result.sequences} sequences, "
-        f"{result.tokens} tokens in {result.seconds:.0f} s, final loss {result.final_loss:.4f}"
+        f"wrote {result.out}: {result.steps} steps ({result.stopped_by}), {result.sequences} "
+        f"sequences, {result.tokens} tokens in {result.seconds:.0f} s, final loss "
+        f"{result.final_loss:.4f}{val}"
     )
     return 0
+
+
+def _stop_at(flag: str | None, task_default: float | None) -> float | None:
+    if flag is None:
+        return None if task_default is None else float(task_default)
+    if flag.lower() in ("off", "none", "no"):
+        return None
+    try:
+        value = float(flag)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"--stop-at takes an accuracy in (0, 1] or 'off', not {flag!r}")
+    return value
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -128,6 +147,13 @@ def register(sub: Any) -> None:
     sft.add_argument("--lr", type=float, help="peak learning rate")
     sft.add_argument("--warmup", type=float, help="warmup fraction of the budget")
     sft.add_argument("--seed", type=int, default=0)
+    sft.add_argument(
+        "--stop-at",
+        metavar="ACC",
+        help="stop once greedy accuracy on training-split problems reaches ACC (checked every "
+        "100 steps), so the warm start leaves RL room; 'off' to disable (default: the task's "
+        "SFT_STOP_AT, if any)",
+    )
     sft.add_argument("--demos", help="JSONL of prompt/response rows (default: from the task)")
     threads_arg(sft)
     sft.set_defaults(fn=cmd_sft)

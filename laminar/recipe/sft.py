@@ -14,8 +14,14 @@ decay to ``min_lr_ratio``, gradient-norm clipping.
 
 The budget is ``steps`` or ``minutes`` (whichever ends first when both are given). With a time
 budget the learning-rate schedule follows the elapsed fraction of the budget, so a run of M
-minutes always completes its schedule, on whatever machine. The result is written atomically
-with ``sft.json`` (settings, steps, seconds, loss curve) beside the weights.
+minutes always completes its schedule, on whatever machine; a step budget is reproducible.
+
+``stop_at``: small models learn these tasks in a phase change (the lookup of "operation i" clicks
+and accuracy jumps from ~chance to ~90% within a few hundred steps), and *when* varies with the
+seed. RL needs a policy that is right on some problems but far from all, so the run can stop as
+soon as greedy accuracy on ``val_n`` training-split problems (checked every ``eval_every``
+steps) reaches ``stop_at``. The result is written atomically with ``sft.json`` (settings, steps,
+why it stopped, loss and validation curves) beside the weights.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from .tasks import Record, Task, read_jsonl
 from .tokenizer import EOS, PAD, load_tokenizer, special_id
 
 IGNORE = -100
+#: seed of the validation records of ``stop_at`` (training chunks use seed * 1_000_003 + chunk)
+VAL_SEED = 999_983
 
 
 @dataclass
@@ -54,6 +62,9 @@ class SftConfig:
     pool_batches: int = 16
     max_len: int = 1024
     demos: str | None = None
+    stop_at: float | None = None
+    eval_every: int = 100
+    val_n: int = 100
 
     def validate(self) -> None:
         if self.steps is None and self.minutes is None:
@@ -64,6 +75,8 @@ class SftConfig:
             raise ConfigError(f"--minutes must be > 0, not {self.minutes}")
         if self.batch_size < 1 or self.lr <= 0 or not 0 <= self.warmup < 1:
             raise ConfigError("need batch size >= 1, lr > 0 and 0 <= warmup < 1")
+        if self.stop_at is not None and (self.eval_every < 1 or self.val_n < 1):
+            raise ConfigError("--stop-at needs eval_every >= 1 and val_n >= 1")
 
 
 @dataclass
@@ -76,7 +89,9 @@ class SftResult:
     tokens: int
     sequences: int
     final_loss: float
+    stopped_by: str = ""  # "steps", "minutes" or "stop_at"
     losses: list[tuple[int, float, float]] = field(default_factory=list)  # step, seconds, loss
+    evals: list[tuple[int, float, float]] = field(default_factory=list)  # step, seconds, accuracy
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -86,6 +101,32 @@ def lr_factor(progress: float, warmup: float, min_ratio: float) -> float:
         return max(progress / warmup, 1e-3)
     rest = (progress - warmup) / max(1e-9, 1 - warmup)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, rest)))
+
+
+class _Validator:
+    """Greedy accuracy on a fixed set of training-split records (the ``stop_at`` criterion)."""
+
+    def __init__(self, task: Task, tok: Any, n: int) -> None:
+        self.task = task
+        self.tok = tok
+        self.records = task.train_records(n, VAL_SEED)
+        demos = [task.demonstration(r) for r in self.records]
+        self.budgets = [2 * len(tok.encode(d).ids) + 16 for d in demos]
+
+    def accuracy(self, model: Any) -> float:
+        from .evaluate import greedy_responses
+
+        model.eval()
+        try:
+            prompts = [r["prompt"] for r in self.records]
+            responses = greedy_responses(model, self.tok, prompts, self.budgets, batch_size=64)
+        finally:
+            model.train()
+        rewards = [
+            float(self.task.reward(r, self.tok.decode(ids)))
+            for r, ids in zip(self.records, responses, strict=True)
+        ]
+        return sum(rewards) / len(rewards)
 
 
 def _pairs(task: Task, cfg: SftConfig) -> Iterator[tuple[str, str]]:
@@ -181,19 +222,26 @@ def train_sft(task: Task, model_dir: str | Path, out: str | Path, cfg: SftConfig
         final_loss=math.nan,
         config=asdict(cfg),
     )
+    validator = _Validator(task, tok, cfg.val_n) if cfg.stop_at is not None else None
     ema: float | None = None
+    acc = math.nan
     start = time.monotonic()
     progress = 0.0
     with _progress_bar() as bar:
-        bar_task = bar.add_task("sft", total=1000, loss=math.nan, tps=0.0)
+        bar_task = bar.add_task("sft", total=1000, loss=math.nan, tps=0.0, acc=acc)
         for seqs, prompt_lens in _batches(task, tok, cfg):
             elapsed = time.monotonic() - start
-            progress = max(
-                result.steps / cfg.steps if cfg.steps else 0.0,
-                elapsed / budget_s,
-            )
+            by_steps = result.steps / cfg.steps if cfg.steps else 0.0
+            progress = max(by_steps, elapsed / budget_s)
             if progress >= 1.0:
+                result.stopped_by = "steps" if by_steps >= 1.0 else "minutes"
                 break
+            if validator is not None and result.steps and result.steps % cfg.eval_every == 0:
+                acc = validator.accuracy(model)
+                result.evals.append((result.steps, round(elapsed, 2), round(acc, 4)))
+                if acc >= cfg.stop_at:  # type: ignore[operator]
+                    result.stopped_by = "stop_at"
+                    break
             for group in optim.param_groups:
                 group["lr"] = cfg.lr * lr_factor(progress, cfg.warmup, cfg.min_lr_ratio)
             batch = collate(seqs, prompt_lens, pad)
@@ -213,6 +261,7 @@ def train_sft(task: Task, model_dir: str | Path, out: str | Path, cfg: SftConfig
                 bar_task,
                 completed=int(1000 * progress),
                 loss=ema,
+                acc=acc,
                 tps=result.tokens / max(1e-9, time.monotonic() - start),
             )
         bar.update(bar_task, completed=1000)
@@ -232,6 +281,7 @@ def _progress_bar() -> Any:
         BarColumn(),
         TextColumn("{task.percentage:>3.0f}%"),
         TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("val acc {task.fields[acc]:.2f}"),
         TextColumn("{task.fields[tps]:.0f} tok/s"),
         TimeElapsedColumn(),
         transient=False,

@@ -290,3 +290,33 @@ def test_buckets_and_length_stats() -> None:
     ]
     stats = length_stats(list(range(1, 101)))
     assert (stats["median"], stats["p90"], stats["p99"], stats["max"]) == (50, 90, 99, 100)
+
+
+def test_sft_stops_once_validation_accuracy_reaches_stop_at(
+    tiny_model, task, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from laminar.recipe import sft
+
+    seen: list[int] = []
+
+    def fake_accuracy(self, model) -> float:  # type: ignore[no-untyped-def]
+        seen.append(1)
+        return 0.2 * len(seen)  # 0.2, 0.4, 0.6: crosses 0.5 at the third check
+
+    monkeypatch.setattr(sft._Validator, "accuracy", fake_accuracy)
+    cfg = sft.SftConfig(steps=100, batch_size=4, threads=1, stop_at=0.5, eval_every=3, val_n=4)
+    result = sft.train_sft(task, tiny_model, tmp_path / "out", cfg)
+    assert result.stopped_by == "stop_at"
+    assert result.steps == 9
+    assert [acc for _, _, acc in result.evals] == [0.2, 0.4, 0.6]
+    assert json.loads((tmp_path / "out" / "sft.json").read_text())["stopped_by"] == "stop_at"
+
+
+def test_stop_at_flag() -> None:
+    from laminar.recipe.cli import _stop_at
+
+    assert _stop_at(None, 0.5) == 0.5
+    assert _stop_at("off", 0.5) is None
+    assert _stop_at("0.3", None) == 0.3
+    with pytest.raises(ConfigError):
+        _stop_at("2", None)
