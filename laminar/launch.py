@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -65,23 +66,15 @@ class ProcessCluster:
     def _wait_ready(
         self, name: str, proc: subprocess.Popen[str], log: IO[str], timeout: float
     ) -> dict[str, Any]:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=0.1):
-                    if proc.poll() is not None:
-                        break
-                    continue
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                log.write(line)
-                log.flush()
-                if line.startswith(READY_PREFIX):
-                    threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
-                    return json.loads(line[len(READY_PREFIX) :])
+        def keep(line: str) -> None:
+            log.write(line)
+            log.flush()
+
+        info = read_ready_line(proc, timeout, keep)
+        if info is not None:
+            assert proc.stdout is not None
+            threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
+            return info
         proc.kill()
         proc.wait(timeout=10)
         raise LaminarError(f"{name} never became ready; its log ends:\n{self.log_tail(name)}")
@@ -116,6 +109,29 @@ class ProcessCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def read_ready_line(
+    proc: subprocess.Popen[str], timeout: float, on_line: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """Read ``proc``'s stdout until its ``LAMINAR_READY`` line; its info, or None if the process
+    exited or ``timeout`` passed first. Every line read (the ready line too) goes to ``on_line``."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=0.1):
+                if proc.poll() is not None:
+                    return None
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                return None
+            on_line(line)
+            if line.startswith(READY_PREFIX):
+                return json.loads(line[len(READY_PREFIX) :])
+    return None
 
 
 def _drain(src: IO[str], dst: IO[str]) -> None:

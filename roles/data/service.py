@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import statistics
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, ClassVar, TypeVar
@@ -153,6 +152,7 @@ class DataService(Service, DataApi):
         self.log.info("data ready", prompts=len(rows), store=c.store, **self._counts)
         for i in range(c.reward_workers):
             self._background.append(self.spawn(self._score_loop(), name=f"score-{i}"))
+        self._background.append(self.spawn(self._counts_loop(), name="counts"))
         if self.ctx.manager is not None:
             self._background.append(self.spawn(self._watch_rollouts(), name="watch-rollouts"))
 
@@ -216,8 +216,6 @@ class DataService(Service, DataApi):
             new, reply.duplicates = await self._db(store.complete, req.rollout, req.completed)
             for tid in new:
                 self._to_score.put_nowait(tid)
-        if req.completed or reply.drop:
-            await self._refresh_counts()
         return reply
 
     @endpoint
@@ -237,7 +235,6 @@ class DataService(Service, DataApi):
             remaining = deadline - loop.time()
             if len(chosen) >= req.n or (chosen and remaining <= 0):
                 out = await self._db(store.consume, chosen)
-                await self._refresh_counts()
                 return Trajectories(items=out)
             if remaining <= 0:
                 return Trajectories()
@@ -250,7 +247,6 @@ class DataService(Service, DataApi):
 
     def _status(self, store: Store) -> DataStatus:  # one DB-thread call: a consistent snapshot
         counts = store.counts()
-        rewards = self._rewards(store)
         exhausted = store.exhausted(self.config.epochs)
         finished = (
             exhausted
@@ -262,14 +258,9 @@ class DataService(Service, DataApi):
             **counts,
             exhausted=exhausted,
             finished=finished,
-            mean_reward=statistics.fmean(rewards) if rewards else None,
+            mean_reward=store.mean_reward(),
             leases={k: len(v) for k, v in store.leases().items()},
         )
-
-    @staticmethod
-    def _rewards(store: Store) -> list[float]:
-        rows = store.db.execute("SELECT reward FROM trajectories WHERE reward IS NOT NULL")
-        return [r for (r,) in rows]
 
     @endpoint
     async def completed_ids(self) -> CompletedIds:
@@ -289,6 +280,13 @@ class DataService(Service, DataApi):
     async def _refresh_counts(self) -> None:
         self._counts = await self._db(self._need_store().counts)
 
+    async def _counts_loop(self) -> None:
+        """Keep the heartbeat's numbers fresh. ``counts`` aggregates whole tables, so it runs once
+        per heartbeat interval rather than on every report (a hot path)."""
+        while True:
+            await self.ctx.clock.sleep(self.ctx.cluster.heartbeat_interval_s)
+            await self._refresh_counts()
+
     async def _score_loop(self) -> None:
         store, rewards = self._need_store(), self.rewards
         assert rewards is not None
@@ -302,8 +300,6 @@ class DataService(Service, DataApi):
                 self.log.warning("reward failed", trajectory=tid, error=result.error)
             await self._db(store.set_rewards, [(tid, result.reward, result.error)])
             self._ready.set()
-            if self._to_score.empty():
-                await self._refresh_counts()
 
     async def _watch_rollouts(self) -> None:
         """Release the leases of rollouts that die (and of those dead while we were down)."""
@@ -329,4 +325,3 @@ class DataService(Service, DataApi):
         if released:
             self.log.info("released leases", rollout=rollout, count=len(released), why=why)
             self._work.set()
-            await self._refresh_counts()

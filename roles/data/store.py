@@ -129,11 +129,6 @@ class Store:
             (key, str(value)),
         )
 
-    def _next_seq(self) -> int:
-        seq = int(self.get_meta("next_seq", "1") or 1)
-        self._set_meta("next_seq", seq + 1)
-        return seq
-
     # -- prompts -----------------------------------------------------------------------------
 
     def prompt_count(self) -> int:
@@ -188,21 +183,25 @@ class Store:
             queued = self.queued_count()
             epoch = int(self.get_meta("epoch", "0") or 0)
             pos = int(self.get_meta("cursor", "0") or 0)
+            seq = int(self.get_meta("next_seq", "1") or 1)
             now = time.time()
             rows = []
+            order = np.random.default_rng([seed, epoch]).permutation(n_prompts)
             while queued + added < min_queued and n_prompts:
                 if pos >= n_prompts:
                     epoch, pos = epoch + 1, 0
+                    order = np.random.default_rng([seed, epoch]).permutation(n_prompts)
                 if epochs is not None and epoch >= epochs:
                     break
-                idx = int(np.random.default_rng([seed, epoch]).permutation(n_prompts)[pos])
+                idx = int(order[pos])
                 pos += 1
                 (prompt_id,) = self.db.execute(
                     "SELECT prompt_id FROM prompts WHERE idx = ?", (idx,)
                 ).fetchone()
                 pid = prompt_id if epoch == 0 else f"{prompt_id}~e{epoch}"
                 for k in range(samples):
-                    rows.append((f"{pid}/{k}", pid, idx, k, self._next_seq(), now))
+                    rows.append((f"{pid}/{k}", pid, idx, k, seq, now))
+                    seq += 1
                 added += samples
             self.db.executemany(
                 "INSERT INTO samples "
@@ -212,6 +211,7 @@ class Store:
             )
             self._set_meta("epoch", epoch)
             self._set_meta("cursor", pos)
+            self._set_meta("next_seq", seq)
         return added
 
     def exhausted(self, epochs: int | None) -> bool:
@@ -475,6 +475,12 @@ class Store:
                 "UPDATE trajectories SET evicted = 1 WHERE trajectory_id = ?",
                 ((t,) for t in tids),
             )
+
+    def mean_reward(self) -> float | None:
+        (mean,) = self.db.execute(
+            "SELECT AVG(reward) FROM trajectories WHERE reward IS NOT NULL"
+        ).fetchone()
+        return mean
 
     def completed_ids(self) -> list[str]:
         return [
