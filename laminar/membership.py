@@ -24,6 +24,7 @@ class JoinRequest(BaseModel):
     metrics: str | None = None
     host: str = ""
     pid: int = 0
+    endpoints: dict[str, str] = Field(default_factory=dict)  # extra addresses, e.g. "weights"
 
 
 class Member(JoinRequest):

@@ -151,6 +151,10 @@ class Service:
         """Numbers sent to the manager with every heartbeat."""
         return {}
 
+    def advertise(self) -> dict[str, str]:
+        """Extra addresses announced when joining (e.g. a relay's ``weights`` listener)."""
+        return {}
+
     def spawn(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
         return self.ctx.spawn(coro, name=name)
 
@@ -276,6 +280,7 @@ class ServiceHost:
             metrics=metrics,
             host=socket.gethostname(),
             pid=os.getpid(),
+            endpoints=self.service.advertise(),
         )
         joined, complained = False, False
         while True:

@@ -7,5 +7,7 @@ importing every role (and its heavy dependencies) up front.
 BUILTIN: dict[str, str] = {
     "manager": "laminar.roles.manager:ManagerService",
     "data": "laminar.roles.data.service:DataService",
+    "relay": "laminar.roles.relay:RelayService",
     "rollout": "laminar.roles.rollout:RolloutService",
+    "trainer": "laminar.roles.trainer.service:TrainerService",
 }

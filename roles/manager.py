@@ -8,8 +8,11 @@ A member is *dead* as soon as either signal says so:
   event tells us, so the timeout does).
 
 A dead member that heartbeats again is *revived* (a network blip); a restarted process joins again
-under the same instance id and gets a new incarnation. Later stages add the relay chain and repack
-planning here.
+under the same instance id and gets a new incarnation.
+
+The manager also orders the relay chain (``laminar.weights.chain``): every membership change of a
+relay re-plans it at once, in the same call that noticed the change, and pushes the new view to
+every ``watch_chain`` stream, so a dead relay is routed around as fast as its socket closes.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from laminar.membership import (
 )
 from laminar.rpc import current_call
 from laminar.service import Service, ServiceContext
+from laminar.weights.chain import ChainView, ChainWatch, RelayChainApi, RelayInfo, plan_chain
 
 
 class ManagerConfig(ServiceConfig):
@@ -45,7 +49,7 @@ class ManagerConfig(ServiceConfig):
     liveness_check_s: float = Field(0.1, gt=0, description="How often silence is checked.")
 
 
-class ManagerService(Service, MembershipApi):
+class ManagerService(Service, MembershipApi, RelayChainApi):
     role: ClassVar[str] = "manager"
     config_model: ClassVar[type[ServiceConfig]] = ManagerConfig
 
@@ -55,6 +59,8 @@ class ManagerService(Service, MembershipApi):
         self._connections: dict[int, str] = {}  # RPC connection id -> instance heard on it
         self._watchers: set[asyncio.Queue[MemberEvent]] = set()
         self._stopping = False
+        self._chain = ChainView()
+        self._chain_changed = asyncio.Event()
 
     async def on_start(self) -> None:
         assert self.ctx.address is not None
@@ -147,6 +153,50 @@ class ManagerService(Service, MembershipApi):
         finally:
             self._watchers.discard(queue)
 
+    @endpoint
+    async def chain(self) -> ChainView:
+        return self._chain
+
+    @stream
+    async def watch_chain(self, req: ChainWatch) -> AsyncIterator[ChainView]:
+        seen = req.since_epoch
+        while True:
+            changed = self._chain_changed
+            if self._chain.epoch > seen:
+                seen = self._chain.epoch
+                yield self._chain
+            else:
+                await changed.wait()
+
+    def _replan_chain(self, reason: str) -> None:
+        alive = [
+            RelayInfo(
+                instance=m.instance,
+                address=m.address,
+                weights=m.endpoints.get("weights", ""),
+                host=m.host,
+            )
+            for m in self.members.values()
+            if m.role == "relay" and m.state == "alive" and m.endpoints.get("weights")
+        ]
+        relays = plan_chain(self._chain.relays, alive)
+        if relays == self._chain.relays:
+            return
+        self._chain = ChainView(
+            epoch=self._chain.epoch + 1,
+            relays=relays,
+            reason=reason,
+            changed_at=self.ctx.clock.wall(),
+        )
+        event, self._chain_changed = self._chain_changed, asyncio.Event()
+        event.set()
+        self.log.info(
+            "relay chain",
+            epoch=self._chain.epoch,
+            order=[r.instance for r in relays],
+            reason=reason,
+        )
+
     # -- liveness --
 
     def on_disconnect(self, connection_id: int) -> None:
@@ -182,6 +232,8 @@ class ManagerService(Service, MembershipApi):
 
     def _publish(self, event: str, member: Member) -> None:
         ev = MemberEvent(event=event, member=member.model_copy())  # type: ignore[arg-type]
+        if member.role == "relay":
+            self._replan_chain(f"{member.instance} {event}")
         for queue in list(self._watchers):
             if queue.full():  # a watcher that stopped reading is cut off, never blocks us
                 self._watchers.discard(queue)

@@ -12,8 +12,10 @@ from the start (``SharedBuffer(n).view``), which is what the relay does.
 
 The owner keeps a segment alive and unchanged while readers may map it (the relay keeps the last K
 versions for that reason); readers' existing mappings survive ``close()`` (unlink). Receivers map
-only names of the form ``laminar-<32 hex>`` under ``/dev/shm`` and check bounds, so an
-authenticated but buggy peer cannot make us map arbitrary files.
+only names of the form ``laminar-<8 hex pid>-<24 hex>`` under ``/dev/shm`` and check bounds, so
+an authenticated but buggy peer cannot make us map arbitrary files. The owner's pid in the name
+lets :func:`sweep_dead_segments` remove what a process killed with -9 left behind (tmpfs pages
+are RAM: a relay that dies holding two versions of a large model must not keep them forever).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .tcp import StreamConnection, StreamListener, protocol_factory
 
 SHM_DIR = "/dev/shm"
 SHM_MIN_BYTES = 64 << 10  # smaller shared slices go inline: a mapping costs more
-_NAME = re.compile(r"^laminar-[0-9a-f]{32}$")
+_NAME = re.compile(r"^laminar-([0-9a-f]{8})-[0-9a-f]{24}$")
 #: segments alive in this process that were created as SharedBuffers: id(mmap) -> SharedBuffer
 _SHARED: weakref.WeakValueDictionary[int, SharedBuffer] = weakref.WeakValueDictionary()
 
@@ -50,7 +52,7 @@ class SharedBuffer:
     def __init__(self, size: int, name: str | None = None) -> None:
         if size <= 0:
             raise ValueError("a shared buffer needs a positive size")
-        self.name = name or f"laminar-{secrets.token_hex(16)}"
+        self.name = name or f"laminar-{os.getpid():08x}-{secrets.token_hex(12)}"
         self.size = size
         path = os.path.join(SHM_DIR, self.name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -76,6 +78,24 @@ class SharedBuffer:
     def close(self) -> None:
         """Unlink the segment. Views already mapped (here or by readers) stay valid."""
         self._finalizer()
+
+
+def sweep_dead_segments() -> list[str]:
+    """Unlink segments whose owning process is gone (killed before it could clean up)."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        match = _NAME.match(name)
+        if match is None:
+            continue
+        pid = int(match.group(1), 16)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            _unlink(name)
+            removed.append(name)
+        except PermissionError:
+            pass  # alive, someone else's
+    return removed
 
 
 def _unlink(name: str) -> None:

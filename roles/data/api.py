@@ -38,11 +38,26 @@ class ReportReply(BaseModel):
 
 
 class SampleRequest(BaseModel):
-    """The trainer asks for up to ``n`` scored trajectories (consumed: never handed out again)."""
+    """The trainer asks for up to ``n`` scored trajectories (consumed: never handed out again).
+
+    Every consumed trajectory gets a *consume seq* (1, 2, ... over the store's life). A trainer
+    that commits the reply's ``cursor`` with its checkpoint and, after a restart, asks with
+    ``after=cursor`` first gets back the trajectories it had taken but not committed (consume seq
+    > ``after``, in consume order, up to ``n``), then fresh ones: each is trained exactly once.
+    ``after=None``: fresh ones only.
+
+    ``whole_groups``: ``n`` must be a multiple of the role's ``samples_per_prompt``; the reply holds
+    only complete groups (every sample of a prompt scored), members adjacent by sample index.
+
+    Waits up to ``wait_s`` for ``n`` (or, with whole groups, ``n // samples_per_prompt`` groups);
+    at the deadline returns what there is, maybe nothing.
+    """
 
     n: Annotated[int, Field(ge=1)]
-    trainer_version: int = 0
+    trainer_version: int = 0  # staleness of a trajectory = trainer_version - its version
     wait_s: Annotated[float, Field(ge=0, le=600)] = 0.0
+    after: Annotated[int, Field(ge=0)] | None = None  # the trainer's last committed cursor
+    whole_groups: bool = False
 
 
 class Assignments(BaseModel):
@@ -51,6 +66,9 @@ class Assignments(BaseModel):
 
 class Trajectories(BaseModel):
     items: list[Trajectory] = Field(default_factory=list)
+    seqs: list[int] = Field(default_factory=list)  # consume seq of each item (ascending)
+    cursor: int = 0  # max of ``seqs``; the request's ``after`` (or 0) when empty
+    redelivered: int = 0  # leading items that were consumed before (re-delivered after ``after``)
 
 
 class CompletedIds(BaseModel):
@@ -68,7 +86,10 @@ class DataStatus(BaseModel):
     trajectories: int
     scored: int
     consumed: int
-    evicted: int
+    evicted: int  # by the eviction policy or for staleness
+    stale_dropped: int = 0  # evicted because staler than the bound (staleness action ``drop``)
+    held: int = 0  # skipped for staleness by the last sample (action ``hold``), still buffered
+    cursor: int = 0  # the highest consume seq handed out so far
     reward_errors: int
     tokens: int
     partial_tokens: int

@@ -4,17 +4,22 @@ Both are small pluggable objects that see :class:`BufferEntry` rows (metadata, n
 return trajectory ids; the data role applies their choice durably. Name a built-in (``fifo``,
 ``newest``; ``none``, ``max_size``) or your own class as ``module:Class`` / ``file.py:Class``
 (constructed with the ``options`` mapping of the config as keyword arguments).
+
+:class:`ExperienceBuffer` puts them together with the store to answer the trainer's ``sample``:
+re-delivery after a trainer crash (the consume cursor), whole GRPO groups, and a staleness bound.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 from laminar.errors import ConfigError
 from laminar.plugins import load_object
+from laminar.trajectory import Trajectory
 
-from .store import BufferEntry
+from .store import BufferEntry, Store
 
 
 class Sampler(Protocol):
@@ -71,3 +76,159 @@ def make_policy(kind: str, builtins: dict[str, type], options: dict[str, Any]) -
         return cls(**options)
     except TypeError as exc:
         raise ConfigError(f"cannot construct {kind} with options {options}: {exc}") from None
+
+
+@dataclass
+class Batch:
+    """What one ``sample`` hands the trainer: trajectories with their consume seqs, in order."""
+
+    items: list[Trajectory] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    cursor: int = 0  # the highest consume seq in this batch (``after`` or 0 when empty)
+    redelivered: int = 0  # how many of ``items`` were consumed before (a trainer restart)
+
+
+class ExperienceBuffer:
+    """The trainer's view of the store: sampler, eviction, whole groups, staleness, the cursor.
+
+    Synchronous (it runs on the data role's store thread, one call at a time). One call of
+    :meth:`sample` is one consistent decision: evictions and stale drops are durable at once,
+    while trajectories are marked consumed only when the batch is handed out.
+
+    * **Cursor.** Every consumed trajectory gets the next consume seq (1, 2, ...). With ``after``
+      set, the batch first re-delivers the trajectories consumed with seq > ``after`` (taken by a
+      trainer that crashed before committing), in consume order, then tops up with fresh ones. A
+      trainer that commits ``cursor`` with its checkpoint trains every trajectory exactly once.
+      Re-delivered trajectories are returned as they were (no staleness check: they were already
+      handed out).
+    * **Whole groups.** A group is a prompt id (an epoch's repeat of a prompt is another group).
+      It is eligible when all ``group_size`` members are scored, unconsumed, not evicted and
+      within the staleness bound. Eligible groups are ordered by when they completed (the
+      highest buffer seq of their members); their members go to the sampler in that order,
+      asked for all of them, and groups are taken in the order their first member appears in the
+      sampler's choice (fifo keeps completion order, newest takes the last-completed first; a
+      group the sampler does not pick at all is not taken). Members stay adjacent, ordered by
+      sample index. A group one of whose members was evicted (or consumed by a request without
+      ``whole_groups``) can never complete: its other members stay in the buffer until eviction
+      drops them.
+    * **Staleness** (``bound`` set): staleness = ``trainer_version - version``. Over the bound,
+      ``drop`` evicts durably (counted in ``stale_dropped``); ``hold`` skips them and keeps them
+      (``held`` counts those skipped by the last call). With whole groups a group with any member
+      over the bound is dropped whole (``drop``) or held whole (``hold``).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        sampler: Sampler,
+        eviction: EvictionPolicy,
+        *,
+        group_size: int,
+        staleness_bound: int | None = None,
+        staleness_action: Literal["drop", "hold"] = "drop",
+    ) -> None:
+        if staleness_bound is not None and staleness_bound < 0:
+            raise ConfigError(f"the staleness bound must be >= 0, got {staleness_bound}")
+        self.store = store
+        self.sampler = sampler
+        self.eviction = eviction
+        self.group_size = group_size
+        self.staleness_bound = staleness_bound
+        self.staleness_action = staleness_action
+        self.held = 0  # trajectories the last call skipped for staleness (``hold``)
+
+    def check(self, n: int, whole_groups: bool) -> None:
+        if whole_groups and n % self.group_size:
+            raise ValueError(
+                f"whole_groups needs n to be a multiple of samples_per_prompt "
+                f"({self.group_size}), got n={n}"
+            )
+
+    def sample(
+        self,
+        n: int,
+        trainer_version: int,
+        *,
+        after: int | None = None,
+        whole_groups: bool = False,
+        partial: bool = True,
+    ) -> Batch | None:
+        """Up to ``n`` trajectories: re-deliveries after ``after``, then fresh ones.
+
+        ``partial=False``: return None (consuming nothing) unless ``n`` are available, so the
+        caller can wait for more; ``partial=True``: return what there is (maybe nothing).
+        """
+        self.check(n, whole_groups)
+        store = self.store
+        again = store.consumed_after(after, n) if after is not None else []
+        want = n - len(again)
+        fresh: list[str] = []
+        if want > 0:
+            ready = store.ready_entries()
+            evict = self.eviction.evict(ready, trainer_version)
+            if evict:
+                store.evict(evict)
+                gone = set(evict)
+                ready = [e for e in ready if e.trajectory_id not in gone]
+            ready = self._apply_staleness(ready, trainer_version, whole_groups)
+            if whole_groups:
+                fresh = self._select_groups(ready, want // self.group_size, trainer_version)
+            else:
+                fresh = self.sampler.select(ready, want, trainer_version)[:want]
+        # with whole groups, re-deliveries that are not whole groups leave a gap no group fills
+        enough = len(again) + (want // self.group_size * self.group_size if whole_groups else want)
+        if not partial and len(again) + len(fresh) < enough:
+            return None
+        pairs = again + (store.consume_numbered(fresh) if fresh else [])
+        seqs = [s for s, _ in pairs]
+        return Batch(
+            items=[t for _, t in pairs],
+            seqs=seqs,
+            cursor=max(seqs) if seqs else (after or 0),
+            redelivered=len(again),
+        )
+
+    def _apply_staleness(
+        self, ready: list[BufferEntry], trainer_version: int, whole_groups: bool
+    ) -> list[BufferEntry]:
+        bound = self.staleness_bound
+        self.held = 0
+        if bound is None:
+            return ready
+        stale = {e.trajectory_id for e in ready if trainer_version - e.version > bound}
+        if whole_groups and stale:
+            groups = {e.prompt_id for e in ready if e.trajectory_id in stale}
+            stale = {e.trajectory_id for e in ready if e.prompt_id in groups}
+        if not stale:
+            return ready
+        if self.staleness_action == "drop":
+            self.store.evict(sorted(stale), stale=True)
+        else:
+            self.held = len(stale)
+        return [e for e in ready if e.trajectory_id not in stale]
+
+    def _select_groups(
+        self, ready: Sequence[BufferEntry], groups: int, trainer_version: int
+    ) -> list[str]:
+        if groups <= 0:
+            return []
+        members: dict[str, list[BufferEntry]] = {}
+        for e in ready:
+            members.setdefault(e.prompt_id, []).append(e)
+        complete = [
+            sorted(m, key=lambda e: e.sample_index)
+            for m in members.values()
+            if len({e.sample_index for e in m}) == self.group_size
+        ]
+        complete.sort(key=lambda m: max(e.seq for e in m))
+        entries = [e for m in complete for e in m]
+        by_id = {e.trajectory_id: e.prompt_id for e in entries}
+        by_group = {m[0].prompt_id: m for m in complete}
+        order: list[str] = []
+        for tid in self.sampler.select(entries, len(entries), trainer_version):
+            pid = by_id.get(tid)
+            if pid is not None and pid not in order:
+                order.append(pid)
+                if len(order) == groups:
+                    break
+        return [e.trajectory_id for pid in order for e in by_group[pid]]

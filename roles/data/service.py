@@ -9,7 +9,9 @@ Flow of one trajectory:
    finished trajectories go to the experience buffer, exactly once, their partials dropped.
 3. The writer scores each new trajectory with the reward plug-in in a worker process (off the
    event loop, with a timeout) and records the reward or the reason there is none.
-4. ``sample`` (the trainer): the sampler picks scored trajectories, which are marked consumed.
+4. ``sample`` (the trainer): the sampler picks scored trajectories, which are marked consumed
+   with a consume seq (the trainer's cursor: it re-asks from its last committed cursor after a
+   crash), optionally as whole groups and within a staleness bound (``buffer.ExperienceBuffer``).
 
 Durability: all state is in :class:`Store` (SQLite, WAL); every acknowledgement follows a commit.
 Database calls run on one dedicated thread, so the event loop never blocks on disk.
@@ -27,7 +29,7 @@ import contextlib
 import hashlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import Field
 
@@ -50,7 +52,7 @@ from .api import (
     TakeRequest,
     Trajectories,
 )
-from .buffer import EVICTIONS, SAMPLERS, make_policy
+from .buffer import EVICTIONS, SAMPLERS, Batch, ExperienceBuffer, make_policy
 from .prompts import fingerprint, load_tokenizer, read_records, tokenize_records
 from .rewards import RewardPool
 from .store import Store
@@ -75,6 +77,18 @@ class SamplingConfig(Strict):
     )
 
 
+class StalenessConfig(Strict):
+    bound: Annotated[int, Field(ge=0)] | None = Field(
+        None,
+        description="Max trainer_version - trajectory version a sample may hand out; null = off.",
+    )
+    action: Literal["drop", "hold"] = Field(
+        "drop",
+        description="drop: evict staler trajectories for good (counted); hold: skip them but keep "
+        "them buffered (a later, larger bound can still use them).",
+    )
+
+
 class DataConfig(ServiceConfig):
     prompts: str = Field(description="Prompt dataset: .jsonl or .parquet (relative to the cwd).")
     tokenizer: str = Field(description="Model directory (or tokenizer.json) to tokenize prompts.")
@@ -93,6 +107,7 @@ class DataConfig(ServiceConfig):
     reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     sampler: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="fifo"))
     eviction: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="none"))
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
 
 
 def trajectory_seed(seed: int, trajectory_id: str) -> int:
@@ -111,6 +126,7 @@ class DataService(Service, DataApi):
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="data-store")
         self.store: Store | None = None
         self.rewards: RewardPool | None = None
+        self.buffer: ExperienceBuffer | None = None
         self.tokenizer: Any = None
         self._work = asyncio.Event()  # set when samples may have become available
         self._ready = asyncio.Event()  # set when scored trajectories arrive
@@ -141,6 +157,14 @@ class DataService(Service, DataApi):
         )
         print_ = fingerprint(c.prompts, c.tokenizer, extra=f"{c.samples_per_prompt}/{c.seed}")
         self.store = await self._db(Store, c.store)
+        self.buffer = ExperienceBuffer(
+            self.store,
+            self.sampler,
+            self.eviction,
+            group_size=c.samples_per_prompt,
+            staleness_bound=c.staleness.bound,
+            staleness_action=c.staleness.action,
+        )
         try:
             await self._db(self.store.load_prompts, rows, print_)
         except ValueError as exc:
@@ -220,26 +244,35 @@ class DataService(Service, DataApi):
 
     @endpoint
     async def sample(self, req: SampleRequest) -> Trajectories:
-        store = self._need_store()
+        self._need_store()
+        buffer = self.buffer
+        assert buffer is not None
+        buffer.check(req.n, req.whole_groups)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.wait_s
         while True:
             self._ready.clear()
-            ready = await self._db(store.ready_entries)
-            evict = self.eviction.evict(ready, req.trainer_version)
-            if evict:
-                await self._db(store.evict, evict)
-                gone = set(evict)
-                ready = [e for e in ready if e.trajectory_id not in gone]
-            chosen = self.sampler.select(ready, req.n, req.trainer_version)
-            remaining = deadline - loop.time()
-            if len(chosen) >= req.n or (chosen and remaining <= 0):
-                out = await self._db(store.consume, chosen)
-                return Trajectories(items=out)
-            if remaining <= 0:
-                return Trajectories()
+            final = loop.time() >= deadline
+            batch = await self._db(self._sample_batch, buffer, req, final)
+            if batch is not None and (batch.items or final):
+                return Trajectories(
+                    items=batch.items,
+                    seqs=batch.seqs,
+                    cursor=batch.cursor,
+                    redelivered=batch.redelivered,
+                )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), remaining)
+                await asyncio.wait_for(self._ready.wait(), max(deadline - loop.time(), 0.0))
+
+    @staticmethod
+    def _sample_batch(buffer: ExperienceBuffer, req: SampleRequest, final: bool) -> Batch | None:
+        return buffer.sample(
+            req.n,
+            req.trainer_version,
+            after=req.after,
+            whole_groups=req.whole_groups,
+            partial=final,
+        )
 
     @endpoint
     async def status(self) -> DataStatus:
@@ -259,6 +292,7 @@ class DataService(Service, DataApi):
             exhausted=exhausted,
             finished=finished,
             mean_reward=store.mean_reward(),
+            held=self.buffer.held if self.buffer is not None else 0,
             leases={k: len(v) for k, v in store.leases().items()},
         )
 

@@ -15,7 +15,12 @@ Tables:
 * ``partials`` — acknowledged in-flight tokens, as chunks keyed by (trajectory, start offset).
 * ``trajectories`` — the experience buffer: finished trajectories (msgpack body), their reward
   (NULL until scored), whether the trainer consumed them and whether eviction dropped them.
-* ``meta`` — counters: the prompt cursor and epoch, the next queue sequence number.
+  ``consume_seq`` numbers consumed trajectories 1, 2, 3, ... in the order the trainer got them
+  (the trainer's *cursor*: after a crash it asks again from its last committed cursor and gets the
+  ones it had taken but not committed, in the same order). NULL until consumed; the counter is
+  ``MAX(consume_seq)``, so it is as durable as the rows.
+* ``meta`` — counters: the prompt cursor and epoch, the next queue sequence number, how many
+  trajectories were dropped for staleness (``stale_dropped``).
 
 This class is synchronous and not thread-safe: the data service runs every call on one thread.
 """
@@ -76,10 +81,19 @@ CREATE TABLE IF NOT EXISTS trajectories (
     scored INTEGER NOT NULL DEFAULT 0,
     consumed INTEGER NOT NULL DEFAULT 0,
     evicted INTEGER NOT NULL DEFAULT 0,
-    body BLOB NOT NULL                 -- msgpack of the Trajectory as generated
+    body BLOB NOT NULL,                -- msgpack of the Trajectory as generated
+    consume_seq INTEGER                -- order of consumption (1, 2, ...); NULL until consumed
 );
 CREATE INDEX IF NOT EXISTS trajectories_ready ON trajectories (scored, consumed, evicted);
 """
+
+# Run after the columns added since the first release exist (older stores are migrated first).
+INDEXES = """
+CREATE UNIQUE INDEX IF NOT EXISTS trajectories_consume_seq ON trajectories (consume_seq);
+"""
+
+# Columns added after the first release: (table, column, declaration) for ALTER TABLE ADD COLUMN.
+MIGRATIONS = (("trajectories", "consume_seq", "INTEGER"),)
 
 
 def _i32(values: Sequence[int]) -> bytes:
@@ -101,6 +115,7 @@ class BufferEntry:
     n_tokens: int
     finished_at: float
     reward: float | None
+    sample_index: int = 0  # position in its prompt's group (``prompt_id`` is the group)
 
 
 class Store:
@@ -112,6 +127,15 @@ class Store:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA)
+        self._migrate()
+        self.db.executescript(INDEXES)
+
+    def _migrate(self) -> None:
+        """Add the columns a store written by an older release lacks (NULL in old rows)."""
+        for table, column, decl in MIGRATIONS:
+            have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         self.db.close()
@@ -445,15 +469,25 @@ class Store:
         return [
             BufferEntry(*row)
             for row in self.db.execute(
-                "SELECT seq, trajectory_id, prompt_id, version, n_tokens, finished_at, reward "
-                "FROM trajectories WHERE scored = 1 AND consumed = 0 AND evicted = 0 ORDER BY seq"
+                "SELECT t.seq, t.trajectory_id, t.prompt_id, t.version, t.n_tokens, "
+                "t.finished_at, t.reward, COALESCE(s.sample_index, 0) "
+                "FROM trajectories t LEFT JOIN samples s ON s.trajectory_id = t.trajectory_id "
+                "WHERE t.scored = 1 AND t.consumed = 0 AND t.evicted = 0 ORDER BY t.seq"
             )
         ]
 
     def consume(self, tids: Sequence[str]) -> list[Trajectory]:
+        return [t for _, t in self.consume_numbered(tids)]
+
+    def consume_numbered(self, tids: Sequence[str]) -> list[tuple[int, Trajectory]]:
+        """Mark ``tids`` consumed, in this order, each with the next consume seq.
+
+        Returns (consume seq, trajectory) pairs; ids unknown or already consumed are skipped.
+        """
         with self.db:
             self.db.execute("BEGIN")
             out = []
+            seq = self.consume_cursor()
             for tid in tids:
                 row = self.db.execute(
                     "SELECT body, reward, reward_error FROM trajectories "
@@ -462,19 +496,48 @@ class Store:
                 ).fetchone()
                 if row is None:
                     continue
+                seq += 1
                 self.db.execute(
-                    "UPDATE trajectories SET consumed = 1 WHERE trajectory_id = ?", (tid,)
+                    "UPDATE trajectories SET consumed = 1, consume_seq = ? WHERE trajectory_id = ?",
+                    (seq, tid),
                 )
-                out.append(self._decode(*row))
+                out.append((seq, self._decode(*row)))
         return out
 
-    def evict(self, tids: Sequence[str]) -> None:
+    def consumed_after(self, after: int, limit: int) -> list[tuple[int, Trajectory]]:
+        """Already consumed trajectories with consume seq > ``after``, in consume order."""
+        return [
+            (seq, self._decode(body, reward, error))
+            for seq, body, reward, error in self.db.execute(
+                "SELECT consume_seq, body, reward, reward_error FROM trajectories "
+                "WHERE consume_seq > ? ORDER BY consume_seq LIMIT ?",
+                (after, limit),
+            )
+        ]
+
+    def consume_cursor(self) -> int:
+        """The highest consume seq handed out so far (0 before the first)."""
+        (cursor,) = self.db.execute(
+            "SELECT COALESCE(MAX(consume_seq), 0) FROM trajectories"
+        ).fetchone()
+        return int(cursor)
+
+    def evict(self, tids: Sequence[str], *, stale: bool = False) -> None:
+        """Drop ``tids`` from the buffer for good; ``stale`` counts them in ``stale_dropped``."""
         with self.db:
             self.db.execute("BEGIN")
-            self.db.executemany(
-                "UPDATE trajectories SET evicted = 1 WHERE trajectory_id = ?",
-                ((t,) for t in tids),
-            )
+            dropped = 0
+            for tid in tids:
+                dropped += self.db.execute(
+                    "UPDATE trajectories SET evicted = 1 "
+                    "WHERE trajectory_id = ? AND evicted = 0 AND consumed = 0",
+                    (tid,),
+                ).rowcount
+            if stale and dropped:
+                self._set_meta("stale_dropped", self.stale_dropped() + dropped)
+
+    def stale_dropped(self) -> int:
+        return int(self.get_meta("stale_dropped", "0") or 0)
 
     def mean_reward(self) -> float | None:
         (mean,) = self.db.execute(
@@ -504,6 +567,8 @@ class Store:
             reward_errors=row[4],
             tokens=row[5],
         )
+        out["stale_dropped"] = self.stale_dropped()
+        out["cursor"] = self.consume_cursor()
         out["partial_tokens"] = int(
             self.db.execute("SELECT COALESCE(SUM(stop - start), 0) FROM partials").fetchone()[0]
         )

@@ -7,7 +7,15 @@ import json
 import pytest
 
 from laminar.errors import ConfigError
-from laminar.roles.data.buffer import EVICTIONS, SAMPLERS, MaxSize, make_policy
+from laminar.roles.data.buffer import (
+    EVICTIONS,
+    SAMPLERS,
+    ExperienceBuffer,
+    FifoSampler,
+    KeepAll,
+    MaxSize,
+    make_policy,
+)
 from laminar.roles.data.prompts import read_records, tokenize_records
 from laminar.roles.data.store import Store
 from laminar.trajectory import PartialChunk, SamplingParams, Trajectory
@@ -165,3 +173,147 @@ def test_prompt_files_jsonl_and_parquet_with_clear_errors(tmp_path):
         )
     with pytest.raises(ConfigError, match="lacks"):
         tokenize_records([{"id": "a"}], Tok(), id_key="id", prompt_key="prompt", source="f")
+
+
+# -- the experience buffer: consume cursor, whole groups, staleness ------------------------------
+
+
+def buffered(tmp_path, prompts=5, group=1, versions=None, score=True, **kw):
+    """A store whose ``prompts * group`` samples are finished (and scored), plus its buffer."""
+    store = make_store(tmp_path, prompts)
+    store.refill(prompts * group, samples=group, seed=0, epochs=1)
+    leased = [a.trajectory_id for a in store.lease("r", prompts * group, 0, set(), PARAMS)]
+    versions = versions or {}
+    store.complete("r", [traj(t, version=versions.get(t, 0)) for t in leased])
+    if score:
+        store.set_rewards([(t, 1.0, None) for t in leased])
+    sampler = make_policy(kw.pop("sampler", "fifo"), SAMPLERS, {})
+    buffer = ExperienceBuffer(store, sampler, KeepAll(), group_size=group, **kw)
+    return store, buffer, leased
+
+
+def ids(batch):
+    return [t.trajectory_id for t in batch.items]
+
+
+def test_consume_seqs_count_up_and_a_restarted_trainer_gets_exactly_what_it_did_not_commit(
+    tmp_path,
+):
+    store, buffer, leased = buffered(tmp_path, prompts=6)
+    first = buffer.sample(2, 0)
+    assert first.seqs == [1, 2] and first.cursor == 2 and ids(first) == leased[:2]
+    committed = first.cursor  # the trainer checkpoints here
+    lost = buffer.sample(2, 0)  # ... trains on these, crashes before the next checkpoint
+    assert lost.seqs == [3, 4] and lost.cursor == 4 and lost.redelivered == 0
+    store.close()  # the data role restarts too: the counter is durable
+
+    store = Store(tmp_path / "s.sqlite")
+    buffer = ExperienceBuffer(store, FifoSampler(), KeepAll(), group_size=1)
+    again = buffer.sample(3, 0, after=committed)
+    assert ids(again) == [*ids(lost), leased[4]]  # the uncommitted, in order, then a fresh one
+    assert again.seqs == [3, 4, 5] and again.cursor == 5 and again.redelivered == 2
+    assert [t.reward for t in again.items] == [1.0] * 3
+    # re-delivery alone when it fills n; after=None never re-delivers
+    assert buffer.sample(1, 0, after=0).seqs == [1]
+    last = buffer.sample(5, 0)
+    assert ids(last) == [leased[5]] and last.seqs == [6]
+    empty = buffer.sample(2, 0, after=6)
+    assert empty.items == [] and empty.seqs == [] and empty.cursor == 6
+    assert buffer.sample(2, 0).cursor == 0
+    assert store.consume_cursor() == 6 and store.counts()["consumed"] == 6
+    # waiting callers ask with partial=False: nothing is consumed unless n are there
+    assert buffer.sample(1, 0, partial=False) is None
+    assert buffer.sample(2, 0, after=5, partial=False) is None
+
+
+def test_an_older_store_gains_the_consume_seq_column(tmp_path):
+    store, _, leased = buffered(tmp_path, prompts=2)
+    store.consume([leased[0]])
+    store.db.execute("DROP INDEX trajectories_consume_seq")
+    store.db.execute("ALTER TABLE trajectories DROP COLUMN consume_seq")
+    store.close()
+    store = Store(tmp_path / "s.sqlite")
+    assert store.counts()["consumed"] == 1 and store.consume_cursor() == 0
+    assert [s for s, _ in store.consume_numbered(leased)] == [1]  # leased[0] was consumed before
+
+
+def test_whole_groups_are_complete_contiguous_and_in_completion_order(tmp_path):
+    store, buffer, leased = buffered(tmp_path, prompts=4, group=2, score=False)
+    g = [leased[i : i + 2] for i in range(0, 8, 2)]  # the four groups, members by sample index
+    # completion (buffer seq) order: g1 completes first, then g0, then g3; g2 lacks a score
+    order = [g[0][1], g[1][1], g[1][0], g[2][0], g[0][0], g[3][1], g[3][0]]
+    store.db.execute("DELETE FROM trajectories")
+    store.db.execute("UPDATE samples SET state = 'leased'")
+    store.complete("r", [traj(t) for t in [*order, g[2][1]]])
+    store.set_rewards([(t, 0.5, None) for t in order])
+    with pytest.raises(ValueError, match="multiple of samples_per_prompt"):
+        buffer.sample(3, 0, whole_groups=True)
+    assert buffer.sample(8, 0, whole_groups=True, partial=False) is None  # 3 groups complete
+    got = buffer.sample(4, 0, whole_groups=True)
+    assert ids(got) == g[1] + g[0] and got.seqs == [1, 2, 3, 4]
+    rest = buffer.sample(4, 0, whole_groups=True)  # g2 is incomplete: only g3
+    assert ids(rest) == g[3] and rest.cursor == 6
+    store.set_rewards([(g[2][1], 0.5, None)])
+    assert ids(buffer.sample(4, 0, whole_groups=True)) == g[2]
+    # re-delivery returns what was consumed, in consume order: group-contiguous
+    assert ids(buffer.sample(6, 0, after=2, whole_groups=True)) == g[0] + g[3] + g[2]
+
+
+def test_whole_groups_follow_the_sampler_and_skip_groups_with_an_evicted_member(tmp_path):
+    store, buffer, leased = buffered(tmp_path, prompts=3, group=2, sampler="newest")
+    store.evict([leased[3]])  # group 1 can never complete
+    assert ids(buffer.sample(4, 0, whole_groups=True)) == leased[4:6] + leased[0:2]
+    assert buffer.sample(2, 0, whole_groups=True).items == []
+    assert [e.trajectory_id for e in store.ready_entries()] == [leased[2]]
+
+
+def test_staleness_drop_evicts_for_good_and_counts(tmp_path):
+    versions = {f"p{i}/0": i for i in range(5)}
+    store, buffer, _ = buffered(tmp_path, versions=versions, staleness_bound=1)
+    got = buffer.sample(10, 3)  # staleness 3 - version: p0 and p1 are over the bound
+    assert sorted(t.version for t in got.items) == [2, 3, 4]
+    counts = store.counts()
+    assert counts["stale_dropped"] == 2 and counts["evicted"] == 2 and counts["consumed"] == 3
+    assert buffer.held == 0 and store.ready_entries() == []
+    buffer.staleness_bound = None
+    assert buffer.sample(10, 3).items == []  # dropped ones are never trained
+
+
+def test_staleness_hold_keeps_them_for_a_later_larger_bound(tmp_path):
+    versions = {f"p{i}/0": i for i in range(5)}
+    store, buffer, _ = buffered(
+        tmp_path, versions=versions, staleness_bound=1, staleness_action="hold"
+    )
+    assert [t.version for t in buffer.sample(1, 3).items] == [2]
+    assert buffer.held == 2 and store.counts()["stale_dropped"] == 0
+    buffer.staleness_bound = 3
+    assert sorted(t.version for t in buffer.sample(10, 3).items) == [0, 1, 3, 4]
+    assert buffer.held == 0
+
+
+@pytest.mark.parametrize("action", ["drop", "hold"])
+def test_staleness_with_whole_groups_judges_the_whole_group(tmp_path, action):
+    store, buffer, leased = buffered(
+        tmp_path,
+        prompts=2,
+        group=2,
+        versions={},
+        staleness_bound=1,
+        staleness_action=action,
+    )
+    store.db.execute("UPDATE trajectories SET version = 2")
+    store.db.execute("UPDATE trajectories SET version = 0 WHERE trajectory_id = ?", (leased[1],))
+    got = buffer.sample(4, 2, whole_groups=True)
+    assert ids(got) == leased[2:4]
+    counts = store.counts()
+    if action == "drop":
+        assert counts["stale_dropped"] == 2 and buffer.held == 0
+        assert store.ready_entries() == []
+    else:
+        assert counts["stale_dropped"] == 0 and buffer.held == 2
+        assert [e.trajectory_id for e in store.ready_entries()] == leased[0:2]
+
+
+def test_a_negative_staleness_bound_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="staleness bound"):
+        buffered(tmp_path, staleness_bound=-1)

@@ -1,0 +1,202 @@
+"""The clipped policy-gradient loss, with corrections for off-policy rollouts.
+
+Why corrections are needed: in an asynchronous system a trajectory may be sampled by an older
+weight version than the one being trained, and always by a different kernel (vLLM vs the trainer's
+forward), so the *behaviour* policy ``μ`` (``behaviour_logprobs``) differs from the policy the
+trainer believes it is improving. At the start of every step the trainer recomputes, without grad,
+``old_logprobs`` ``π_old`` (the *proximal* policy) with its current weights; ``logprobs`` ``π_θ``
+are the same computation with grad. Three modes (``PolicyLossConfig.off_policy``):
+
+* ``none`` (the paper's default, verl-like) — PPO/DAPO clipping against ``π_old``:
+  ``r = exp(logp - old_logp)``, per-token loss ``-min(r A, clip(r, 1 - ε_low, 1 + ε_high) A)``.
+  Behaviour logprobs only feed metrics.
+* ``tis`` — truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+  brings you off-policy RL training"): the same loss times ``w = min(exp(old_logp - behaviour_logp),
+  tis_cap)`` per token, detached. It corrects the trainer/rollout mismatch with bounded variance.
+* ``decoupled`` — decoupled PPO (Hilton et al.; AReaL): clip against the proximal policy and weight
+  by the full behaviour importance weight ``w = exp(old_logp - behaviour_logp)`` (detached). With
+  ``decoupled_cap`` set, tokens whose ``w`` exceeds it are dropped from the loss (AReaL's
+  behaviour-weight cap) rather than truncated.
+
+Optional terms: ``kl_coef * k3`` to a reference policy, ``k3 = exp(ref - logp) - (ref - logp) - 1``
+(unbiased, non-negative, low variance), and an entropy bonus ``- entropy_coef * H``.
+
+Aggregation is token-level (DAPO): ``loss = Σ per_token · mask / total_tokens``. ``total_tokens``
+is passed in rather than read off the mask so the caller can use the token count of the *whole
+mini-batch* across gradient-accumulation micro-batches and data-parallel ranks: then each
+micro-batch's loss is its exact share of the mini-batch loss, and summing gradients over micro-
+batches and all-reducing them with SUM over ranks gives exactly the 1-rank, 1-micro-batch update.
+
+Statistics are token *sums* (:class:`LossStats`) so they can be merged and all-reduced before
+dividing. A token counts as *clipped* when the clipped branch is strictly the larger loss, i.e.
+when clipping zeroes that token's gradient: ``r > 1 + ε_high`` with ``A > 0`` or ``r < 1 - ε_low``
+with ``A < 0``. ``clip_frac = clipped / tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from laminar.config import Strict
+
+
+class PolicyLossConfig(Strict):
+    clip_low: float = Field(0.2, ge=0, lt=1, description="ε_low: ratio clipped below at 1 - ε_low.")
+    clip_high: float = Field(
+        0.28, ge=0, description="ε_high: ratio clipped above at 1 + ε_high (DAPO Clip-Higher)."
+    )
+    off_policy: Literal["none", "tis", "decoupled"] = Field(
+        "none", description="Off-policy correction: none, truncated IS, or decoupled PPO."
+    )
+    tis_cap: float = Field(2.0, gt=0, description="Truncation of the TIS weight (off_policy=tis).")
+    decoupled_cap: float | None = Field(
+        None, gt=0, description="Drop tokens whose behaviour weight exceeds this (decoupled)."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the reference policy.")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+
+
+@dataclass
+class LossStats:
+    """Token sums of one loss evaluation; merge across micro-batches/ranks, then ``as_means``."""
+
+    tokens: float = 0.0
+    clipped: float = 0.0
+    mismatch_kl_sum: float = 0.0
+    entropy_sum: float = 0.0
+    ratio_sum: float = 0.0
+    is_weight_sum: float = 0.0
+    masked_out: float = 0.0
+    kl_ref_sum: float = 0.0
+
+    def merge(self, other: LossStats) -> LossStats:
+        a, b = asdict(self), asdict(other)
+        return LossStats(**{k: a[k] + b[k] for k in a})
+
+    def as_tensor(self) -> torch.Tensor:
+        """The sums as one float64 vector (for ``all_reduce(SUM)``); see :meth:`from_tensor`."""
+        return torch.tensor(list(asdict(self).values()), dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> LossStats:
+        return cls(*(float(v) for v in t.tolist()))
+
+    def as_means(self) -> dict[str, float]:
+        """Per-token means; ``masked_frac`` is the share of tokens dropped by the decoupled cap."""
+        n = max(self.tokens, 1.0)
+        return {
+            "clip_frac": self.clipped / n,
+            "mismatch_kl": self.mismatch_kl_sum / n,
+            "entropy": self.entropy_sum / n,
+            "ratio": self.ratio_sum / n,
+            "is_weight": self.is_weight_sum / n,
+            "masked_frac": self.masked_out / n,
+            "kl_ref": self.kl_ref_sum / n,
+        }
+
+
+def _is_weight(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cfg: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Detached per-token weight and a keep-mask (False where the decoupled cap drops a token)."""
+    log_w = (old_logprobs - behaviour_logprobs).detach()
+    keep = torch.ones_like(log_w, dtype=torch.bool)
+    if cfg.off_policy == "none":
+        return torch.ones_like(log_w), keep
+    w = torch.exp(log_w)
+    if cfg.off_policy == "tis":
+        return w.clamp(max=cfg.tis_cap), keep
+    if cfg.decoupled_cap is not None:
+        keep = w <= cfg.decoupled_cap
+    return torch.where(keep, w, torch.zeros_like(w)), keep
+
+
+def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(π_θ || π_ref) (Schulman): ``exp(d) - d - 1``, d = ref - logp."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: PolicyLossConfig,
+    *,
+    total_tokens: float,
+    entropy: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """Scalar loss ``Σ per_token · mask / total_tokens`` and its token-sum statistics.
+
+    All tensors are ``[B, T]`` on the :class:`~laminar.rl.PackedBatch` grid; only ``logprobs``
+    (and ``entropy``) carry gradient. ``total_tokens`` must be > 0.
+    """
+    if total_tokens <= 0:
+        raise ValueError(f"total_tokens must be > 0, got {total_tokens}")
+    mask = loss_mask > 0
+    # Zero everything outside the response first: prompt/pad values (e.g. a behaviour logprob of
+    # 0 against a recomputed -9) must not reach exp() and leak inf/nan through the gradient.
+    logprobs = _outside_zero(logprobs, mask)
+    old = _outside_zero(old_logprobs.detach(), mask)
+    behaviour_logprobs = _outside_zero(behaviour_logprobs.detach(), mask)
+    weight_mask = loss_mask.to(logprobs.dtype)
+    adv = advantages.to(logprobs.dtype)
+
+    ratio = torch.exp(logprobs - old)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    is_clipped = (clipped > unclipped) & mask
+
+    w, keep = _is_weight(old, behaviour_logprobs, cfg)
+    per_token = per_token * w
+    kl_ref = None
+    if cfg.kl_coef > 0 and ref_logprobs is not None:
+        kl_ref = k3(logprobs, _outside_zero(ref_logprobs.detach(), mask))
+        per_token = per_token + cfg.kl_coef * kl_ref
+    if entropy is not None and cfg.entropy_coef > 0:
+        per_token = per_token - cfg.entropy_coef * entropy
+
+    used = mask & keep
+    per_token = torch.where(used, per_token, torch.zeros_like(per_token)) * weight_mask
+    loss = per_token.sum() / total_tokens
+    stats = _stats(mask, keep, is_clipped, ratio, w, old, behaviour_logprobs, entropy, kl_ref)
+    return loss, stats
+
+
+def _outside_zero(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, torch.zeros_like(x))
+
+
+def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(torch.where(mask, x.detach().double(), 0.0).sum().item())
+
+
+def _stats(
+    mask: torch.Tensor,
+    keep: torch.Tensor,
+    is_clipped: torch.Tensor,
+    ratio: torch.Tensor,
+    w: torch.Tensor,
+    old: torch.Tensor,
+    behaviour: torch.Tensor,
+    entropy: torch.Tensor | None,
+    kl_ref: torch.Tensor | None,
+) -> LossStats:
+    return LossStats(
+        tokens=float(mask.sum().item()),
+        clipped=float((is_clipped & keep).sum().item()),
+        mismatch_kl_sum=_masked_sum(behaviour - old, mask),
+        entropy_sum=_masked_sum(entropy, mask) if entropy is not None else 0.0,
+        ratio_sum=_masked_sum(ratio, mask),
+        is_weight_sum=_masked_sum(w, mask),
+        masked_out=float((mask & ~keep).sum().item()),
+        kl_ref_sum=_masked_sum(kl_ref, mask) if kl_ref is not None else 0.0,
+    )

@@ -1,0 +1,9 @@
+"""The weight path: trainer -> master relay -> relay chain -> rollouts.
+
+* ``manifest`` — a version as one flat buffer plus a manifest (name, dtype, shape, offset, CRC per
+  tensor); pure planning helpers (layout, chunk bounds, the paper's optimal chunk count).
+* ``transfer`` — one hop: chunked, resumable, received in place; the version store relays keep.
+* ``chain`` — the manager's relay order and how it heals.
+* ``publisher`` — the trainer's end: one copy into a host buffer, then a background push.
+* ``tensors`` — flat buffer <-> named torch tensors (what engines load).
+"""

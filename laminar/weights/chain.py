@@ -1,0 +1,80 @@
+"""The relay chain: who is master, who forwards to whom, and how it heals.
+
+The manager owns the order; relays and the trainer follow it through a watch stream. The planning
+rule is pure and deliberately boring, because it runs exactly when something just broke:
+
+* survivors keep their relative order, so a dead relay is routed around by linking its upstream
+  to its downstream (the paper's O(1) repair: relay1 -> relay3 when relay2 dies) and nobody else
+  changes neighbours;
+* a newly joined relay goes to the tail, where it disturbs no transfer in progress;
+* the master is the head. When it dies the next relay becomes master; it already holds the newest
+  version (or the prefix that reached it), and the trainer, told of the new head, resumes there.
+
+A relay that was partway through receiving keeps its chunks: its new upstream resumes at the first
+missing chunk (see ``transfer.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+from pydantic import BaseModel, Field
+
+from laminar.endpoint import endpoint, stream
+
+
+class RelayInfo(BaseModel):
+    instance: str
+    address: str  # RPC address
+    weights: str  # where it accepts weight transfers (tcp:// or ucx://)
+    host: str = ""
+
+
+class ChainView(BaseModel):
+    """One epoch of the chain; ``relays[0]`` is the master."""
+
+    epoch: int = 0
+    relays: list[RelayInfo] = Field(default_factory=list)
+    reason: str = ""
+    changed_at: float = 0.0  # manager's wall clock
+
+    @property
+    def master(self) -> RelayInfo | None:
+        return self.relays[0] if self.relays else None
+
+    def position(self, instance: str) -> int | None:
+        for i, relay in enumerate(self.relays):
+            if relay.instance == instance:
+                return i
+        return None
+
+    def downstream_of(self, instance: str) -> RelayInfo | None:
+        pos = self.position(instance)
+        if pos is None or pos + 1 >= len(self.relays):
+            return None
+        return self.relays[pos + 1]
+
+
+def plan_chain(previous: Sequence[RelayInfo], alive: Sequence[RelayInfo]) -> list[RelayInfo]:
+    """The new order: survivors of ``previous`` in their order, then newcomers in given order."""
+    by_id = {r.instance: r for r in alive}
+    kept = [by_id[r.instance] for r in previous if r.instance in by_id]
+    seen = {r.instance for r in kept}
+    return kept + [r for r in alive if r.instance not in seen]
+
+
+class ChainWatch(BaseModel):
+    since_epoch: int = -1  # yield the current view at once if its epoch is newer than this
+
+
+class RelayChainApi:
+    """Served by the manager; followed by relays (their downstream) and the trainer (master)."""
+
+    @endpoint
+    async def chain(self) -> ChainView:
+        raise NotImplementedError
+
+    @stream
+    async def watch_chain(self, req: ChainWatch) -> AsyncIterator[ChainView]:
+        raise NotImplementedError
+        yield  # pragma: no cover

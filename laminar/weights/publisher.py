@@ -1,0 +1,237 @@
+"""The trainer's end of the weight path: stall for one host copy, then let a background task push.
+
+``stage`` (called by the training loop, off the event loop) lays the tensors out and copies them
+into a reusable host buffer: that copy is the trainer's whole stall per version, and it does not
+depend on how many relays or rollouts exist, because the trainer only ever talks to the master.
+``hand_off`` makes the staged version the one to send; the push task sends the newest staged
+version to the current master relay and follows the manager's chain, so a master that dies is
+replaced and the new master gets (the rest of) the newest version.
+
+Versions are never queued: if the trainer stages v+1 while v is still on its way, v+1 replaces any
+version not yet started, and rollouts only ever want the newest anyway. Two or three staging
+buffers are reused (one being sent, one being filled), so the steady state allocates nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterable
+from typing import Annotated, Any
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from laminar import transport
+from laminar.config import Strict
+from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.rpc_client import RpcClient, remote
+
+from .chain import ChainView, ChainWatch, RelayChainApi
+from .manifest import chunk_bounds, optimal_chunks, with_checksums
+from .tensors import copy_into, plan_tensors
+from .transfer import TransferError, VersionBuffer, push_version
+
+
+class PublishConfig(Strict):
+    chunks: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Chunks per version; unset: the paper's k* for the current chain."
+    )
+    link_gbps: Annotated[float, Field(gt=0)] = Field(
+        10.0,
+        description="Relay link rate assumed by k* (T_byte = 8 / (link_gbps * 1e9)).",
+    )
+    chunk_start_us: Annotated[float, Field(gt=0)] = Field(
+        200.0,
+        description="Per-chunk start cost assumed by k* (a Python frame on TCP).",
+    )
+    max_chunk_mib: Annotated[int, Field(ge=1, le=1024)] = 64
+    master: str | None = Field(
+        None,
+        description="Fixed master weights address (default: follow the manager's chain).",
+    )
+    transfer_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    retry_s: Annotated[float, Field(gt=0)] = 0.2
+
+
+class WeightPublisher:
+    """Stages versions and pushes the newest one to the master relay (see module docstring)."""
+
+    def __init__(
+        self,
+        config: PublishConfig,
+        options: transport.TransportOptions,
+        *,
+        manager: RpcClient | None = None,
+        log: Any = None,
+    ) -> None:
+        if config.master is None and manager is None:
+            raise ValueError("a publisher needs a manager to find the master, or a fixed master")
+        self.config = config
+        self.options = options
+        self.manager = manager
+        self.log = log
+        self.view = ChainView()
+        self.relay_count = 1
+        self._lock = threading.Lock()
+        self._free: list[np.ndarray] = []
+        self._in_use: dict[int, np.ndarray] = {}  # version -> its staging array
+        self._pending: VersionBuffer | None = None
+        self._wake = asyncio.Event()
+        self.acked = -1  # newest version the master verified
+        self._sending = -1
+        self._acked_event = asyncio.Event()
+        self.acked_at: dict[int, float] = {}
+        self.stalls: list[float] = []
+
+    # -- the trainer's side (any thread) -----------------------------------------------------
+
+    def stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> VersionBuffer:
+        """Copy the tensors into a host buffer; returns the staged version. This is the stall."""
+        start = time.perf_counter()
+        named = list(named)
+        manifest = plan_tensors(named, version)
+        array = self._buffer(manifest.total_bytes)
+        view = memoryview(array)[: max(manifest.total_bytes, 1)]
+        copy_into(named, manifest, view)
+        bounds = chunk_bounds(
+            manifest.total_bytes,
+            self._chunk_count(manifest.total_bytes),
+            max_chunk_bytes=self.config.max_chunk_mib << 20,
+        )
+        vb = VersionBuffer(manifest, bounds, shared=False, storage=view)
+        with self._lock:
+            self._in_use[version] = array
+        self.stalls.append(time.perf_counter() - start)
+        return vb
+
+    def _chunk_count(self, total: int) -> int:
+        if self.config.chunks is not None:
+            return self.config.chunks
+        return optimal_chunks(
+            self.relay_count,
+            total,
+            8 / (self.config.link_gbps * 1e9),
+            self.config.chunk_start_us * 1e-6,
+        )
+
+    def _buffer(self, size: int) -> np.ndarray:
+        with self._lock:
+            for i, array in enumerate(self._free):
+                if array.nbytes >= size:
+                    return self._free.pop(i)
+        return np.empty(max(size, 1), dtype=np.uint8)
+
+    def _release_unused(self) -> None:
+        """Recycle staging buffers that are not the newest acked, pending, or being sent.
+
+        The newest acked version is kept because a master that dies right after acking may not
+        have passed it on: the new master gets it again from here.
+        """
+        keep = {self.acked, self._sending}
+        if self._pending is not None:
+            keep.add(self._pending.version)
+        with self._lock:
+            for version in [v for v in self._in_use if v not in keep]:
+                array = self._in_use.pop(version)
+                if len(self._free) < 2:
+                    self._free.append(array)
+
+    # -- the event loop's side -------------------------------------------------------------------
+
+    async def hand_off(self, vb: VersionBuffer) -> None:
+        """Make ``vb`` the version to send next (checksums are computed here, off the stall)."""
+        loop = asyncio.get_running_loop()
+        vb.manifest = await loop.run_in_executor(None, with_checksums, vb.manifest, vb.view)
+        vb.mark_all()
+        self._pending = vb
+        self._release_unused()  # a version superseded before it was sent
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Follow the chain and push; runs until cancelled (the owner's task)."""
+        async with asyncio.TaskGroup() as group:
+            if self.config.master is None:
+                group.create_task(self._follow_chain())
+            group.create_task(self._push_loop())
+
+    async def wait_acked(self, version: int, timeout: float) -> None:
+        """Until the master verified ``version`` (or a newer one)."""
+        async with asyncio.timeout(timeout):
+            while self.acked < version:
+                await self._acked_event.wait()
+
+    def _master(self) -> str | None:
+        if self.config.master is not None:
+            return self.config.master
+        master = self.view.master
+        return master.weights if master else None
+
+    async def _follow_chain(self) -> None:
+        assert self.manager is not None
+        chain = remote(RelayChainApi, self.manager)
+        while True:
+            try:
+                async for view in chain.watch_chain.options(timeout=3600 * 24 * 365).stream(
+                    ChainWatch(since_epoch=self.view.epoch)
+                ):
+                    old = self._master()
+                    self.view = view
+                    self.relay_count = max(len(view.relays), 1)
+                    if self._master() != old:
+                        self._note("master relay", master=self._master(), epoch=view.epoch)
+                        self._wake.set()
+            except (PeerUnavailable, CallTimeout, RemoteError, transport.TransportError) as exc:
+                self._note("chain watch interrupted", error=str(exc))
+            await asyncio.sleep(self.config.retry_s)
+
+    async def _push_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            master = self._master()
+            vb = self._pending
+            if master is None or vb is None or vb.version <= self.acked:
+                await self._wake.wait()
+                continue
+            push = asyncio.ensure_future(self._push(master, vb))
+            changed = asyncio.ensure_future(self._master_changed(master))
+            try:
+                await asyncio.wait({push, changed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (push, changed):
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+            if vb.version > self.acked:
+                await asyncio.sleep(self.config.retry_s)
+
+    async def _master_changed(self, master: str) -> None:
+        while self._master() == master:
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _push(self, master: str, vb: VersionBuffer) -> None:
+        conn = None
+        self._sending = vb.version
+        try:
+            conn = await transport.connect(master, self.options)
+            await push_version(conn, vb, timeout=self.config.transfer_timeout_s)
+            self.acked = vb.version
+            self.acked_at[vb.version] = time.time()
+            event, self._acked_event = self._acked_event, asyncio.Event()
+            event.set()
+            self._note("version delivered to the master", version=vb.version, master=master)
+        except (transport.TransportError, TransferError, TimeoutError, OSError) as exc:
+            self._note("push to the master failed", master=master, error=str(exc))
+        finally:
+            self._sending = -1
+            self._release_unused()
+            if conn is not None:
+                conn.close("push finished")
+
+    def _note(self, event: str, **kw: Any) -> None:
+        if self.log is not None:
+            self.log.info(event, **kw)

@@ -1,0 +1,283 @@
+"""The relay role: newest weight versions in host shared memory, one relay per rollout machine.
+
+Three owned tasks and a listener:
+
+* **weights listener** (``tcp://`` or ``ucx://``): accepts a version from upstream (the trainer,
+  when this relay is master; otherwise the previous relay) chunk by chunk, straight into a shared
+  memory segment (``laminar.weights.transfer``). Each version is verified against its manifest's
+  CRCs before anyone is told about it.
+* **chain** follows the manager's relay chain; when this relay's downstream changes (a relay died,
+  one joined) it restarts the forwarder towards the new one at once.
+* **forward** sends the newest version, in any state, to the downstream relay: chunk i goes on as
+  soon as it has arrived here, so the whole chain moves at the pace of one link. A downstream
+  that already holds a prefix answers ``have`` and the transfer resumes there.
+
+Local rollouts ask ``latest`` (or follow ``versions``) and get the version's segment name and
+manifest; they map the segment themselves, so the bytes never cross a socket on this machine. The
+last ``keep`` verified versions stay mapped-able; an older segment is unlinked, which does not
+disturb a rollout that already mapped it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Annotated, ClassVar
+
+from pydantic import BaseModel, Field
+
+from laminar import transport
+from laminar.config import ServiceConfig
+from laminar.endpoint import endpoint, stream
+from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.rpc_client import remote
+from laminar.service import Service, ServiceContext
+from laminar.transport.shm import sweep_dead_segments
+from laminar.weights.chain import ChainView, ChainWatch, RelayChainApi, RelayInfo
+from laminar.weights.manifest import WeightManifest
+from laminar.weights.transfer import (
+    TransferError,
+    VersionBuffer,
+    VersionStore,
+    push_version,
+    receive_versions,
+)
+
+
+def default_weights_scheme() -> str:
+    """UCX where ``ucxx`` imports, TCP otherwise."""
+    try:
+        import ucxx  # noqa: F401
+    except Exception:
+        return "tcp"
+    return "ucx"
+
+
+class RelayConfig(ServiceConfig):
+    weights_bind: str = Field(
+        "auto",
+        description="Where weight transfers arrive: tcp://host:port, ucx://host:port, or auto "
+        "(ucx:// if ucxx is importable, else tcp://, on weights_host with a free port).",
+    )
+    weights_host: str = Field("127.0.0.1", description="Host for weights_bind=auto.")
+    keep: Annotated[int, Field(ge=1)] = Field(2, description="Verified versions kept in memory.")
+    transfer_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    retry_s: Annotated[float, Field(gt=0)] = 0.2
+
+
+class SharedVersion(BaseModel):
+    """Where a local rollout maps a version from (``available`` false: none yet)."""
+
+    available: bool
+    version: int = -1
+    segment: str = ""
+    manifest: WeightManifest | None = None
+
+
+class LatestRequest(BaseModel):
+    newer_than: int = -1
+
+
+class VersionState(BaseModel):
+    version: int
+    chunks: int
+    received: int
+    verified: bool
+
+
+class RelayStatus(BaseModel):
+    instance: str
+    weights: str
+    chain_epoch: int
+    chain_applied_at: float  # wall clock when this relay acted on the newest chain view
+    position: int | None
+    downstream: str | None
+    versions: list[VersionState]
+    forwarded: dict[int, float]  # version -> wall clock when the downstream verified it
+    received_at: dict[int, float]  # version -> wall clock when it was verified here
+
+
+class RelayApi:
+    @endpoint
+    async def latest(self, req: LatestRequest) -> SharedVersion:
+        raise NotImplementedError
+
+    @stream
+    async def versions(self, req: LatestRequest) -> AsyncIterator[SharedVersion]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    @endpoint
+    async def status(self) -> RelayStatus:
+        raise NotImplementedError
+
+
+class RelayService(Service, RelayApi):
+    role: ClassVar[str] = "relay"
+    config_model: ClassVar[type[ServiceConfig]] = RelayConfig
+    config: RelayConfig
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        super().__init__(ctx)
+        self.store = VersionStore(self.config.keep, shared=True)
+        self.listener: transport.Listener | None = None
+        self.view = ChainView()
+        self.chain_applied_at = 0.0
+        self.downstream: RelayInfo | None = None
+        self._forwarder: asyncio.Task[None] | None = None
+        self.forwarded: dict[int, float] = {}
+        self.received_at: dict[int, float] = {}
+
+    async def on_start(self) -> None:
+        swept = sweep_dead_segments()
+        if swept:
+            self.log.info("removed shared memory of dead processes", segments=len(swept))
+        bind = self.config.weights_bind
+        if bind == "auto":
+            bind = f"{default_weights_scheme()}://{self.config.weights_host}:0"
+        options = self.ctx.options.with_allocator(self.store.allocator)
+        self.listener = await transport.listen(bind, options, self._upstream)
+        self.log.info("weights listener", address=self.listener.address)
+        if self.ctx.manager is not None:
+            self.spawn(self._follow_chain(), name="chain")
+
+    async def on_stop(self) -> None:
+        if self._forwarder is not None:
+            self._forwarder.cancel()
+        if self.listener is not None:
+            await self.listener.close()
+        self.store.close()
+
+    def advertise(self) -> dict[str, str]:
+        assert self.listener is not None
+        return {"weights": self.listener.address}
+
+    def stats(self) -> dict[str, float]:
+        latest = self.store.latest()
+        pos = self.view.position(self.ctx.instance)
+        return {
+            "version": float(latest.version if latest else -1),
+            "chain_epoch": float(self.view.epoch),
+            "chain_position": float(-1 if pos is None else pos),
+        }
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    @endpoint
+    async def latest(self, req: LatestRequest) -> SharedVersion:
+        return self._shared(self.store.latest(), req.newer_than)
+
+    @stream
+    async def versions(self, req: LatestRequest) -> AsyncIterator[SharedVersion]:
+        seen = req.newer_than
+        while True:
+            changed = self.store.wait_changed()
+            vb = self.store.latest()
+            if vb is not None and vb.version > seen:
+                seen = vb.version
+                yield self._shared(vb, -1)
+            else:
+                await changed
+
+    @endpoint
+    async def status(self) -> RelayStatus:
+        assert self.listener is not None
+        return RelayStatus(
+            instance=self.ctx.instance,
+            weights=self.listener.address,
+            chain_epoch=self.view.epoch,
+            chain_applied_at=self.chain_applied_at,
+            position=self.view.position(self.ctx.instance),
+            downstream=self.downstream.instance if self.downstream else None,
+            versions=[
+                VersionState(
+                    version=v.version,
+                    chunks=len(v.chunks),
+                    received=v.received,
+                    verified=v.verified,
+                )
+                for v in sorted(self.store.versions.values(), key=lambda v: v.version)
+            ],
+            forwarded=self.forwarded,
+            received_at=self.received_at,
+        )
+
+    @staticmethod
+    def _shared(vb: VersionBuffer | None, newer_than: int) -> SharedVersion:
+        if vb is None or vb.version <= newer_than or vb.segment is None:
+            return SharedVersion(available=False)
+        return SharedVersion(
+            available=True, version=vb.version, segment=vb.segment, manifest=vb.manifest
+        )
+
+    # -- upstream: versions arrive -------------------------------------------------------------
+
+    async def _upstream(self, conn: transport.Connection) -> None:
+        self.log.info("upstream connected", peer=conn.peer)
+        try:
+            await receive_versions(conn, self.store, self._verified)
+        except (transport.TransportError, TransferError, TimeoutError) as exc:
+            self.log.info("upstream gone", peer=conn.peer, reason=str(exc))
+
+    def _verified(self, vb: VersionBuffer) -> None:
+        self.received_at[vb.version] = self.ctx.clock.wall()
+        self.log.info("version verified", version=vb.version, bytes=vb.manifest.total_bytes)
+
+    # -- the chain and the downstream ----------------------------------------------------------
+
+    async def _follow_chain(self) -> None:
+        assert self.ctx.manager is not None
+        chain = remote(RelayChainApi, self.ctx.client(self.ctx.manager))
+        while True:
+            try:
+                async for view in chain.watch_chain.options(timeout=3600 * 24 * 365).stream(
+                    ChainWatch(since_epoch=self.view.epoch)
+                ):
+                    self._apply(view)
+            except (PeerUnavailable, CallTimeout, RemoteError, transport.TransportError) as exc:
+                self.log.warning("chain watch interrupted; retrying", error=str(exc))
+            await self.ctx.clock.sleep(self.config.retry_s)
+
+    def _apply(self, view: ChainView) -> None:
+        self.view = view
+        downstream = view.downstream_of(self.ctx.instance)
+        if downstream != self.downstream or self._forwarder is None:
+            if self._forwarder is not None:
+                self._forwarder.cancel()
+                self._forwarder = None
+            self.downstream = downstream
+            if downstream is not None:
+                self._forwarder = self.spawn(self._forward(downstream), name="forward")
+        self.chain_applied_at = self.ctx.clock.wall()
+        self.log.info(
+            "chain applied",
+            epoch=view.epoch,
+            position=view.position(self.ctx.instance),
+            downstream=downstream.instance if downstream else None,
+        )
+
+    async def _forward(self, target: RelayInfo) -> None:
+        """Keep ``target`` supplied with our newest version, reconnecting as needed."""
+        acked = -1
+        while True:
+            conn = None
+            try:
+                conn = await transport.connect(target.weights, self.ctx.options)
+                while True:
+                    changed = self.store.wait_changed()
+                    vb = self.store.newest()
+                    if vb is not None and vb.version > acked:
+                        await push_version(conn, vb, timeout=self.config.transfer_timeout_s)
+                        acked = vb.version
+                        self.forwarded[vb.version] = self.ctx.clock.wall()
+                    else:
+                        await changed
+            except (transport.TransportError, TransferError, TimeoutError, OSError) as exc:
+                self.log.info("downstream transfer failed", target=target.instance, error=str(exc))
+            finally:
+                if conn is not None:
+                    conn.close("forwarder restarting")
+            with contextlib.suppress(asyncio.CancelledError):
+                pass
+            await self.ctx.clock.sleep(self.config.retry_s)

@@ -1,0 +1,87 @@
+"""Data parallelism changes nothing: 2 ranks produce the same update as 1 rank on one batch."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from laminar.rl import grpo_advantages, pack
+from laminar.roles.trainer.compute import load_policy
+from laminar.roles.trainer.config import TrainerConfig
+from laminar.roles.trainer.dp import DataParallelGroup
+from laminar.trajectory import Trajectory
+
+from ..support.models import tiny_qwen2
+
+pytestmark = pytest.mark.integration
+
+
+def batch(seed: int, groups: int = 4, samples: int = 4, vocab: int = 64) -> list[Trajectory]:
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 9))]
+        for s in range(samples):
+            n = rng.randint(1, 20)  # ragged: padding and token-level aggregation both matter
+            out.append(
+                Trajectory(
+                    trajectory_id=f"p{g}/{s}",
+                    prompt_id=f"p{g}",
+                    sample_index=s,
+                    prompt_token_ids=prompt,
+                    response_token_ids=[rng.randrange(3, vocab) for _ in range(n)],
+                    logprobs=[-rng.uniform(0.5, 4.0) for _ in range(n)],
+                    version=0,
+                    finish_reason="length",
+                    queued_at=0,
+                    started_at=0,
+                    finished_at=0,
+                    reward=float(rng.random() < 0.5),
+                )
+            )
+    return out
+
+
+def update(
+    model_dir: Path, world: int, trajectories: list[Trajectory], optimizer: str
+) -> dict[str, torch.Tensor]:
+    config = TrainerConfig(
+        model=str(model_dir),
+        data_parallel=world,
+        threads_per_rank=1,
+        # 2 optimizer steps of 8 rows, micro-batches of 3 rows: uneven splits on purpose
+        batch={"prompts": 4, "samples": 4, "mini_batches": 2, "micro_batch_rows": 3},
+        optim={"name": optimizer, "lr": 1e-3 if optimizer == "adamw" else 0.5},
+        loss={"off_policy": "tis"},
+    )
+    adv = grpo_advantages(
+        torch.tensor([t.reward for t in trajectories]), [t.prompt_id for t in trajectories]
+    )
+    group = DataParallelGroup(config, timeout_s=60)
+    try:
+        result = group.train(pack(trajectories, adv.tolist()))
+        assert result.tokens == sum(len(t.response_token_ids) for t in trajectories)
+        return {k: v.clone() for k, v in group.trainer.model.state_dict().items()}
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_two_ranks_equal_one(tmp_path: Path, optimizer: str) -> None:
+    model_dir = tiny_qwen2(tmp_path / "model")
+    trajectories = batch(0)
+    before = load_policy(str(model_dir)).state_dict()
+    one = update(model_dir, 1, trajectories, optimizer)
+    two = update(model_dir, 2, trajectories, optimizer)
+    for name in one:
+        step_one, step_two = one[name] - before[name], two[name] - before[name]
+        assert step_one.abs().max() > 1e-5, f"{name} did not move"
+        if optimizer == "sgd":  # the update is linear in the all-reduced gradient
+            torch.testing.assert_close(step_two, step_one, rtol=1e-4, atol=1e-7)
+        else:
+            # Adam divides by sqrt(v): where a gradient is ~0 its rounding noise is amplified
+            # towards +-lr, so compare the update to a small fraction of the learning rate.
+            assert (step_two - step_one).abs().max() < 0.02 * 1e-3, name
