@@ -14,6 +14,12 @@ Three owned tasks, each with one job:
   (the data role treats repeats as no-ops). Nothing is lost while it is down: tokens pile up
   here and go out with the first report that succeeds.
 
+* **weights** — follow the local relay's ``versions`` stream. When a newer version is there, stop
+  taking prompts, let the trajectories in flight finish on the version they started with (a
+  trajectory never mixes versions), then load the new version in place from the relay's shared
+  memory (the engine maps it; the bytes never cross a socket) and take prompts again. The relay
+  is the one on this host, or ``relay`` if set; with no relay in the cluster, weights never change.
+
 Stats (KV use, running, waiting, in flight, version) ride on the heartbeat to the manager.
 """
 
@@ -21,15 +27,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from laminar.config import ServiceConfig
+from laminar.endpoint import endpoint
 from laminar.engines import Engine, EngineConfig, EngineRequest, InflightSequence, create_engine
+from laminar.engines.base import EngineError
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.roles.data.api import DataApi, Report, TakeRequest
+from laminar.roles.relay import LatestRequest, RelayApi, SharedVersion
 from laminar.service import Service, ServiceContext
 from laminar.trajectory import Assignment, PartialChunk, Trajectory
 
@@ -49,6 +59,22 @@ class RolloutConfig(ServiceConfig):
     data: str | None = Field(
         None, description="The data role's address (default: ask the manager)."
     )
+    relay: str | None = Field(
+        None, description="The relay to pull weights from (default: the relay on this host)."
+    )
+    weights_retry_s: Annotated[float, Field(gt=0)] = 1.0
+
+
+class LoadedWeights(BaseModel):
+    version: int
+    digest: str  # the manifest digest of the verified bytes loaded ("" for the initial weights)
+    loaded_at: float  # wall clock
+    load_s: float  # drain excluded: the load itself
+    drain_s: float  # from "a newer version exists" to "nothing in flight"
+
+
+class WeightsHistory(BaseModel):
+    loads: list[LoadedWeights]
 
 
 @dataclass
@@ -74,6 +100,11 @@ class RolloutService(Service):
         self._slot_free = asyncio.Event()
         self._data_address: str | None = self.config.data
         self.completed = 0
+        self._take_lock = asyncio.Lock()  # held while leasing and starting; a load waits for it
+        self._paused = False  # a newer version is waiting: take nothing until it is loaded
+        self._resume = asyncio.Event()
+        self._drained = asyncio.Event()
+        self.loads: list[LoadedWeights] = []
 
     async def on_start(self) -> None:
         await self.engine.start()
@@ -81,6 +112,8 @@ class RolloutService(Service):
         self.spawn(self._outputs(), name="outputs")
         self.spawn(self._pull(), name="pull")
         self.spawn(self._flush_loop(), name="flush")
+        if self.ctx.manager is not None or self.config.relay is not None:
+            self.spawn(self._weights(), name="weights")
 
     async def on_stop(self) -> None:
         with contextlib.suppress(Exception):
@@ -97,7 +130,12 @@ class RolloutService(Service):
             "version": float(self.engine.version),
             "generated_tokens": float(s.generated_tokens),
             "completed": float(self.completed),
+            "paused_for_weights": float(self._paused),
         }
+
+    @endpoint
+    async def weights(self) -> WeightsHistory:
+        return WeightsHistory(loads=self.loads)
 
     # -- the data role -----------------------------------------------------------------------
 
@@ -117,27 +155,36 @@ class RolloutService(Service):
     async def _pull(self) -> None:
         cfg = self.config
         while True:
+            if self._paused:
+                self._resume.clear()
+                await self._resume.wait()
+                continue
             free = cfg.concurrency - len(self.flights)
             if free < cfg.min_take:
                 self._slot_free.clear()
                 await self._slot_free.wait()
                 continue
-            req = TakeRequest(
-                rollout=self.ctx.instance,
-                max_count=free,
-                version=self.engine.version,
-                holding=[*self.flights, *self.finished],
-                wait_s=cfg.take_wait_s,
-            )
-            try:
-                data = await self._data()
-                batch = await data.take.options(timeout=cfg.take_wait_s + 10).call(req)
-            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
-                self._lost_data(exc)
-                await self.ctx.clock.sleep(0.5)
-                continue
-            for assignment in batch.items:
-                await self._start(assignment)
+            async with self._take_lock:
+                await self._take(free)
+
+    async def _take(self, free: int) -> None:
+        cfg = self.config
+        req = TakeRequest(
+            rollout=self.ctx.instance,
+            max_count=free,
+            version=self.engine.version,
+            holding=[*self.flights, *self.finished],
+            wait_s=cfg.take_wait_s,
+        )
+        try:
+            data = await self._data()
+            batch = await data.take.options(timeout=cfg.take_wait_s + 10).call(req)
+        except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+            self._lost_data(exc)
+            await self.ctx.clock.sleep(0.5)
+            return
+        for assignment in batch.items:
+            await self._start(assignment)
 
     async def _start(self, a: Assignment) -> None:
         tid = a.trajectory_id
@@ -182,6 +229,8 @@ class RolloutService(Service):
                     self.finished[out.request_id] = self._trajectory(flight, out.finish_reason, now)
                     self.completed += 1
                     self._slot_free.set()
+                    if not self.flights:
+                        self._drained.set()
 
     def _trajectory(self, f: _Flight, reason: str | None, now: float) -> Trajectory:
         a = f.assignment
@@ -239,5 +288,69 @@ class RolloutService(Service):
             if self.flights.pop(tid, None) is not None:
                 await self.engine.abort(tid)
                 self._slot_free.set()
+                if not self.flights:
+                    self._drained.set()
         if reply.drop:
             self.log.warning("dropped trajectories the data role reassigned", ids=reply.drop)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    async def _relay(self) -> RelayApi | None:
+        if self.config.relay is not None:
+            return self.ctx.connect(RelayApi, self.config.relay)
+        relays = [m for m in await self.ctx.members("relay") if m.state == "alive"]
+        mine = [m for m in relays if m.host == socket.gethostname()] or relays
+        if not mine:
+            return None
+        return self.ctx.connect(RelayApi, sorted(mine, key=lambda m: m.instance)[0].address)
+
+    async def _weights(self) -> None:
+        """Follow the relay's newest version; load each one between batches (module docstring)."""
+        while True:
+            try:
+                relay = await self._relay()
+                if relay is None:
+                    await self.ctx.clock.sleep(self.config.weights_retry_s)
+                    continue
+                stream = relay.versions.options(timeout=3600 * 24 * 365).stream(
+                    LatestRequest(newer_than=self.engine.version)
+                )
+                async for shared in stream:
+                    if shared.available and shared.version > self.engine.version:
+                        await self._switch(shared)
+            except (PeerUnavailable, CallTimeout, RemoteError, EngineError) as exc:
+                self.log.warning("weight pull failed; retrying", error=str(exc))
+            await self.ctx.clock.sleep(self.config.weights_retry_s)
+
+    async def _switch(self, shared: SharedVersion) -> None:
+        assert shared.manifest is not None
+        noticed = self.ctx.clock.wall()
+        self._paused = True
+        try:
+            async with self._take_lock:  # no lease is half-started while we swap
+                while self.flights:
+                    self._drained.clear()
+                    await self._drained.wait()
+                drained = self.ctx.clock.wall()
+                digest = await self.engine.load_shared(
+                    shared.version, shared.segment, shared.manifest
+                )
+        finally:
+            self._paused = False
+            self._resume.set()
+        loaded = self.ctx.clock.wall()
+        self.loads.append(
+            LoadedWeights(
+                version=shared.version,
+                digest=digest,
+                loaded_at=loaded,
+                load_s=loaded - drained,
+                drain_s=drained - noticed,
+            )
+        )
+        self.log.info(
+            "weights loaded",
+            version=shared.version,
+            drain_s=round(drained - noticed, 3),
+            load_s=round(loaded - drained, 3),
+        )

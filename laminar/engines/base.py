@@ -30,6 +30,9 @@ from pydantic import BaseModel
 
 from ..errors import LaminarError
 from ..trajectory import FinishReason, SamplingParams
+from ..transport.shm import map_segment
+from ..weights.manifest import WeightManifest, verify
+from ..weights.tensors import tensors_from
 
 
 class EngineError(LaminarError):
@@ -182,6 +185,32 @@ class Engine(abc.ABC):
             )
         await self._load_weights(weights)
         self.version = version
+
+    async def load_shared(self, version: int, segment: str, manifest: WeightManifest) -> str:
+        """Load ``version`` from a relay's shared-memory ``segment``; returns the verified digest.
+
+        The bytes are checked against the manifest's CRCs before anything is loaded (a corrupt
+        or stale segment raises :class:`EngineError` and the old weights stay). Backends whose
+        model lives in another process override ``_load_shared`` to map the segment there, so the
+        bytes never cross a socket.
+        """
+        if self._records:
+            raise EngineError(
+                f"cannot load version {version} with {len(self._records)} requests in flight: "
+                "a trajectory must not mix versions"
+            )
+        await self._load_shared(segment, manifest)
+        self.version = version
+        return manifest.digest()
+
+    async def _load_shared(self, segment: str, manifest: WeightManifest) -> None:
+        """Default: map here, verify, and load the tensor views (no copy before the engine's)."""
+        loop = asyncio.get_running_loop()
+        view = map_segment(segment, 0, manifest.total_bytes)
+        bad = await loop.run_in_executor(None, verify, manifest, view)
+        if bad:
+            raise EngineError(f"version {manifest.version} failed its checksums: {bad[:4]}")
+        await self._load_weights(tensors_from(manifest, view))
 
     # -- stats -------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..trajectory import SamplingParams
+from ..weights.manifest import WeightManifest
 from .base import Engine, EngineError, EngineOutput, EngineStats
 from .configs import VllmEngineConfig
 
@@ -196,6 +197,16 @@ class VllmEngine(Engine):
             task.cancel()  # closing vLLM's generate() stream aborts the request in vLLM
             await asyncio.gather(task, return_exceptions=True)
         await self._llm.abort(backend_id)
+
+    async def _load_shared(self, segment: str, manifest: WeightManifest) -> None:
+        entries = [
+            [t.name, t.dtype, t.shape, t.offset, t.nbytes, t.crc32] for t in manifest.tensors
+        ]
+        results = await self._llm.collective_rpc("laminar_load_shared", args=(segment, entries))
+        bad = [name for worker in results for name in worker]  # one list per worker (TP ranks)
+        if bad:
+            raise EngineError(f"version {manifest.version} failed its checksums: {bad[:4]}")
+        await self._llm.reset_prefix_cache()
 
     async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         from .vllm_worker import pack_tensor

@@ -12,10 +12,17 @@ Kept free of Laminar imports: it is imported inside vLLM's worker process by dot
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
+import re
+import warnings
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+_SEGMENT = re.compile(r"^laminar-[0-9a-f]{8}-[0-9a-f]{24}$")
 
 
 class LaminarWorkerExtension:
@@ -26,6 +33,36 @@ class LaminarWorkerExtension:
         items = [(name, unpack_tensor(dtype, shape, raw)) for name, dtype, shape, raw in packed]
         self.model_runner.reload_weights(weights_iterator=iter(items))
         return len(items)
+
+    def laminar_load_shared(self, segment: str, entries: list[list[Any]]) -> list[str]:
+        """Reload from a relay's shared-memory segment, mapped here: the bytes cross no socket.
+
+        ``entries`` are ``[name, dtype, shape, offset, nbytes, crc32]``. Every tensor's CRC is
+        checked before loading; returns the names that failed (nothing is loaded then).
+        """
+        if not _SEGMENT.match(segment):
+            raise ValueError(f"refusing to map {segment!r}")
+        with open(os.path.join("/dev/shm", segment), "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        view = memoryview(mapped)
+        bad = [e[0] for e in entries if zlib.crc32(view[e[3] : e[3] + e[4]]) != e[5]]
+        if bad:
+            return bad
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: loaders only read
+            items = [
+                (
+                    name,
+                    torch.frombuffer(view[off : off + n], dtype=getattr(torch, dtype)).reshape(
+                        shape
+                    )
+                    if n
+                    else torch.empty(shape, dtype=getattr(torch, dtype)),
+                )
+                for name, dtype, shape, off, n, _ in entries
+            ]
+            self.model_runner.reload_weights(weights_iterator=iter(items))
+        return []
 
     def laminar_weight_digest(self) -> str:
         """sha256 over the model's parameters (names sorted), for tests that compare engines."""

@@ -86,6 +86,7 @@ class WeightPublisher:
         self._acked_event = asyncio.Event()
         self.acked_at: dict[int, float] = {}
         self.stalls: list[float] = []
+        self.digests: dict[int, str] = {}  # version -> manifest digest (what rollouts must load)
 
     # -- the trainer's side (any thread) -----------------------------------------------------
 
@@ -147,6 +148,7 @@ class WeightPublisher:
         loop = asyncio.get_running_loop()
         vb.manifest = await loop.run_in_executor(None, with_checksums, vb.manifest, vb.view)
         vb.mark_all()
+        self.digests[vb.version] = vb.manifest.digest()
         self._pending = vb
         self._release_unused()  # a version superseded before it was sent
         self._wake.set()

@@ -132,6 +132,7 @@ class DataService(Service, DataApi):
         self._ready = asyncio.Event()  # set when scored trajectories arrive
         self._to_score: asyncio.Queue[str] = asyncio.Queue()
         self._counts: dict[str, int] = {}
+        self._rollout_versions: dict[str, int] = {}  # weight version each live rollout last took at
         self._background: list[asyncio.Task[None]] = []
         c = self.config
         self.params = SamplingParams(
@@ -201,17 +202,22 @@ class DataService(Service, DataApi):
         store = self._need_store()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.wait_s
+        self._rollout_versions[req.rollout] = req.version
         while True:
             self._work.clear()
-            out = await self._db(self._lease, store, req)
+            alive = set(self._rollout_versions.values())
+            out = await self._db(self._lease, store, req, alive)
             remaining = deadline - loop.time()
             if out or remaining <= 0:
                 return Assignments(items=out)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._work.wait(), remaining)
 
-    def _lease(self, store: Store, req: TakeRequest) -> list[Assignment]:
+    def _lease(self, store: Store, req: TakeRequest, alive_versions: set[int]) -> list[Assignment]:
         c = self.config
+        restarted = store.unbind_versions(alive_versions)
+        if restarted:
+            self.log.info("restarting resumes of a version no rollout holds", count=len(restarted))
         store.refill(c.queue_ahead + req.max_count, c.samples_per_prompt, c.seed, c.epochs)
         out = store.lease(req.rollout, req.max_count, req.version, set(req.holding), self.params)
         if c.sampling.seed is not None:
@@ -355,6 +361,7 @@ class DataService(Service, DataApi):
             await self.ctx.clock.sleep(1.0)
 
     async def _release(self, rollout: str, why: str) -> None:
+        self._rollout_versions.pop(rollout, None)
         released = await self._db(self._need_store().release, rollout)
         if released:
             self.log.info("released leases", rollout=rollout, count=len(released), why=why)

@@ -328,6 +328,27 @@ class Store:
                 )
         return [tid for (tid,) in rows]
 
+    def unbind_versions(self, alive: set[int]) -> list[str]:
+        """Restart queued resumes whose version no live rollout holds any more.
+
+        Their partial tokens can only continue on that exact version; once every rollout moved on
+        they would wait forever, so they start over (fresh lease, any version).
+        """
+        rows = self.db.execute(
+            "SELECT trajectory_id, version FROM samples "
+            "WHERE state = 'queued' AND version IS NOT NULL"
+        ).fetchall()
+        stale = [tid for tid, version in rows if version not in alive]
+        if stale:
+            with self.db:
+                self.db.execute("BEGIN")
+                for tid in stale:
+                    self.db.execute("DELETE FROM partials WHERE trajectory_id = ?", (tid,))
+                    self.db.execute(
+                        "UPDATE samples SET version = NULL WHERE trajectory_id = ?", (tid,)
+                    )
+        return stale
+
     def leases(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for tid, rollout in self.db.execute(

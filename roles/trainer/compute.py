@@ -102,7 +102,7 @@ class PolicyTrainer:
         return out
 
     def train(self, batch: PackedBatch) -> StepResult:
-        """All optimizer steps of one global batch; returns merged statistics (same on all ranks)."""
+        """All optimizer steps of one global batch; merged statistics (equal on every rank)."""
         cfg = self.config
         total = batch.batch_size
         per_step = math.ceil(total / cfg.batch.mini_batches)

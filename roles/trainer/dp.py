@@ -135,7 +135,7 @@ class DataParallelGroup:
             try:
                 _broadcast_batch(None)
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a dead peer: nothing left to tell
+            except Exception:
                 pass
         for proc in self.procs:
             proc.join(timeout=10)

@@ -3,10 +3,10 @@
 One owned task, ``train``, runs the loop; ``publish`` (the weight publisher) pushes each new
 version to the master relay in the background. Per version:
 
-1. **sample** ``prompts × samples`` trajectories (whole groups) from the experience buffer, asking
+1. **sample** ``prompts x samples`` trajectories (whole groups) from the experience buffer, asking
    for the ones *after* the last committed cursor; a short reply is topped up by the next call,
    so the batch is exactly the next ``n`` in consume order;
-2. **staleness** of each = this trainer version − the version that generated it (histogram, max);
+2. **staleness** of each = this trainer version - the version that generated it (histogram, max);
 3. **train** (GRPO advantages, then the policy loss; data-parallel ranks), in a worker thread so
    the event loop keeps serving heartbeats and status;
 4. **checkpoint** (every ``checkpoint.every`` versions) with the new version and cursor;
@@ -47,6 +47,9 @@ class TrainerStatus(BaseModel):
     version: int
     cursor: int
     resumed_from: str | None
+    resumed_version: int | None  # the checkpoint's version and cursor at startup
+    resumed_cursor: int | None
+    digests: dict[int, str]  # version -> manifest digest of what was published
     published: int  # newest version the master relay verified
     stalls_s: list[float]  # the trainer's stall of each publish
     max_staleness: int
@@ -66,6 +69,7 @@ class TrainerService(Service):
         self.publisher: WeightPublisher | None = None
         self.max_staleness = 0
         self.training = True
+        self.resumed: tuple[str, int, int] | None = None
         self._data_address = self.config.data
         registry = ctx.registry
         self.m_staleness = Histogram(
@@ -94,6 +98,7 @@ class TrainerService(Service):
         found = latest_checkpoint(c.checkpoint.dir)
         if found is not None:
             self.state = load_state(found)
+            self.resumed = (str(found), self.state.version, self.state.cursor)
             self.log.info(
                 "resuming",
                 checkpoint=str(found),
@@ -126,7 +131,10 @@ class TrainerService(Service):
         return TrainerStatus(
             version=self.state.version,
             cursor=self.state.cursor,
-            resumed_from=self.state.path,
+            resumed_from=self.resumed[0] if self.resumed else None,
+            resumed_version=self.resumed[1] if self.resumed else None,
+            resumed_cursor=self.resumed[2] if self.resumed else None,
+            digests=dict(self.publisher.digests) if self.publisher else {},
             published=self.publisher.acked if self.publisher else -1,
             stalls_s=list(self.publisher.stalls) if self.publisher else [],
             max_staleness=self.max_staleness,
@@ -141,7 +149,7 @@ class TrainerService(Service):
         return self.ctx.connect(DataApi, self._data_address)
 
     async def _next_batch(self) -> tuple[list[Trajectory], int]:
-        """Exactly the next ``prompts × samples`` trajectories after the committed cursor."""
+        """Exactly the next ``prompts x samples`` trajectories after the committed cursor."""
         c = self.config
         items: list[Trajectory] = []
         cursor = self.state.cursor

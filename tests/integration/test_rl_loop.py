@@ -1,0 +1,219 @@
+"""The closed loop as processes: manager, data, relay, 2 sim rollouts and a real torch trainer.
+
+Sim rollouts make this fast (the vLLM version is in tests/slow); the trainer, relay and weight
+path are the real ones. Checks: every rollout loads each version it switches to with the trainer's
+checksums and generates only with it afterwards; a trainer killed with -9 resumes from its last
+checkpoint with the same version and cursor, and no trajectory is trained twice or skipped.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from laminar.config import ClusterConfig
+from laminar.launch import ProcessCluster
+from laminar.roles.rollout import RolloutService, WeightsHistory
+from laminar.roles.trainer.checkpoint import latest_checkpoint, load_state
+from laminar.roles.trainer.service import TrainerService, TrainerStatus
+from laminar.rpc_client import RpcClient, remote
+from laminar.service import transport_options
+
+from ..support.models import tiny_qwen2
+from ..support.poll import until
+from ..support.procs import TOKEN
+from ..support.scenario import process_cluster, write_config
+from ..support.task import write_prompts, write_tokenizer
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def loop_config(tmp: Path, max_versions: int, rollout_engine: dict[str, Any]) -> Path:
+    return write_config(
+        tmp,
+        {
+            "data": {
+                "prompts": str(write_prompts(tmp / "prompts.jsonl", 64)),
+                "tokenizer": str(write_tokenizer(tmp / "tok")),
+                "reward": "tests.support.task:reward_len",
+                "samples_per_prompt": 4,
+                "epochs": None,
+                "store": str(tmp / "data.sqlite"),
+                "sampling": {"max_tokens": 24},
+                "metrics": None,
+            },
+            "relay": {"weights_bind": "tcp://127.0.0.1:0", "metrics": None},
+            "rollout": {
+                "metrics": None,
+                "concurrency": 8,
+                "flush_interval_s": 0.1,
+                "take_wait_s": 0.5,
+                "engine": rollout_engine,
+            },
+            "trainer": {
+                "metrics": None,
+                "model": str(tmp / "model"),
+                "batch": {"prompts": 2, "samples": 4, "micro_batch_rows": 8},
+                "optim": {"lr": 1e-4},
+                "threads_per_rank": 1,
+                "max_versions": max_versions,
+                "sample_wait_s": 0.5,
+                "checkpoint": {"dir": str(tmp / "ckpt"), "keep": 2},
+                "publish": {"chunks": 4},
+                "metrics_file": str(tmp / "trainer.jsonl"),
+            },
+        },
+    )
+
+
+SIM = {
+    "backend": "sim",
+    "vocab_size": 64,
+    "lengths": {"kind": "lognormal", "median": 8, "sigma": 0.5, "max_length": 24},
+    "cost": {"batch_points": [[1, 0.004], [256, 0.006]], "prefill_s_per_token": 0},
+}
+
+
+class Clients:
+    def __init__(self, cluster: ProcessCluster) -> None:
+        self.cluster = cluster
+        self.options = transport_options(ClusterConfig(), TOKEN.encode())
+        self.clients: list[RpcClient] = []
+
+    def _client(self, name: str) -> RpcClient:
+        client = RpcClient(self.cluster.info[name]["address"], self.options, timeout=10.0)
+        self.clients.append(client)
+        return client
+
+    def trainer(self, name: str = "trainer") -> TrainerService:
+        return remote(TrainerService, self._client(name))
+
+    def rollout(self, name: str) -> RolloutService:
+        return remote(RolloutService, self._client(name))
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+
+def start_loop(cluster: ProcessCluster, rollouts: int = 2) -> None:
+    cluster.serve("manager", "manager")
+    cluster.serve("data", "data")
+    cluster.serve("relay", "relay-0")
+    for i in range(rollouts):
+        cluster.serve("rollout", f"rollout-{i}", timeout=180)
+
+
+def trajectories(store: Path) -> list[tuple[str, str, int, float]]:
+    """(id, rollout, version, started_at) of every stored trajectory, read beside the data role."""
+    with sqlite3.connect(f"file:{store}?mode=ro", uri=True) as db:
+        rows = db.execute("SELECT body FROM trajectories").fetchall()
+    import msgpack
+
+    out = []
+    for (body,) in rows:
+        t = msgpack.unpackb(body)
+        out.append((t["trajectory_id"], t["rollout"], t["version"], t["started_at"]))
+    return out
+
+
+async def check_rollouts_follow(
+    clients: Clients, status: TrainerStatus, store: Path, rollouts: int
+) -> dict[str, WeightsHistory]:
+    """Each rollout loaded the trainer's bytes, and generated with nothing older afterwards."""
+    histories = {}
+    for i in range(rollouts):
+        name = f"rollout-{i}"
+        history = await clients.rollout(name).weights.call()
+        assert history.loads, f"{name} never loaded a new version"
+        for load in history.loads:
+            assert load.digest == status.digests[load.version], (name, load.version)
+        histories[name] = history
+    for tid, rollout, version, started_at in trajectories(store):
+        for load in histories[rollout].loads:
+            if started_at > load.loaded_at:
+                assert version >= load.version, (tid, rollout, version, load.version)
+    return histories
+
+
+async def test_rollouts_follow_the_trainer(tmp_path: Path) -> None:
+    tiny_qwen2(tmp_path / "model")
+    config = loop_config(tmp_path, 4, SIM)
+    with process_cluster(tmp_path, config) as cluster:
+        start_loop(cluster)
+        cluster.serve("trainer", "trainer", timeout=120)
+        clients = Clients(cluster)
+        try:
+            trainer = clients.trainer()
+
+            async def finished() -> TrainerStatus | None:
+                s = await trainer.status.call()
+                return s if not s.training and s.published == 4 else None
+
+            status = await until(finished, 150, 0.2)
+            assert set(status.digests) >= {1, 2, 3, 4}
+
+            async def caught_up() -> bool:
+                hs = [await clients.rollout(f"rollout-{i}").weights.call() for i in range(2)]
+                return all(h.loads and h.loads[-1].version == 4 for h in hs)
+
+            await until(caught_up, 60, 0.2)
+            await check_rollouts_follow(clients, status, tmp_path / "data.sqlite", 2)
+        finally:
+            await clients.close()
+
+
+async def test_trainer_kill_9_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    tiny_qwen2(tmp_path / "model")
+    config = loop_config(tmp_path, 6, SIM)
+    ckpt = tmp_path / "ckpt"
+    with process_cluster(tmp_path, config) as cluster:
+        start_loop(cluster)
+        cluster.serve("trainer", "trainer", timeout=120)
+        clients = Clients(cluster)
+        try:
+            trainer = clients.trainer()
+
+            async def two_done() -> bool:
+                return (await trainer.status.call()).version >= 2
+
+            await until(two_done, 120, 0.05)
+            cluster.kill9("trainer")
+            saved = load_state(latest_checkpoint(ckpt))
+            assert saved.version >= 1  # the kill may land mid-checkpoint: the previous one holds
+
+            cluster.serve("trainer", "trainer", timeout=120)
+            trainer = clients.trainer()
+            status = await trainer.status.call()
+            assert status.resumed_version == saved.version
+            assert status.resumed_cursor == saved.cursor
+
+            async def finished() -> TrainerStatus | None:
+                s = await trainer.status.call()
+                return s if not s.training else None
+
+            await until(finished, 150, 0.2)
+        finally:
+            await clients.close()
+    final = load_state(latest_checkpoint(ckpt))
+    assert final.version == 6
+    assert [h["version"] for h in final.history] == [1, 2, 3, 4, 5, 6]
+    expected_first = 1
+    trained: list[str] = []
+    for h in final.history:  # consume-seq ranges are contiguous: nothing skipped, nothing twice
+        first, last = h["seqs"]
+        assert first == expected_first and last - first + 1 == len(h["ids"]) == 8, h["seqs"]
+        expected_first = last + 1
+        trained += h["ids"]
+    assert len(trained) == len(set(trained)) == 48
+    with sqlite3.connect(f"file:{tmp_path / 'data.sqlite'}?mode=ro", uri=True) as db:
+        consumed = dict(
+            db.execute(
+                "SELECT trajectory_id, consume_seq FROM trajectories WHERE consume_seq <= ?",
+                (final.cursor,),
+            ).fetchall()
+        )
+    assert set(consumed) == set(trained)
