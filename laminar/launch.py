@@ -43,10 +43,20 @@ class ProcessCluster:
         self.manager: str | None = None
 
     def serve(
-        self, role: str, name: str, *, timeout: float = 120.0, args: tuple[str, ...] = ()
+        self,
+        role: str,
+        name: str,
+        *,
+        timeout: float = 120.0,
+        args: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
     ) -> dict[str, Any]:
-        """Start one role process named ``name``; return its ready info (address, pid, ...)."""
-        cmd = [sys.executable, "-m", "laminar", "serve", "--role", role]
+        """Start one role process named ``name``; return its ready info (address, pid, ...).
+
+        ``prefix`` wraps the command, e.g. ``("ip", "netns", "exec", NS)`` to start it on another
+        (emulated) host; it must exec the command, so signals reach the role's own process.
+        """
+        cmd = [*prefix, sys.executable, "-m", "laminar", "serve", "--role", role]
         cmd += ["--config", str(self.config), "--instance", name, *args]
         if role != "manager":
             if self.manager is None:

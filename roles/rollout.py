@@ -39,9 +39,10 @@ from laminar.engines import Engine, EngineConfig, EngineRequest, InflightSequenc
 from laminar.engines.base import EngineError
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.roles.data.api import DataApi, Report, TakeRequest
-from laminar.roles.relay import LatestRequest, RelayApi, SharedVersion
+from laminar.roles.relay import LatestRequest, RelayApi
 from laminar.service import Service, ServiceContext
 from laminar.trajectory import Assignment, PartialChunk, Trajectory
+from laminar.transport import FrameError
 
 
 class RolloutConfig(ServiceConfig):
@@ -317,13 +318,15 @@ class RolloutService(Service):
                 )
                 async for shared in stream:
                     if shared.available and shared.version > self.engine.version:
-                        await self._switch(shared)
+                        await self._switch(relay)
             except (PeerUnavailable, CallTimeout, RemoteError, EngineError) as exc:
                 self.log.warning("weight pull failed; retrying", error=str(exc))
+            except FrameError as exc:  # the segment was evicted just before we mapped it
+                self.log.info("version gone before it was loaded; asking again", error=str(exc))
             await self.ctx.clock.sleep(self.config.weights_retry_s)
 
-    async def _switch(self, shared: SharedVersion) -> None:
-        assert shared.manifest is not None
+    async def _switch(self, relay: RelayApi) -> None:
+        """Drain, then load the relay's newest version (newer ones may have come meanwhile)."""
         noticed = self.ctx.clock.wall()
         self._paused = True
         try:
@@ -332,6 +335,9 @@ class RolloutService(Service):
                     self._drained.clear()
                     await self._drained.wait()
                 drained = self.ctx.clock.wall()
+                shared = await relay.latest.call(LatestRequest(newer_than=self.engine.version))
+                if not shared.available or shared.manifest is None:
+                    return
                 digest = await self.engine.load_shared(
                     shared.version, shared.segment, shared.manifest
                 )

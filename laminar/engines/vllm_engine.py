@@ -199,11 +199,15 @@ class VllmEngine(Engine):
         await self._llm.abort(backend_id)
 
     async def _load_shared(self, segment: str, manifest: WeightManifest) -> None:
+        from .vllm_worker import SEGMENT_GONE
+
         entries = [
             [t.name, t.dtype, t.shape, t.offset, t.nbytes, t.crc32] for t in manifest.tensors
         ]
         results = await self._llm.collective_rpc("laminar_load_shared", args=(segment, entries))
         bad = [name for worker in results for name in worker]  # one list per worker (TP ranks)
+        if SEGMENT_GONE in bad:
+            raise EngineError(f"segment {segment} of version {manifest.version} is gone")
         if bad:
             raise EngineError(f"version {manifest.version} failed its checksums: {bad[:4]}")
         await self._llm.reset_prefix_cache()

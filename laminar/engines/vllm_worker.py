@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+SEGMENT_GONE = "<segment gone>"
 _SEGMENT = re.compile(r"^laminar-[0-9a-f]{8}-[0-9a-f]{24}$")
 
 
@@ -42,8 +43,11 @@ class LaminarWorkerExtension:
         """
         if not _SEGMENT.match(segment):
             raise ValueError(f"refusing to map {segment!r}")
-        with open(os.path.join("/dev/shm", segment), "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            with open(os.path.join("/dev/shm", segment), "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:  # the relay evicted it meanwhile: the caller asks again
+            return [SEGMENT_GONE]
         view = memoryview(mapped)
         bad = [e[0] for e in entries if zlib.crc32(view[e[3] : e[3] + e[4]]) != e[5]]
         if bad:

