@@ -21,7 +21,6 @@ disturb a rollout that already mapped it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Annotated, ClassVar
 
@@ -278,6 +277,4 @@ class RelayService(Service, RelayApi):
             finally:
                 if conn is not None:
                     conn.close("forwarder restarting")
-            with contextlib.suppress(asyncio.CancelledError):
-                pass
             await self.ctx.clock.sleep(self.config.retry_s)
