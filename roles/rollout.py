@@ -42,7 +42,6 @@ from laminar.roles.data.api import DataApi, Report, TakeRequest
 from laminar.roles.relay import LatestRequest, RelayApi
 from laminar.service import Service, ServiceContext
 from laminar.trajectory import Assignment, PartialChunk, Trajectory
-from laminar.transport import FrameError
 
 
 class RolloutConfig(ServiceConfig):
@@ -320,9 +319,8 @@ class RolloutService(Service):
                     if shared.available and shared.version > self.engine.version:
                         await self._switch(relay)
             except (PeerUnavailable, CallTimeout, RemoteError, EngineError) as exc:
+                # includes a segment the relay evicted just before we mapped it: ask again
                 self.log.warning("weight pull failed; retrying", error=str(exc))
-            except FrameError as exc:  # the segment was evicted just before we mapped it
-                self.log.info("version gone before it was loaded; asking again", error=str(exc))
             await self.ctx.clock.sleep(self.config.weights_retry_s)
 
     async def _switch(self, relay: RelayApi) -> None:

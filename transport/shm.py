@@ -111,6 +111,10 @@ def _shared_origin(view: memoryview) -> tuple[SharedBuffer, int] | None:
     return None if offset is None else (owner, offset)
 
 
+class SegmentGone(FrameError):
+    """The named segment no longer exists (its owner unlinked it, or died and was swept)."""
+
+
 def map_segment(name: str, offset: int, size: int) -> memoryview:
     """Map ``size`` bytes at ``offset`` of segment ``name`` read-only."""
     if not isinstance(name, str) or not _NAME.match(name):
@@ -120,7 +124,7 @@ def map_segment(name: str, offset: int, size: int) -> memoryview:
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except FileNotFoundError as exc:
-        raise FrameError(f"shared-memory segment {name} is gone") from exc
+        raise SegmentGone(f"shared-memory segment {name} is gone") from exc
     try:
         total = os.fstat(fd).st_size
         if offset < 0 or size < 0 or offset + size > total:

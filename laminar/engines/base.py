@@ -30,9 +30,9 @@ from pydantic import BaseModel
 
 from ..errors import LaminarError
 from ..trajectory import FinishReason, SamplingParams
-from ..transport.shm import map_segment
-from ..weights.manifest import WeightManifest, verify
-from ..weights.tensors import tensors_from
+from ..transport.shm import SegmentGone
+from ..weights.manifest import WeightManifest
+from ..weights.tensors import CorruptVersion, map_verified, tensors_from
 
 
 class EngineError(LaminarError):
@@ -178,11 +178,7 @@ class Engine(abc.ABC):
 
     async def load_weights(self, version: int, weights: Iterable[tuple[str, Any]]) -> None:
         """Replace the weights in place with ``version`` (named tensors). Only when idle."""
-        if self._records:
-            raise EngineError(
-                f"cannot load version {version} with {len(self._records)} requests in flight: "
-                "a trajectory must not mix versions"
-            )
+        self._require_idle(version)
         await self._load_weights(weights)
         self.version = version
 
@@ -194,22 +190,25 @@ class Engine(abc.ABC):
         model lives in another process override ``_load_shared`` to map the segment there, so the
         bytes never cross a socket.
         """
+        self._require_idle(version)
+        await self._load_shared(segment, manifest)
+        self.version = version
+        return manifest.digest()
+
+    def _require_idle(self, version: int) -> None:
         if self._records:
             raise EngineError(
                 f"cannot load version {version} with {len(self._records)} requests in flight: "
                 "a trajectory must not mix versions"
             )
-        await self._load_shared(segment, manifest)
-        self.version = version
-        return manifest.digest()
 
     async def _load_shared(self, segment: str, manifest: WeightManifest) -> None:
         """Default: map here, verify, and load the tensor views (no copy before the engine's)."""
         loop = asyncio.get_running_loop()
-        view = map_segment(segment, 0, manifest.total_bytes)
-        bad = await loop.run_in_executor(None, verify, manifest, view)
-        if bad:
-            raise EngineError(f"version {manifest.version} failed its checksums: {bad[:4]}")
+        try:
+            view = await loop.run_in_executor(None, map_verified, segment, manifest)
+        except (SegmentGone, CorruptVersion) as exc:
+            raise EngineError(str(exc)) from exc
         await self._load_weights(tensors_from(manifest, view))
 
     # -- stats -------------------------------------------------------------------------------

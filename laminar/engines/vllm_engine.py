@@ -199,17 +199,12 @@ class VllmEngine(Engine):
         await self._llm.abort(backend_id)
 
     async def _load_shared(self, segment: str, manifest: WeightManifest) -> None:
-        from .vllm_worker import SEGMENT_GONE
-
-        entries = [
-            [t.name, t.dtype, t.shape, t.offset, t.nbytes, t.crc32] for t in manifest.tensors
-        ]
-        results = await self._llm.collective_rpc("laminar_load_shared", args=(segment, entries))
-        bad = [name for worker in results for name in worker]  # one list per worker (TP ranks)
-        if SEGMENT_GONE in bad:
-            raise EngineError(f"segment {segment} of version {manifest.version} is gone")
-        if bad:
-            raise EngineError(f"version {manifest.version} failed its checksums: {bad[:4]}")
+        results = await self._llm.collective_rpc(
+            "laminar_load_shared", args=(segment, manifest.model_dump())
+        )
+        refused = [why for why in results if why]  # one answer per worker (TP ranks)
+        if refused:
+            raise EngineError(refused[0])
         await self._llm.reset_prefix_cache()
 
     async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:

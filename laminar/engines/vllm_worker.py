@@ -6,24 +6,17 @@ into its worker class, so ``self`` here is the worker (``self.model_runner`` is 
 cross vLLM's msgpack channel, which turns nested tensors into lists; so each tensor travels as
 ``(name, dtype, shape, raw bytes)`` and is rebuilt here without a copy (``torch.frombuffer``).
 
-Kept free of Laminar imports: it is imported inside vLLM's worker process by dotted name.
+vLLM imports this module by dotted name inside its worker process; Laminar modules are imported
+inside the methods that need them, so loading the extension stays cheap.
 """
 
 from __future__ import annotations
 
 import hashlib
-import mmap
-import os
-import re
-import warnings
-import zlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-
-SEGMENT_GONE = "<segment gone>"
-_SEGMENT = re.compile(r"^laminar-[0-9a-f]{8}-[0-9a-f]{24}$")
 
 
 class LaminarWorkerExtension:
@@ -35,38 +28,23 @@ class LaminarWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=iter(items))
         return len(items)
 
-    def laminar_load_shared(self, segment: str, entries: list[list[Any]]) -> list[str]:
+    def laminar_load_shared(self, segment: str, manifest: dict[str, Any]) -> str:
         """Reload from a relay's shared-memory segment, mapped here: the bytes cross no socket.
 
-        ``entries`` are ``[name, dtype, shape, offset, nbytes, crc32]``. Every tensor's CRC is
-        checked before loading; returns the names that failed (nothing is loaded then).
+        Every tensor's CRC is checked before loading. Returns "" once loaded, else why nothing
+        was loaded (the segment was evicted meanwhile, or its bytes are corrupt).
         """
-        if not _SEGMENT.match(segment):
-            raise ValueError(f"refusing to map {segment!r}")
+        from laminar.transport.shm import SegmentGone
+        from laminar.weights.manifest import WeightManifest
+        from laminar.weights.tensors import CorruptVersion, map_verified, tensors_from
+
+        version = WeightManifest.model_validate(manifest)
         try:
-            with open(os.path.join("/dev/shm", segment), "rb") as f:
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except FileNotFoundError:  # the relay evicted it meanwhile: the caller asks again
-            return [SEGMENT_GONE]
-        view = memoryview(mapped)
-        bad = [e[0] for e in entries if zlib.crc32(view[e[3] : e[3] + e[4]]) != e[5]]
-        if bad:
-            return bad
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: loaders only read
-            items = [
-                (
-                    name,
-                    torch.frombuffer(view[off : off + n], dtype=getattr(torch, dtype)).reshape(
-                        shape
-                    )
-                    if n
-                    else torch.empty(shape, dtype=getattr(torch, dtype)),
-                )
-                for name, dtype, shape, off, n, _ in entries
-            ]
-            self.model_runner.reload_weights(weights_iterator=iter(items))
-        return []
+            view = map_verified(segment, version)
+        except (SegmentGone, CorruptVersion) as exc:
+            return str(exc)
+        self.model_runner.reload_weights(weights_iterator=tensors_from(version, view))
+        return ""
 
     def laminar_weight_digest(self) -> str:
         """sha256 over the model's parameters (names sorted), for tests that compare engines."""

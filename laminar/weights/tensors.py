@@ -7,7 +7,29 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .manifest import WeightManifest, layout
+from ..transport.shm import map_segment
+from .manifest import WeightManifest, layout, verify
+
+
+class CorruptVersion(ValueError):
+    """Bytes that do not match the manifest's CRCs (nothing may be loaded from them)."""
+
+    def __init__(self, version: int, names: list[str]) -> None:
+        super().__init__(f"version {version} failed its checksums: {names[:4]}")
+        self.names = names
+
+
+def map_verified(segment: str, manifest: WeightManifest) -> memoryview:
+    """Map a relay's ``segment`` read-only and check every tensor's CRC before anyone loads it.
+
+    Raises :class:`~laminar.transport.shm.SegmentGone` when the relay evicted it meanwhile (ask
+    for the newest version again) and :class:`CorruptVersion` when the bytes are wrong.
+    """
+    view = map_segment(segment, 0, manifest.total_bytes)
+    bad = verify(manifest, view)
+    if bad:
+        raise CorruptVersion(manifest.version, bad)
+    return view
 
 
 def plan_tensors(named: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightManifest:
