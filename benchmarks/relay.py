@@ -49,7 +49,7 @@ from laminar.netns import NetLab, probe  # noqa: E402
 from laminar.roles.relay import RelayApi  # noqa: E402
 from laminar.rpc_client import RpcClient, remote  # noqa: E402
 from laminar.service import transport_options  # noqa: E402
-from laminar.weights.manifest import chain_time, optimal_chunks, with_checksums  # noqa: E402
+from laminar.weights.manifest import chain_time, optimal_chunks  # noqa: E402
 from laminar.weights.publisher import PublishConfig, WeightPublisher  # noqa: E402
 from laminar.weights.transfer import VersionStore, push_version, receive_versions  # noqa: E402
 
@@ -191,8 +191,7 @@ async def push_to(addresses: list[str], mib: int, chunks: int, version: int) -> 
     options = transport_options(ClusterConfig(), TOKEN.encode())
     publisher = WeightPublisher(PublishConfig(chunks=chunks, master="unused"), options)
     vb = publisher.stage(version, weights(mib, 1))
-    vb.manifest = await asyncio.to_thread(with_checksums, vb.manifest, vb.view)
-    vb.mark_all()
+    await publisher.hand_off(vb)  # checksums; nothing pushes it to "unused": we send it below
     times = []
     for address in addresses:
         conn = await transport.connect(address, options)

@@ -48,6 +48,12 @@ class Backoff:
         return base * random.uniform(0.8, 1.2)
 
 
+#: Per-item timeout for subscriptions that may stay silent indefinitely (a chain that does not
+#: change, no new weight version). Liveness comes from the connection itself: a dead peer ends the
+#: stream with an error at once, so the subscriber never relies on this timeout.
+QUIET_STREAM_TIMEOUT_S = 365 * 24 * 3600.0
+
+
 class RpcClient:
     """Calls to one address. Connects lazily, reconnects with backoff, fails fast on loss."""
 

@@ -29,11 +29,9 @@ from pydantic import BaseModel, Field
 from laminar import transport
 from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint, stream
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
-from laminar.rpc_client import remote
 from laminar.service import Service, ServiceContext
 from laminar.transport.shm import sweep_dead_segments
-from laminar.weights.chain import ChainView, ChainWatch, RelayChainApi, RelayInfo
+from laminar.weights.chain import ChainView, RelayInfo, follow_chain
 from laminar.weights.manifest import WeightManifest
 from laminar.weights.transfer import (
     TransferError,
@@ -227,16 +225,15 @@ class RelayService(Service, RelayApi):
 
     async def _follow_chain(self) -> None:
         assert self.ctx.manager is not None
-        chain = remote(RelayChainApi, self.ctx.client(self.ctx.manager))
-        while True:
-            try:
-                async for view in chain.watch_chain.options(timeout=3600 * 24 * 365).stream(
-                    ChainWatch(since_epoch=self.view.epoch)
-                ):
-                    self._apply(view)
-            except (PeerUnavailable, CallTimeout, RemoteError, transport.TransportError) as exc:
-                self.log.warning("chain watch interrupted; retrying", error=str(exc))
-            await self.ctx.clock.sleep(self.config.retry_s)
+        await follow_chain(
+            self.ctx.client(self.ctx.manager),
+            self._apply,
+            retry_s=self.config.retry_s,
+            on_error=lambda exc: self.log.warning(
+                "chain watch interrupted; retrying", error=str(exc)
+            ),
+            sleep=self.ctx.clock.sleep,
+        )
 
     def _apply(self, view: ChainView) -> None:
         self.view = view

@@ -40,6 +40,7 @@ from laminar.engines.base import EngineError
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.roles.data.api import DataApi, Report, TakeRequest
 from laminar.roles.relay import LatestRequest, RelayApi
+from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S
 from laminar.service import Service, ServiceContext
 from laminar.trajectory import Assignment, PartialChunk, Trajectory
 
@@ -312,7 +313,7 @@ class RolloutService(Service):
                 if relay is None:
                     await self.ctx.clock.sleep(self.config.weights_retry_s)
                     continue
-                stream = relay.versions.options(timeout=3600 * 24 * 365).stream(
+                stream = relay.versions.options(timeout=QUIET_STREAM_TIMEOUT_S).stream(
                     LatestRequest(newer_than=self.engine.version)
                 )
                 async for shared in stream:

@@ -16,11 +16,15 @@ missing chunk (see ``transfer.py``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from pydantic import BaseModel, Field
 
+from laminar import transport
 from laminar.endpoint import endpoint, stream
+from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S, RpcClient, remote
 
 
 class RelayInfo(BaseModel):
@@ -78,3 +82,30 @@ class RelayChainApi:
     async def watch_chain(self, req: ChainWatch) -> AsyncIterator[ChainView]:
         raise NotImplementedError
         yield  # pragma: no cover
+
+
+async def follow_chain(
+    manager: RpcClient,
+    apply: Callable[[ChainView], None],
+    *,
+    retry_s: float,
+    on_error: Callable[[Exception], None],
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> None:
+    """Call ``apply`` with every new chain view, until cancelled (relays and the trainer).
+
+    A broken watch (the manager restarted, a network blip) is reported to ``on_error`` and
+    re-subscribed after ``retry_s``, from the last epoch applied, so no view is applied twice.
+    """
+    chain = remote(RelayChainApi, manager)
+    epoch = 0
+    while True:
+        try:
+            async for view in chain.watch_chain.options(timeout=QUIET_STREAM_TIMEOUT_S).stream(
+                ChainWatch(since_epoch=epoch)
+            ):
+                epoch = view.epoch
+                apply(view)
+        except (PeerUnavailable, CallTimeout, RemoteError, transport.TransportError) as exc:
+            on_error(exc)
+        await sleep(retry_s)

@@ -27,10 +27,9 @@ from pydantic import Field
 
 from laminar import transport
 from laminar.config import Strict
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
-from laminar.rpc_client import RpcClient, remote
+from laminar.rpc_client import RpcClient
 
-from .chain import ChainView, ChainWatch, RelayChainApi
+from .chain import ChainView, follow_chain
 from .manifest import chunk_bounds, optimal_chunks, with_checksums
 from .tensors import copy_into, plan_tensors
 from .transfer import TransferError, VersionBuffer, push_version
@@ -83,7 +82,6 @@ class WeightPublisher:
         self._wake = asyncio.Event()
         self.acked = -1  # newest version the master verified
         self._sending = -1
-        self._acked_event = asyncio.Event()
         self.acked_at: dict[int, float] = {}
         self.stalls: list[float] = []
         self.digests: dict[int, str] = {}  # version -> manifest digest (what rollouts must load)
@@ -160,12 +158,6 @@ class WeightPublisher:
                 group.create_task(self._follow_chain())
             group.create_task(self._push_loop())
 
-    async def wait_acked(self, version: int, timeout: float) -> None:
-        """Until the master verified ``version`` (or a newer one)."""
-        async with asyncio.timeout(timeout):
-            while self.acked < version:
-                await self._acked_event.wait()
-
     def _master(self) -> str | None:
         if self.config.master is not None:
             return self.config.master
@@ -174,21 +166,20 @@ class WeightPublisher:
 
     async def _follow_chain(self) -> None:
         assert self.manager is not None
-        chain = remote(RelayChainApi, self.manager)
-        while True:
-            try:
-                async for view in chain.watch_chain.options(timeout=3600 * 24 * 365).stream(
-                    ChainWatch(since_epoch=self.view.epoch)
-                ):
-                    old = self._master()
-                    self.view = view
-                    self.relay_count = max(len(view.relays), 1)
-                    if self._master() != old:
-                        self._note("master relay", master=self._master(), epoch=view.epoch)
-                        self._wake.set()
-            except (PeerUnavailable, CallTimeout, RemoteError, transport.TransportError) as exc:
-                self._note("chain watch interrupted", error=str(exc))
-            await asyncio.sleep(self.config.retry_s)
+        await follow_chain(
+            self.manager,
+            self._apply,
+            retry_s=self.config.retry_s,
+            on_error=lambda exc: self._note("chain watch interrupted", error=str(exc)),
+        )
+
+    def _apply(self, view: ChainView) -> None:
+        old = self._master()
+        self.view = view
+        self.relay_count = max(len(view.relays), 1)
+        if self._master() != old:
+            self._note("master relay", master=self._master(), epoch=view.epoch)
+            self._wake.set()
 
     async def _push_loop(self) -> None:
         while True:
@@ -223,8 +214,6 @@ class WeightPublisher:
             await push_version(conn, vb, timeout=self.config.transfer_timeout_s)
             self.acked = vb.version
             self.acked_at[vb.version] = time.time()
-            event, self._acked_event = self._acked_event, asyncio.Event()
-            event.set()
             self._note("version delivered to the master", version=vb.version, master=master)
         except (transport.TransportError, TransferError, TimeoutError, OSError) as exc:
             self._note("push to the master failed", master=master, error=str(exc))
