@@ -10,18 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from laminar.config import ClusterConfig
-from laminar.launch import ProcessCluster
 from laminar.roles.relay import LatestRequest, RelayApi, RelayStatus, VersionState
-from laminar.rpc_client import RpcClient, remote
-from laminar.service import transport_options
+from laminar.rpc_client import remote
 from laminar.transport.shm import map_segment, sweep_dead_segments
 from laminar.weights.chain import ChainView, RelayChainApi
 from laminar.weights.manifest import WeightManifest
 from laminar.weights.publisher import PublishConfig, WeightPublisher
 
+from ..support.clients import ClusterClients
 from ..support.poll import until
-from ..support.procs import TOKEN
 from ..support.scenario import process_cluster, write_config
 
 pytestmark = pytest.mark.integration
@@ -35,19 +32,9 @@ def weights(seed: int, total_mib: int = 256, tensors: int = 64) -> list[tuple[st
     return [(f"layer.{i}.weight", torch.randn(per, generator=g)) for i in range(tensors)]
 
 
-class Harness:
-    def __init__(self, cluster: ProcessCluster) -> None:
-        self.cluster = cluster
-        self.options = transport_options(ClusterConfig(), TOKEN.encode())
-        self.clients: dict[str, RpcClient] = {}
-
-    def client(self, address: str) -> RpcClient:
-        if address not in self.clients:
-            self.clients[address] = RpcClient(address, self.options, timeout=10.0)
-        return self.clients[address]
-
+class Harness(ClusterClients):
     def relay(self, name: str) -> RelayApi:
-        return remote(RelayApi, self.client(self.cluster.info[name]["address"]))
+        return self.proxy(RelayApi, name)
 
     async def chain(self) -> ChainView:
         assert self.cluster.manager is not None
@@ -55,10 +42,6 @@ class Harness:
 
     async def statuses(self, names: list[str]) -> dict[str, RelayStatus]:
         return {n: await self.relay(n).status.call() for n in names}
-
-    async def close(self) -> None:
-        for client in self.clients.values():
-            await client.close()
 
 
 def verified(status: RelayStatus, version: int) -> bool:

@@ -14,17 +14,14 @@ from typing import Any
 
 import pytest
 
-from laminar.config import ClusterConfig
 from laminar.launch import ProcessCluster
 from laminar.roles.rollout import RolloutService, WeightsHistory
 from laminar.roles.trainer.checkpoint import latest_checkpoint, load_state
 from laminar.roles.trainer.service import TrainerService, TrainerStatus
-from laminar.rpc_client import RpcClient, remote
-from laminar.service import transport_options
 
+from ..support.clients import ClusterClients
 from ..support.models import tiny_qwen2
 from ..support.poll import until
-from ..support.procs import TOKEN
 from ..support.scenario import process_cluster, write_config
 from ..support.task import write_prompts, write_tokenizer
 
@@ -77,26 +74,12 @@ SIM = {
 }
 
 
-class Clients:
-    def __init__(self, cluster: ProcessCluster) -> None:
-        self.cluster = cluster
-        self.options = transport_options(ClusterConfig(), TOKEN.encode())
-        self.clients: list[RpcClient] = []
-
-    def _client(self, name: str) -> RpcClient:
-        client = RpcClient(self.cluster.info[name]["address"], self.options, timeout=10.0)
-        self.clients.append(client)
-        return client
-
+class Clients(ClusterClients):
     def trainer(self, name: str = "trainer") -> TrainerService:
-        return remote(TrainerService, self._client(name))
+        return self.proxy(TrainerService, name)
 
     def rollout(self, name: str) -> RolloutService:
-        return remote(RolloutService, self._client(name))
-
-    async def close(self) -> None:
-        for client in self.clients:
-            await client.close()
+        return self.proxy(RolloutService, name)
 
 
 def start_loop(cluster: ProcessCluster, rollouts: int = 2) -> None:
