@@ -16,13 +16,13 @@ import datetime
 import multiprocessing as mp
 import os
 import socket
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from laminar.rl import PackedBatch
 
+from .checkpoint import load_training_state
 from .compute import PolicyTrainer, StepResult
 from .config import TrainerConfig
 
@@ -86,16 +86,10 @@ def _worker(
     _init(rank, config.data_parallel, address, timeout_s)
     trainer = PolicyTrainer(config, rank, config.data_parallel)
     if state_path is not None:
-        trainer.load_state(*_load_state(state_path))
+        trainer.load_state(*load_training_state(state_path))
     while (batch := _broadcast_batch(None)) is not None:
         trainer.train(batch)
     dist.destroy_process_group()
-
-
-def _load_state(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from .checkpoint import load_training_state
-
-    return load_training_state(path)
 
 
 class DataParallelGroup:
@@ -123,7 +117,7 @@ class DataParallelGroup:
             _init(0, self.world, address, timeout_s)
         self.trainer = PolicyTrainer(config, 0, self.world)
         if state_path is not None:
-            self.trainer.load_state(*_load_state(state_path))
+            self.trainer.load_state(*load_training_state(state_path))
 
     def train(self, batch: PackedBatch) -> StepResult:
         if self.world > 1:
