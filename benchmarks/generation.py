@@ -159,7 +159,7 @@ async def run_role(
     token = "bench-token-0123456789abcdef"
     config = {
         "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0},
-        "manager": {"bind": "tcp://127.0.0.1:0", "metrics": None},
+        "manager": {"bind": "tcp://127.0.0.1:0", "metrics": None, "admin": "127.0.0.1:0"},
         "data": {
             "prompts": str(prompts),
             "tokenizer": str(model),

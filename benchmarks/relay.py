@@ -79,7 +79,7 @@ def _timed(fn: Any) -> float:
 def write_config(directory: Path, manager_bind: str, weights_bind: str) -> Path:
     config = {
         "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0},
-        "manager": {"bind": manager_bind, "metrics": None},
+        "manager": {"bind": manager_bind, "metrics": None, "admin": "127.0.0.1:0"},
         "relay": {"weights_bind": weights_bind, "metrics": None, "keep": 2},
     }
     path = directory / "cluster.yaml"

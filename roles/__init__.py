@@ -5,9 +5,9 @@ importing every role (and its heavy dependencies) up front.
 """
 
 BUILTIN: dict[str, str] = {
-    "manager": "laminar.roles.manager:ManagerService",
+    "manager": "laminar.roles.manager.service:ManagerService",
     "data": "laminar.roles.data.service:DataService",
     "relay": "laminar.roles.relay:RelayService",
-    "rollout": "laminar.roles.rollout:RolloutService",
+    "rollout": "laminar.roles.rollout.service:RolloutService",
     "trainer": "laminar.roles.trainer.service:TrainerService",
 }

@@ -24,6 +24,7 @@ from .base import (
     EngineRequest,
     EngineStats,
     InflightSequence,
+    KvState,
 )
 from .configs import SimEngineConfig, VllmEngineConfig
 
@@ -37,6 +38,7 @@ __all__ = [
     "EngineRequest",
     "EngineStats",
     "InflightSequence",
+    "KvState",
     "SimEngineConfig",
     "VllmEngineConfig",
     "create_engine",

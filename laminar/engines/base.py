@@ -12,8 +12,12 @@ What the base class owns, so that every backend behaves the same:
 * the one-version rule: ``load_weights`` refuses while any request is in flight, and
   ``import_sequences`` refuses sequences of another version. A trajectory never mixes versions.
 * resumption: an imported sequence continues under its own request id; the backend sees a new
-  request whose prompt is the original prompt plus the tokens so far (re-prefill), with the
-  remaining token budget. (KV-state migration arrives with repack; it will skip the re-prefill.)
+  request whose prompt is the original prompt plus the tokens so far, with the remaining token
+  budget. Without KV state the backend recomputes that prefix (re-prefill). With a
+  :class:`KvState` exported by the same backend (``export_sequences(..., with_kv=True)``) it
+  loads the prefix's KV cache instead and recomputes only what the state does not cover; a backend
+  that cannot export KV returns ``kv=None`` and the importer re-prefills. Either way the tokens
+  that follow are those the sequence would have produced without the move.
 
 A backend implements the underscored hooks and calls :meth:`Engine._emit` with deltas.
 """
@@ -26,10 +30,11 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from ..errors import LaminarError
 from ..trajectory import FinishReason, SamplingParams
+from ..transport import Blob
 from ..transport.shm import SegmentGone
 from ..weights.manifest import WeightManifest
 from ..weights.tensors import CorruptVersion, map_verified, tensors_from
@@ -65,8 +70,25 @@ class EngineStats(BaseModel):
     generated_tokens: int  # total since start
 
 
+class KvState(BaseModel):
+    """The KV cache of a sequence's first ``tokens`` tokens (prompt + response), as raw bytes.
+
+    ``layout`` and the byte order of ``data`` are the exporting backend's own; only an engine of
+    the same backend, model and version imports it. The bytes travel as raw frame buffers.
+    """
+
+    backend: str
+    tokens: int
+    layout: dict[str, Any] = Field(default_factory=dict)
+    data: list[Blob] = Field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.data)
+
+
 class InflightSequence(BaseModel):
-    """An unfinished request as it leaves one engine for another (token level)."""
+    """An unfinished request as it leaves one engine for another (tokens, and maybe KV)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -74,6 +96,7 @@ class InflightSequence(BaseModel):
     response_logprobs: list[float]
     params: SamplingParams
     version: int
+    kv: KvState | None = None  # None: the importer re-prefills
 
 
 @dataclass(slots=True)
@@ -91,6 +114,7 @@ class Engine(abc.ABC):
     """Base class of generation backends; see the module docstring."""
 
     backend: ClassVar[str] = "?"
+    exports_kv: ClassVar[bool] = False  # export_sequences(with_kv=True) can attach KvState
 
     def __init__(self) -> None:
         self.version = 0
@@ -127,12 +151,23 @@ class Engine(abc.ABC):
         self._forget(record)
         return self._snapshot(record)
 
-    async def export_sequences(self, request_ids: Iterable[str]) -> list[InflightSequence]:
-        """Take requests out of this engine (to continue elsewhere); unknown ids are skipped."""
+    async def export_sequences(
+        self, request_ids: Iterable[str], *, with_kv: bool = False
+    ) -> list[InflightSequence]:
+        """Take requests out of this engine (to continue elsewhere); unknown ids are skipped.
+
+        ``with_kv``: also export each sequence's KV cache where the backend can (``exports_kv``);
+        the state may cover fewer tokens than the sequence has (the importer recomputes the rest).
+        """
+        ids = [i for i in request_ids if i in self._records]
+        kv: dict[str, KvState | None] = {}
+        if with_kv and self.exports_kv and ids:
+            kv = await self._export_kv([self._records[i] for i in ids])
         out = []
-        for request_id in request_ids:
+        for request_id in ids:
             seq = await self.abort(request_id)
             if seq is not None:
+                seq.kv = kv.get(request_id)
                 out.append(seq)
         return out
 
@@ -149,6 +184,11 @@ class Engine(abc.ABC):
                 raise EngineError(f"request {seq.request_id!r} is already running")
             if len(seq.response_token_ids) != len(seq.response_logprobs):
                 raise EngineError(f"sequence {seq.request_id!r}: tokens and logprobs differ")
+            if seq.kv is not None and seq.kv.backend != self.backend:
+                raise EngineError(
+                    f"sequence {seq.request_id!r} carries {seq.kv.backend} KV state; "
+                    f"this is a {self.backend} engine"
+                )
         for seq in sequences:
             record = _Record(
                 seq.request_id,
@@ -157,7 +197,7 @@ class Engine(abc.ABC):
                 list(seq.response_token_ids),
                 list(seq.response_logprobs),
             )
-            await self._start_record(record)
+            await self._start_record(record, seq.kv)
 
     async def outputs(self) -> AsyncIterator[list[EngineOutput]]:
         """Every step's deltas, for all requests. One consumer. Raises if the engine failed."""
@@ -222,6 +262,16 @@ class Engine(abc.ABC):
     async def _submit(self, backend_id: str, prompt: list[int], params: SamplingParams) -> None:
         """Start generating ``params.max_tokens`` tokens after ``prompt``."""
 
+    async def _submit_with_kv(
+        self, backend_id: str, prompt: list[int], params: SamplingParams, kv: KvState
+    ) -> None:
+        """Like ``_submit``, with the KV of ``prompt[:kv.tokens]`` given. Default: re-prefill."""
+        await self._submit(backend_id, prompt, params)
+
+    async def _export_kv(self, records: list[_Record]) -> dict[str, KvState | None]:
+        """The KV state of live requests, by request id (backends with ``exports_kv``)."""
+        return {}
+
     @abc.abstractmethod
     async def _cancel(self, backend_id: str) -> None:
         """Stop a request; emitting nothing more for it."""
@@ -252,7 +302,7 @@ class Engine(abc.ABC):
 
     # -- internals ---------------------------------------------------------------------------
 
-    async def _start_record(self, record: _Record) -> None:
+    async def _start_record(self, record: _Record, kv: KvState | None = None) -> None:
         remaining = record.params.max_tokens - len(record.tokens)
         if remaining <= 0:  # an imported sequence that had already used its budget
             self._queue.put_nowait(
@@ -264,8 +314,12 @@ class Engine(abc.ABC):
         self._records[record.request_id] = record
         self._by_backend_id[record.backend_id] = record
         params = record.params.model_copy(update={"max_tokens": remaining})
+        prompt = record.prompt + record.tokens
         try:
-            await self._submit(record.backend_id, record.prompt + record.tokens, params)
+            if kv is not None and 0 < kv.tokens <= len(prompt):
+                await self._submit_with_kv(record.backend_id, prompt, params, kv)
+            else:
+                await self._submit(record.backend_id, prompt, params)
         except BaseException:
             self._forget(record)
             raise

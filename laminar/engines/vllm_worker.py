@@ -46,6 +46,59 @@ class LaminarWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=tensors_from(version, view))
         return ""
 
+    def laminar_export_kv(self, request_ids: list[str], limits: list[int]) -> list[Any]:
+        """KV rows of live requests: per id ``(layout, bytes)``, or None where not exportable.
+
+        ``limits[i]`` caps the tokens exported for ``request_ids[i]`` (what the client has seen).
+        Runs between engine steps; see :mod:`laminar.engines.vllm_kv`.
+        """
+        from laminar.engines.vllm_kv import describe, export_blocks
+
+        runner = self.model_runner
+        base = describe(runner)
+        # vLLM appends "-<8 random chars>" to the ids it is given (unless told not to)
+        internal = {rid.rsplit("-", 1)[0]: rid for rid in runner.requests}
+        internal.update({rid: rid for rid in runner.requests})
+        out: list[Any] = []
+        for request_id, limit in zip(request_ids, limits, strict=True):
+            rid = internal.get(request_id, request_id)
+            state = runner.requests.get(rid)
+            if state is None or rid not in runner.input_batch.req_id_to_index:
+                out.append(None)  # finished, preempted or not yet scheduled
+                continue
+            tokens = min(int(state.num_computed_tokens), int(limit))
+            blocks = -(-tokens // base["block_size"])
+            if tokens <= 0 or len(state.block_ids) != 1 or len(state.block_ids[0]) < blocks:
+                out.append(None)
+                continue
+            layout = dict(base, tokens=tokens, blocks=blocks)
+            out.append((layout, export_blocks(runner, list(state.block_ids[0][:blocks]))))
+        return out
+
+    def laminar_stage_kv(self, key: str, layout: dict[str, Any], data: bytes) -> str:
+        """Keep an imported state until the connector loads it; "" if accepted, else why not."""
+        from laminar.engines import vllm_kv
+
+        mine = vllm_kv.describe(self.model_runner)
+        for field in ("block_size", "layers", "row_bytes", "dtype"):
+            if layout.get(field) != mine[field]:
+                return f"KV layout differs in {field}: {layout.get(field)} != {mine[field]}"
+        if len(data) != layout["blocks"] * sum(mine["row_bytes"]):
+            return f"KV state has {len(data)} bytes, its layout says otherwise"
+        vllm_kv.STAGED[key] = (layout, data)
+        return ""
+
+    def laminar_drop_kv(self, key: str) -> bool:
+        from laminar.engines import vllm_kv
+
+        return vllm_kv.STAGED.pop(key, None) is not None
+
+    def laminar_kv_loaded(self) -> dict[str, int]:
+        """Tokens / requests whose KV the connector loaded instead of computing (since start)."""
+        from laminar.engines import vllm_kv
+
+        return dict(vllm_kv.LOADED)
+
     def laminar_weight_digest(self) -> str:
         """sha256 over the model's parameters (names sorted), for tests that compare engines."""
         digest = hashlib.sha256()

@@ -58,7 +58,8 @@ async def wait_finished(data: DataApi, timeout: float = 30.0):
 
 async def start_cluster(serve, tmp_path, n_prompts, rollouts=2, **data_kw):
     mgr_host, _ = await serve(
-        ManagerService, config=ManagerConfig(bind="tcp://127.0.0.1:0", metrics=None)
+        ManagerService,
+        config=ManagerConfig(bind="tcp://127.0.0.1:0", metrics=None, admin="127.0.0.1:0"),
     )
     manager = mgr_host.ctx.address
     data_host, data_svc = await serve(

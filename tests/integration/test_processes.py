@@ -78,7 +78,16 @@ def test_member_killed_shows_dead_in_status_within_heartbeat_timeout() -> None:
         "cluster.heartbeat_timeout_s=1.0",
     ]
     manager, minfo = start(
-        laminar("serve", "--role", "manager", "--set", "manager.bind=tcp://127.0.0.1:0", *timing)
+        laminar(
+            "serve",
+            "--role",
+            "manager",
+            "--set",
+            "manager.bind=tcp://127.0.0.1:0",
+            "--set",
+            "manager.admin=127.0.0.1:0",
+            *timing,
+        )
     )
     members = []
     try:
@@ -132,7 +141,15 @@ def test_member_killed_shows_dead_in_status_within_heartbeat_timeout() -> None:
 
 def test_status_without_token_is_refused() -> None:
     manager, minfo = start(
-        laminar("serve", "--role", "manager", "--set", "manager.bind=tcp://127.0.0.1:0")
+        laminar(
+            "serve",
+            "--role",
+            "manager",
+            "--set",
+            "manager.bind=tcp://127.0.0.1:0",
+            "--set",
+            "manager.admin=127.0.0.1:0",
+        )
     )
     try:
         bad = env(LAMINAR_TOKEN="not-the-cluster-token")

@@ -33,7 +33,7 @@ def write_config(tmp: Path, sections: dict[str, Any]) -> Path:
             "heartbeat_timeout_s": 2.0,
             "rpc_timeout_s": 10.0,
         },
-        "manager": {"bind": "tcp://127.0.0.1:0", "metrics": None},
+        "manager": {"bind": "tcp://127.0.0.1:0", "metrics": None, "admin": "127.0.0.1:0"},
         **sections,
     }
     path = tmp / "cluster.yaml"

@@ -31,7 +31,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint
@@ -43,6 +43,8 @@ from laminar.roles.relay import LatestRequest, RelayApi
 from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S
 from laminar.service import Service, ServiceContext
 from laminar.trajectory import Assignment, PartialChunk, Trajectory
+
+from .api import LoadedWeights, WeightsHistory
 
 
 class RolloutConfig(ServiceConfig):
@@ -64,18 +66,6 @@ class RolloutConfig(ServiceConfig):
         None, description="The relay to pull weights from (default: the relay on this host)."
     )
     weights_retry_s: Annotated[float, Field(gt=0)] = 1.0
-
-
-class LoadedWeights(BaseModel):
-    version: int
-    digest: str  # the manifest digest of the verified bytes loaded ("" for the initial weights)
-    loaded_at: float  # wall clock
-    load_s: float  # drain excluded: the load itself
-    drain_s: float  # from "a newer version exists" to "nothing in flight"
-
-
-class WeightsHistory(BaseModel):
-    loads: list[LoadedWeights]
 
 
 @dataclass

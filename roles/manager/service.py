@@ -1,4 +1,4 @@
-"""The manager role (control plane). This stage: membership, heartbeats and liveness.
+"""The manager role (control plane): membership and liveness, the relay chain, repack, admin.
 
 A member is *dead* as soon as either signal says so:
 
@@ -13,6 +13,11 @@ under the same instance id and gets a new incarnation.
 The manager also orders the relay chain (``laminar.weights.chain``): every membership change of a
 relay re-plans it at once, in the same call that noticed the change, and pushes the new view to
 every ``watch_chain`` stream, so a dead relay is routed around as fast as its socket closes.
+
+Repack (``repack.RepackController``) runs here: rollout heartbeats are its loads, the head
+relay's version stream is its publish trigger. The admin HTTP API and the dashboard
+(``admin.AdminServer``) read and steer all of it; everything they show also goes on the event log
+(``events.EventLog``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pydantic import Field
 
 from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint, stream
+from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.membership import (
     ClusterStatus,
     Heartbeat,
@@ -39,14 +45,30 @@ from laminar.membership import (
     MembershipApi,
     WatchRequest,
 )
+from laminar.repack import RepackPolicy
+from laminar.roles.relay import LatestRequest, RelayApi
+from laminar.roles.rollout.api import RolloutApi
 from laminar.rpc import current_call
+from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S
 from laminar.service import Service, ServiceContext
 from laminar.weights.chain import ChainView, ChainWatch, RelayChainApi, RelayInfo, plan_chain
+
+from .admin import AdminServer
+from .events import EventLog
+from .repack import RepackController
 
 
 class ManagerConfig(ServiceConfig):
     bind: str = Field("tcp://127.0.0.1:7420", description="Where members reach the manager.")
     liveness_check_s: float = Field(0.1, gt=0, description="How often silence is checked.")
+    admin: str | None = Field(
+        "127.0.0.1:7421",
+        description="host:port of the admin HTTP API and dashboard (port 0: any free port; "
+        "null: off). Loopback by default; the cluster token is the bearer token.",
+    )
+    repack: RepackPolicy = Field(
+        default_factory=RepackPolicy, description="The initial repack policy (changeable live)."
+    )
 
 
 class ManagerService(Service, MembershipApi, RelayChainApi):
@@ -61,10 +83,25 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
         self._stopping = False
         self._chain = ChainView()
         self._chain_changed = asyncio.Event()
+        self.events = EventLog()
+        self.repack = RepackController(
+            self.config.repack,  # type: ignore[attr-defined]
+            self.events,
+            lambda address: ctx.connect(RolloutApi, address),
+            ctx.clock.wall,
+            ctx.registry,
+            self.log,
+        )
+        self.admin: AdminServer | None = None
 
     async def on_start(self) -> None:
         assert self.ctx.address is not None
         now = self.ctx.clock.wall()
+        endpoints = {}
+        if self.config.admin is not None:  # type: ignore[attr-defined]
+            self.admin = AdminServer(self)
+            endpoints["admin"] = await self.admin.start(self.config.admin)  # type: ignore[attr-defined]
+            self.log.info("admin API", url=endpoints["admin"])
         self.members[self.ctx.instance] = Member(
             instance=self.ctx.instance,
             role=self.role,
@@ -73,11 +110,16 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
             pid=os.getpid(),
             joined_at=now,
             last_seen=now,
+            endpoints=endpoints,
         )
         self.spawn(self._check_liveness(), name="liveness")
+        self.spawn(self.repack.run_periodic(self.ctx.clock.sleep), name="repack")
+        self.spawn(self._follow_publishes(), name="publishes")
 
     async def on_stop(self) -> None:
         self._stopping = True  # our own listener closing drops every connection: not a death
+        if self.admin is not None:
+            await self.admin.stop()
 
     # -- endpoints --
 
@@ -113,6 +155,7 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
             return HeartbeatAck(rejoin=True)
         member.last_seen = self.ctx.clock.wall()
         member.stats = req.stats
+        self.repack.observe(member)
         self._remember_connection(req.instance)
         if member.state == "dead":
             member.state, member.reason = "alive", ""
@@ -197,6 +240,30 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
             reason=reason,
         )
 
+    # -- publishes --
+
+    async def _follow_publishes(self) -> None:
+        """Follow the head relay's newest version: each new one is a publish (a repack trigger)."""
+        seen = -1
+        while True:
+            head = self._chain.relays[0] if self._chain.relays else None
+            if head is None:
+                await self._chain_changed.wait()
+                continue
+            try:
+                relay = self.ctx.connect(RelayApi, head.address)
+                stream = relay.versions.options(timeout=QUIET_STREAM_TIMEOUT_S).stream(
+                    LatestRequest(newer_than=seen)
+                )
+                async for shared in stream:
+                    if shared.available and shared.version > seen:
+                        first, seen = seen < 0, shared.version
+                        if not first:  # the version the head had when we started is no news
+                            await self.repack.on_publish(shared.version)
+            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+                self.log.info("publish follower: head relay lost", error=str(exc))
+            await self.ctx.clock.sleep(0.5)
+
     # -- liveness --
 
     def on_disconnect(self, connection_id: int) -> None:
@@ -232,6 +299,18 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
 
     def _publish(self, event: str, member: Member) -> None:
         ev = MemberEvent(event=event, member=member.model_copy())  # type: ignore[arg-type]
+        now = self.ctx.clock.wall()
+        if event == "dead":
+            self.events.publish(
+                "failure", now, what="member", member=member.instance,
+                member_role=member.role, reason=member.reason,
+            )  # fmt: skip
+        else:
+            self.events.publish(
+                "membership", now, event=event, member=member.instance, member_role=member.role
+            )
+        if event in ("dead", "left"):
+            self.repack.forget(member.instance)
         if member.role == "relay":
             self._replan_chain(f"{member.instance} {event}")
         for queue in list(self._watchers):
