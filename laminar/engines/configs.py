@@ -38,6 +38,11 @@ class VllmEngineConfig(Strict):
         "cheaper for the rollout's event loop; partial tokens reach the data role in batches "
         "anyway.",
     )
+    kv_migration: bool = Field(
+        False,
+        description="Enable Laminar's KV connector, so imported sequences load their exported "
+        "KV cache instead of re-prefilling (see laminar.engines.vllm_kv). Export works anyway.",
+    )
     extra: dict[str, object] = Field(
         default_factory=dict, description="More vLLM engine arguments, passed through."
     )

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ..trajectory import SamplingParams
+from ..transport import Blob
 from ..weights.manifest import WeightManifest
-from .base import Engine, EngineError, EngineOutput, EngineStats
+from .base import Engine, EngineError, EngineOutput, EngineStats, KvState, _Record
 from .configs import VllmEngineConfig
 
 
@@ -53,6 +55,13 @@ def engine_args(cfg: VllmEngineConfig) -> Any:
     """vLLM's ``AsyncEngineArgs`` for a config (also what benchmarks use for bare vLLM)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    extra = dict(cfg.extra)
+    if cfg.kv_migration:
+        from vllm.config import KVTransferConfig
+
+        from .vllm_kv import transfer_config
+
+        extra.setdefault("kv_transfer_config", KVTransferConfig(**transfer_config()))
     return AsyncEngineArgs(
         model=cfg.model,
         dtype=cfg.dtype,
@@ -66,12 +75,13 @@ def engine_args(cfg: VllmEngineConfig) -> Any:
         worker_extension_cls="laminar.engines.vllm_worker.LaminarWorkerExtension",
         disable_log_stats=True,
         stream_interval=cfg.stream_interval,
-        **cfg.extra,  # type: ignore[arg-type]
+        **extra,  # type: ignore[arg-type]
     )
 
 
 class VllmEngine(Engine):
     backend = "vllm"
+    exports_kv = True  # read from the worker; importing needs ``kv_migration`` (else re-prefill)
 
     def __init__(self, config: VllmEngineConfig) -> None:
         super().__init__()
@@ -79,6 +89,7 @@ class VllmEngine(Engine):
         self._llm: Any = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._sched: Any = None  # latest vllm SchedulerStats
+        self._staged: dict[str, str] = {}  # backend id -> key of a KV state staged in the worker
         self.eos_token_ids: list[int] = []
 
     async def start(self) -> None:
@@ -146,7 +157,54 @@ class VllmEngine(Engine):
 
     # -- backend hooks -----------------------------------------------------------------------
 
-    async def _submit(self, backend_id: str, prompt: list[int], params: SamplingParams) -> None:
+    async def kv_loaded(self) -> dict[str, int]:
+        """Tokens / requests whose KV the connector loaded rather than computed (since start)."""
+        (loaded,) = await self._llm.collective_rpc("laminar_kv_loaded")
+        return dict(loaded)
+
+    async def _export_kv(self, records: list[_Record]) -> dict[str, KvState | None]:
+        ids = [r.backend_id for r in records]
+        limits = [len(r.prompt) + len(r.tokens) for r in records]
+        results = await self._llm.collective_rpc("laminar_export_kv", args=(ids, limits))
+        if len(results) != 1:  # one answer per worker; tensor-parallel states are not merged
+            return {}
+        out: dict[str, KvState | None] = {}
+        for record, item in zip(records, results[0], strict=True):
+            if item is None:
+                out[record.request_id] = None
+                continue
+            layout, data = item
+            layout = dict(layout, model=self.config.model)
+            out[record.request_id] = KvState(
+                backend=self.backend, tokens=layout["tokens"], layout=layout, data=[Blob(data)]
+            )
+        return out
+
+    async def _submit_with_kv(
+        self, backend_id: str, prompt: list[int], params: SamplingParams, kv: KvState
+    ) -> None:
+        if not self.config.kv_migration or kv.layout.get("model") != self.config.model:
+            await self._submit(backend_id, prompt, params)
+            return
+        key = f"{backend_id}#{uuid.uuid4().hex[:8]}"
+        data = b"".join(bytes(b) for b in kv.data) if len(kv.data) != 1 else bytes(kv.data[0])
+        refused = await self._llm.collective_rpc("laminar_stage_kv", args=(key, kv.layout, data))
+        if any(refused):
+            await self._submit(backend_id, prompt, params)  # layout mismatch: re-prefill
+            return
+        from .vllm_kv import PARAMS_KEY
+
+        self._staged[backend_id] = key
+        transfer = {PARAMS_KEY: key, "tokens": min(kv.tokens, len(prompt))}
+        await self._submit(backend_id, prompt, params, kv_transfer_params=transfer)
+
+    async def _submit(
+        self,
+        backend_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -165,6 +223,7 @@ class VllmEngine(Engine):
             logprobs=0,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
         )
         stream = self._llm.generate({"prompt_token_ids": prompt}, sp, backend_id)
         self._tasks[backend_id] = asyncio.create_task(
@@ -190,13 +249,17 @@ class VllmEngine(Engine):
             self._fail(EngineError(f"vLLM request {backend_id} failed: {exc!r}"))
         finally:
             self._tasks.pop(backend_id, None)
+            self._staged.pop(backend_id, None)
 
     async def _cancel(self, backend_id: str) -> None:
+        key = self._staged.pop(backend_id, None)
         task = self._tasks.pop(backend_id, None)
         if task is not None:
             task.cancel()  # closing vLLM's generate() stream aborts the request in vLLM
             await asyncio.gather(task, return_exceptions=True)
         await self._llm.abort(backend_id)
+        if key is not None:  # aborted before the connector loaded it (else a no-op)
+            await self._llm.collective_rpc("laminar_drop_kv", args=(key,))
 
     async def _load_shared(self, segment: str, manifest: WeightManifest) -> None:
         results = await self._llm.collective_rpc(

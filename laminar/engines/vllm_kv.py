@@ -210,7 +210,9 @@ class LaminarKvConnector(KVConnectorBase_V1):
                 continue
             key, start, end = load
             first, last = start // bs, -(-end // bs)
-            meta.loads.append(_Load(key, list(new_req.block_ids[0][first:last]), first, end - start))
+            meta.loads.append(
+                _Load(key, list(new_req.block_ids[0][first:last]), first, end - start)
+            )
         self._need_load.clear()  # a request not scheduled now will be matched again
         return meta
 

@@ -37,6 +37,23 @@ class ReportReply(BaseModel):
     duplicates: int = 0  # completions that had already arrived (ignored)
 
 
+class LeaseTransfer(BaseModel):
+    """Repack moved these in-flight trajectories from ``source`` to ``destination``.
+
+    Only leases held by ``source`` move (ids already leased to ``destination`` count as moved, so
+    a repeated call is a no-op). The destination's next ``take`` does not treat a moved lease as
+    lost for ``HANDOFF_GRACE_S``, the time the handoff has to arrive there.
+    """
+
+    trajectory_ids: list[str]
+    source: str
+    destination: str
+
+
+class Transferred(BaseModel):
+    moved: list[str] = Field(default_factory=list)
+
+
 class SampleRequest(BaseModel):
     """The trainer asks for up to ``n`` scored trajectories (consumed: never handed out again).
 
@@ -108,6 +125,10 @@ class DataApi:
 
     @endpoint
     async def report(self, req: Report) -> ReportReply:
+        raise NotImplementedError
+
+    @endpoint
+    async def transfer(self, req: LeaseTransfer) -> Transferred:
         raise NotImplementedError
 
     @endpoint

@@ -45,12 +45,14 @@ from .api import (
     CompletedIds,
     DataApi,
     DataStatus,
+    LeaseTransfer,
     PartialLengths,
     Report,
     ReportReply,
     SampleRequest,
     TakeRequest,
     Trajectories,
+    Transferred,
 )
 from .buffer import EVICTIONS, SAMPLERS, Batch, ExperienceBuffer, make_policy
 from .prompts import fingerprint, load_tokenizer, read_records, tokenize_records
@@ -110,6 +112,9 @@ class DataConfig(ServiceConfig):
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
 
 
+HANDOFF_GRACE_S = 60.0  # a repack handoff not arrived by then is a lost lease (re-delivered)
+
+
 def trajectory_seed(seed: int, trajectory_id: str) -> int:
     """A stable 31-bit sampling seed per trajectory (the same on every rollout and every run)."""
     digest = hashlib.blake2b(f"{seed}/{trajectory_id}".encode(), digest_size=4).digest()
@@ -133,6 +138,9 @@ class DataService(Service, DataApi):
         self._to_score: asyncio.Queue[str] = asyncio.Queue()
         self._counts: dict[str, int] = {}
         self._rollout_versions: dict[str, int] = {}  # weight version each live rollout last took at
+        # Leases repack moved to a rollout whose handoff may still be on its way: its takes must
+        # not re-deliver them meanwhile (rollout -> trajectory id -> deadline, loop time).
+        self._handoffs: dict[str, dict[str, float]] = {}
         self._background: list[asyncio.Task[None]] = []
         c = self.config
         self.params = SamplingParams(
@@ -206,20 +214,34 @@ class DataService(Service, DataApi):
         while True:
             self._work.clear()
             alive = set(self._rollout_versions.values())
-            out = await self._db(self._lease, store, req, alive)
+            in_handoff = self._in_handoff(req.rollout, req.holding)
+            out = await self._db(self._lease, store, req, alive, in_handoff)
             remaining = deadline - loop.time()
             if out or remaining <= 0:
                 return Assignments(items=out)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._work.wait(), remaining)
 
-    def _lease(self, store: Store, req: TakeRequest, alive_versions: set[int]) -> list[Assignment]:
+    def _in_handoff(self, rollout: str, holding: list[str]) -> set[str]:
+        """Moved leases ``rollout`` does not hold yet but whose handoff may still arrive."""
+        pending = self._handoffs.get(rollout)
+        if not pending:
+            return set()
+        now = asyncio.get_running_loop().time()
+        for tid in [*holding, *(t for t, deadline in pending.items() if deadline < now)]:
+            pending.pop(tid, None)  # arrived, or given up on: a lost lease again
+        return set(pending)
+
+    def _lease(
+        self, store: Store, req: TakeRequest, alive_versions: set[int], in_handoff: set[str]
+    ) -> list[Assignment]:
         c = self.config
         restarted = store.unbind_versions(alive_versions)
         if restarted:
             self.log.info("restarting resumes of a version no rollout holds", count=len(restarted))
         store.refill(c.queue_ahead + req.max_count, c.samples_per_prompt, c.seed, c.epochs)
-        out = store.lease(req.rollout, req.max_count, req.version, set(req.holding), self.params)
+        holding = set(req.holding) | in_handoff
+        out = store.lease(req.rollout, req.max_count, req.version, holding, self.params)
         if c.sampling.seed is not None:
             out = [
                 a.model_copy(
@@ -247,6 +269,20 @@ class DataService(Service, DataApi):
             for tid in new:
                 self._to_score.put_nowait(tid)
         return reply
+
+    @endpoint
+    async def transfer(self, req: LeaseTransfer) -> Transferred:
+        store = self._need_store()
+        moved = await self._db(store.transfer, req.trajectory_ids, req.source, req.destination)
+        deadline = asyncio.get_running_loop().time() + HANDOFF_GRACE_S
+        for tid in moved:
+            self._handoffs.get(req.source, {}).pop(tid, None)
+            self._handoffs.setdefault(req.destination, {})[tid] = deadline
+        if moved:
+            self.log.info(
+                "leases moved", source=req.source, destination=req.destination, count=len(moved)
+            )
+        return Transferred(moved=moved)
 
     @endpoint
     async def sample(self, req: SampleRequest) -> Trajectories:
@@ -362,6 +398,7 @@ class DataService(Service, DataApi):
 
     async def _release(self, rollout: str, why: str) -> None:
         self._rollout_versions.pop(rollout, None)
+        self._handoffs.pop(rollout, None)
         released = await self._db(self._need_store().release, rollout)
         if released:
             self.log.info("released leases", rollout=rollout, count=len(released), why=why)

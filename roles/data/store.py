@@ -349,6 +349,23 @@ class Store:
                     )
         return stale
 
+    def transfer(self, tids: Iterable[str], source: str, destination: str) -> list[str]:
+        """Move leases of ``source`` to ``destination`` (repack); returns the ids now there."""
+        moved = []
+        with self.db:
+            self.db.execute("BEGIN")
+            for tid in tids:
+                row = self.db.execute(
+                    "SELECT state, rollout FROM samples WHERE trajectory_id = ?", (tid,)
+                ).fetchone()
+                if row is None or row[0] != "leased" or row[1] not in (source, destination):
+                    continue
+                self.db.execute(
+                    "UPDATE samples SET rollout = ? WHERE trajectory_id = ?", (destination, tid)
+                )
+                moved.append(tid)
+        return moved
+
     def leases(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for tid, rollout in self.db.execute(

@@ -1,36 +1,628 @@
-"""The manager's admin HTTP API and dashboard (aiohttp)."""
+"""The manager's admin HTTP API and dashboard (aiohttp).
+
+Routes, models and the OpenAPI document are in ``openapi.py`` (one table, so the document cannot
+drift from what is served). Choices worth knowing:
+
+* **Auth.** The cluster token is the bearer token (``Authorization: Bearer <token>``), compared
+  in constant time; 401 with ``WWW-Authenticate: Bearer`` otherwise. The dashboard page and its
+  static files, ``/healthz`` and ``/v1/openapi.json`` hold no cluster data and are served without
+  it: the page takes the token from ``?token=`` once, keeps it in ``sessionStorage`` and sends it
+  as a bearer token. A browser's ``EventSource`` cannot set headers, so ``/v1/events`` (and only
+  it) also accepts ``?token=``. The server binds loopback by default (``manager.admin``).
+* **Never a 500 for a missing role.** ``/v1/status`` asks the data role, the trainer and every
+  relay concurrently, each with a short timeout; whoever does not answer is null and named in
+  ``errors``. Rollouts are described from their heartbeats (no call), refined by their ``state``
+  endpoint when it answers in time.
+* **Errors** are JSON ``{"error", "detail"}`` for every status, aiohttp's own 404/405 included.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from laminar.endpoint import endpoint
+from laminar.errors import CallTimeout, PeerUnavailable, RemoteError, UnknownMethod
+from laminar.membership import Member
+from laminar.repack import RepackPolicy, plan_repack
+from laminar.roles.data.api import DataApi, DataStatus
+from laminar.roles.relay import RelayApi, RelayStatus
+from laminar.roles.rollout.api import DrainRequest, RolloutApi, RolloutState
+
+from .openapi import (
+    ROUTES,
+    AdminStatus,
+    ChainSummary,
+    DrainBody,
+    PlanView,
+    RelayView,
+    RolloutActionResult,
+    RolloutView,
+    StalenessSummary,
+    TrainerView,
+    openapi_document,
+)
 
 if TYPE_CHECKING:
     from .service import ManagerService
+
+DASHBOARD = Path(__file__).with_name("dashboard")
+STATUS_TIMEOUT_S = 1.0  # per role, for /v1/status
+ACTION_TIMEOUT_S = 10.0  # drain / resume
+SSE_HEARTBEAT_S = 15.0
+
+
+class _TrainerStatus(BaseModel):
+    """The fields of the trainer's ``TrainerStatus`` the admin API shows (the trainer's module
+    imports torch; the manager should not)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    version: int
+    published: int
+    max_staleness: int
+    training: bool
+
+
+class _TrainerApi:
+    @endpoint
+    async def status(self) -> _TrainerStatus:
+        raise NotImplementedError
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, error: str, detail: Any = None) -> None:
+        super().__init__(error)
+        self.status, self.error, self.detail = status, error, detail
+
+
+def _error(status: int, error: str, detail: Any = None, **headers: str) -> web.Response:
+    return web.json_response(
+        {"error": error, "detail": detail}, status=status, headers=headers or None
+    )
+
+
+def _json(model: BaseModel | list[BaseModel] | dict[str, Any]) -> web.Response:
+    if isinstance(model, BaseModel):
+        text = model.model_dump_json()
+    elif isinstance(model, list):
+        text = "[" + ",".join(m.model_dump_json() for m in model) + "]"
+    else:
+        text = json.dumps(model)
+    return web.Response(text=text, content_type="application/json")
+
+
+def _int(value: str | None, name: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        out = int(value)
+    except ValueError:
+        raise ApiError(400, f"{name} must be an integer", value) from None
+    if out < 0:
+        raise ApiError(400, f"{name} must be >= 0", value)
+    return out
+
+
+def rollout_state(member: Member) -> str:
+    if member.state != "alive":
+        return member.state
+    s = member.stats
+    if not s:
+        return "unknown"
+    if s.get("operator_drain"):
+        return "draining"
+    if s.get("paused_for_weights") or s.get("migrating"):
+        return "switching"
+    return "running"
+
+
+class _ScrapeGauges:
+    """Gauges computed when scraped, from the manager's live view."""
+
+    def __init__(self, manager: ManagerService) -> None:
+        self.manager = manager
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        members = list(self.manager.members.values())
+        by_state = GaugeMetricFamily(
+            "laminar_admin_members", "Members by role and state", labels=["role", "state"]
+        )
+        counts: dict[tuple[str, str], int] = {}
+        for m in members:
+            counts[(m.role, m.state)] = counts.get((m.role, m.state), 0) + 1
+        for (role, state), n in sorted(counts.items()):
+            by_state.add_metric([role, state], n)
+        rollouts = [m for m in members if m.role == "rollout" and m.state == "alive"]
+        by_rstate = GaugeMetricFamily(
+            "laminar_admin_rollouts", "Live rollouts by state", labels=["state"]
+        )
+        rstates: dict[str, int] = {}
+        for m in rollouts:
+            rstates[rollout_state(m)] = rstates.get(rollout_state(m), 0) + 1
+        for state, n in sorted(rstates.items()):
+            by_rstate.add_metric([state], n)
+        by_version = GaugeMetricFamily(
+            "laminar_admin_rollouts_by_version",
+            "Live rollouts by the weight version they generate with",
+            labels=["version"],
+        )
+        versions: dict[int, int] = {}
+        for m in rollouts:
+            if "version" in m.stats:
+                v = int(m.stats["version"])
+                versions[v] = versions.get(v, 0) + 1
+        for v, n in sorted(versions.items()):
+            by_version.add_metric([str(v)], n)
+        kv = GaugeMetricFamily(
+            "laminar_admin_rollout_kv_cache_usage", "KV-cache use per rollout", labels=["rollout"]
+        )
+        uses = []
+        for m in rollouts:
+            if "kv_cache_usage" in m.stats:
+                kv.add_metric([m.instance], m.stats["kv_cache_usage"])
+                uses.append(m.stats["kv_cache_usage"])
+        mean = GaugeMetricFamily(
+            "laminar_admin_kv_cache_usage_mean", "Mean KV-cache use of the live rollouts"
+        )
+        mean.add_metric([], sum(uses) / len(uses) if uses else 0.0)
+        in_flight = GaugeMetricFamily(
+            "laminar_admin_in_flight", "Trajectories in flight over all live rollouts"
+        )
+        in_flight.add_metric([], sum(m.stats.get("in_flight", 0.0) for m in rollouts))
+        epoch = GaugeMetricFamily("laminar_admin_chain_epoch", "Relay chain epoch")
+        epoch.add_metric([], self.manager._chain.epoch)
+        last = GaugeMetricFamily("laminar_admin_last_event", "Sequence number of the newest event")
+        last.add_metric([], self.manager.events.last_seq)
+        return [by_state, by_rstate, by_version, kv, mean, in_flight, epoch, last]
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class AdminServer:
     def __init__(self, manager: ManagerService) -> None:
         self.manager = manager
         self._runner: web.AppRunner | None = None
+        self._gauges: _ScrapeGauges | None = None
+        self._streams: set[asyncio.Task[Any]] = set()
+        self._closing = asyncio.Event()
+        self.url = ""
+
+    @property
+    def _token(self) -> bytes:
+        return self.manager.ctx.options.token or b""
 
     async def start(self, bind: str) -> str:
         """Serve on ``host:port``; returns the base URL."""
-        app = web.Application()
-        app.router.add_get("/healthz", self._healthz)
-        self._runner = web.AppRunner(app, access_log=None)
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=1 << 20)
+        for route in ROUTES:
+            app.router.add_route(route.method, route.path, getattr(self, route.handler))
+        app.router.add_static("/dashboard/", DASHBOARD, show_index=False)
+        self._gauges = _ScrapeGauges(self.manager)
+        self.manager.ctx.registry.register(self._gauges)  # type: ignore[arg-type]
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         host, _, port = bind.rpartition(":")
         site = web.TCPSite(self._runner, host or "127.0.0.1", int(port or 0))
         await site.start()
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         h, p = sock.getsockname()[:2]
-        return f"http://{h}:{p}"
+        self.url = f"http://{h}:{p}"
+        return self.url
 
     async def stop(self) -> None:
+        self._closing.set()
+        for task in list(self._streams):
+            task.cancel()
+        if self._gauges is not None:
+            with contextlib.suppress(KeyError):
+                self.manager.ctx.registry.unregister(self._gauges)  # type: ignore[arg-type]
+            self._gauges = None
         if self._runner is not None:
             await self._runner.cleanup()
+            self._runner = None
+
+    # -- middlewares -------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _error(exc.status, exc.error, exc.detail)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            headers = {}
+            if isinstance(exc, web.HTTPMethodNotAllowed):
+                headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+                return _error(405, "method not allowed", {"allowed": sorted(exc.allowed_methods)},
+                              **headers)  # fmt: skip
+            if exc.status == 404:
+                return _error(404, "not found", {"path": request.path})
+            return _error(exc.status, exc.reason, exc.text)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.manager.log.exception("admin API error", path=request.path)
+            return _error(500, "internal error", f"{type(exc).__name__}: {exc}")
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        public = path in ("/", "/healthz", "/v1/openapi.json", "/favicon.ico") or path.startswith(
+            "/dashboard/"
+        )
+        if not public:
+            given = ""
+            header = request.headers.get("Authorization", "")
+            scheme, _, value = header.partition(" ")
+            if scheme.lower() == "bearer":
+                given = value.strip()
+            elif path == "/v1/events" and "token" in request.query:
+                given = request.query["token"]
+            if not given:
+                return _error(401, "missing bearer token", None, **{"WWW-Authenticate": "Bearer"})
+            if not hmac.compare_digest(given.encode(), self._token):
+                return _error(
+                    401,
+                    "wrong token",
+                    None,
+                    **{"WWW-Authenticate": 'Bearer error="invalid_token"'},
+                )
+        return await handler(request)
+
+    # -- small routes ------------------------------------------------------------------------
 
     async def _healthz(self, _: web.Request) -> web.Response:
         return web.json_response({"ok": True})
+
+    async def _openapi(self, _: web.Request) -> web.Response:
+        return web.json_response(openapi_document(self.url or None))
+
+    async def _index(self, _: web.Request) -> web.StreamResponse:
+        return web.FileResponse(DASHBOARD / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        body = generate_latest(self.manager.ctx.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # -- status ------------------------------------------------------------------------------
+
+    async def _status(self, _: web.Request) -> web.Response:
+        return _json(await self.status())
+
+    async def status(self) -> AdminStatus:
+        m = self.manager
+        ctx = m.ctx
+        now = ctx.clock.wall()
+        members = list(m.members.values())
+        errors: dict[str, str] = {}
+
+        async def ask(name: str, coro: Awaitable[Any]) -> Any:
+            try:
+                return await asyncio.wait_for(coro, STATUS_TIMEOUT_S * 1.5)
+            except (PeerUnavailable, CallTimeout, RemoteError, TimeoutError, OSError) as exc:
+                errors[name] = f"{type(exc).__name__}: {exc}"
+                return None
+
+        def alive(role: str) -> list[Member]:
+            return [x for x in members if x.role == role and x.state == "alive"]
+
+        data_m, trainer_m = alive("data"), alive("trainer")
+        relays = [x for x in members if x.role == "relay"]
+        rollouts = [x for x in members if x.role == "rollout"]
+        data_call = (
+            ask("data", ctx.connect(DataApi, data_m[0].address)
+                .status.options(timeout=STATUS_TIMEOUT_S).call())
+            if data_m else _none()
+        )  # fmt: skip
+        trainer_call = (
+            ask("trainer", ctx.connect(_TrainerApi, trainer_m[0].address)
+                .status.options(timeout=STATUS_TIMEOUT_S).call())
+            if trainer_m else _none()
+        )  # fmt: skip
+        relay_calls = [
+            ask(r.instance, ctx.connect(RelayApi, r.address)
+                .status.options(timeout=STATUS_TIMEOUT_S).call())
+            if r.state == "alive" else _none()
+            for r in relays
+        ]  # fmt: skip
+        state_calls = [
+            _quiet(ctx.connect(RolloutApi, r.address).state.options(timeout=STATUS_TIMEOUT_S)
+                   .call())
+            if r.state == "alive" else _none()
+            for r in rollouts
+        ]  # fmt: skip
+        data, trainer, *rest = await asyncio.gather(
+            data_call, trainer_call, *relay_calls, *state_calls
+        )
+        relay_st: list[RelayStatus | None] = rest[: len(relays)]
+        states: list[RolloutState | None] = rest[len(relays) :]
+
+        views = [
+            _rollout_view(r, st, now) for r, st in zip(rollouts, states, strict=True)
+        ]  # fmt: skip
+        positions = {info.instance: i for i, info in enumerate(m._chain.relays)}
+        relay_views = []
+        for r, st in zip(relays, relay_st, strict=True):
+            verified = [v.version for v in st.versions if v.verified] if st else None
+            relay_views.append(
+                RelayView(
+                    id=r.instance,
+                    address=r.address,
+                    host=r.host,
+                    member_state=r.state,
+                    position=positions.get(r.instance),
+                    versions=verified,
+                    newest=max(verified) if verified else None,
+                )
+            )
+        trainer_view = (
+            TrainerView(
+                id=trainer_m[0].instance,
+                version=trainer.version,
+                published=trainer.published,
+                max_staleness=trainer.max_staleness,
+                training=trainer.training,
+            )
+            if trainer is not None
+            else None
+        )
+        live_versions = sorted(
+            {v.version for v in views if v.member_state == "alive" and v.version is not None}
+        )
+        trainer_version = trainer.version if trainer is not None else None
+        if trainer_version is None and trainer_m and "version" in trainer_m[0].stats:
+            trainer_version = int(trainer_m[0].stats["version"])
+        staleness = StalenessSummary(
+            trainer_version=trainer_version,
+            max_trained=trainer.max_staleness if trainer is not None else None,
+            rollout_versions=live_versions,
+            max_lag=(trainer_version - live_versions[0])
+            if trainer_version is not None and live_versions
+            else None,
+        )
+        counts: dict[str, dict[str, int]] = {}
+        for x in members:
+            by = counts.setdefault(x.role, {})
+            by[x.state] = by.get(x.state, 0) + 1
+        chain = m._chain
+        return AdminStatus(
+            cluster=ctx.cluster.name,
+            manager=ctx.instance,
+            now=now,
+            rollouts=views,
+            relays=relay_views,
+            chain=ChainSummary(
+                epoch=chain.epoch,
+                order=[r.instance for r in chain.relays],
+                reason=chain.reason,
+                changed_at=chain.changed_at,
+            ),
+            trainer=trainer_view,
+            data=data if isinstance(data, DataStatus) else None,
+            staleness=staleness,
+            repack_policy=m.repack.policy,
+            members=counts,
+            last_event=m.events.last_seq,
+            errors=errors,
+        )
+
+    # -- repack ------------------------------------------------------------------------------
+
+    async def _plan(self, _: web.Request) -> web.Response:
+        repack = self.manager.repack
+        loads = repack.loads()
+        return _json(PlanView(plan=plan_repack(loads, repack.policy), loads=loads,
+                              policy=repack.policy))  # fmt: skip
+
+    async def _repack(self, _: web.Request) -> web.Response:
+        return _json(await self.manager.repack.repack("operator"))
+
+    async def _get_policy(self, _: web.Request) -> web.Response:
+        return _json(self.manager.repack.policy)
+
+    async def _put_policy(self, request: web.Request) -> web.Response:
+        body = await _body(request, required=True)
+        if not isinstance(body, dict):
+            raise ApiError(422, "the policy must be a JSON object", {"got": type(body).__name__})
+        merged = {**self.manager.repack.policy.model_dump(), **body}
+        try:
+            policy = RepackPolicy.model_validate(merged)
+        except ValidationError as exc:
+            raise ApiError(422, "invalid policy", _pydantic_errors(exc)) from None
+        self.manager.repack.set_policy(policy, by="operator")
+        return _json(policy)
+
+    # -- rollouts ----------------------------------------------------------------------------
+
+    async def _drain(self, request: web.Request) -> web.Response:
+        body = await _body(request, required=False)
+        try:
+            reason = DrainBody.model_validate(body if body is not None else {}).reason
+        except ValidationError as exc:
+            raise ApiError(422, "invalid drain request", _pydantic_errors(exc)) from None
+        return await self._rollout_action(request.match_info["id"], "drain", reason)
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        return await self._rollout_action(request.match_info["id"], "resume", "")
+
+    async def _rollout_action(self, rid: str, action: str, reason: str) -> web.Response:
+        member = self.manager.members.get(rid)
+        if member is None or member.role != "rollout":
+            raise ApiError(404, "unknown rollout", {"rollout": rid})
+        if member.state != "alive":
+            detail = {"rollout": rid, "reason": member.reason}
+            raise ApiError(409, f"rollout is {member.state}", detail)
+        api = self.manager.ctx.connect(RolloutApi, member.address)
+        try:
+            if action == "drain":
+                state = await api.drain.options(timeout=ACTION_TIMEOUT_S).call(
+                    DrainRequest(reason=reason or "operator")
+                )
+            else:
+                state = await api.resume.options(timeout=ACTION_TIMEOUT_S).call()
+        except CallTimeout as exc:
+            raise ApiError(504, f"{rid} did not answer", str(exc)) from None
+        except UnknownMethod as exc:
+            raise ApiError(502, f"{rid} does not support {action}", str(exc)) from None
+        except (PeerUnavailable, RemoteError, OSError) as exc:
+            cause = f"{type(exc).__name__}: {exc}"
+            raise ApiError(502, f"{action} failed on {rid}", cause) from None
+        event = self.manager.events.publish(
+            action,  # type: ignore[arg-type]
+            self.manager.ctx.clock.wall(),
+            rollout=rid,
+            by="operator",
+            reason=reason,
+            phase=state.phase,
+            in_flight=state.in_flight,
+            version=state.version,
+        )
+        self.manager.log.info(f"rollout {action}", rollout=rid, reason=reason)
+        result = RolloutActionResult(
+            rollout=rid,
+            action=action,  # type: ignore[arg-type]
+            state=state,
+            event=event.seq,
+        )
+        return _json(result)
+
+    # -- events ------------------------------------------------------------------------------
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        q = request.query
+        since = _int(q.get("since"), "since")
+        last_id = _int(request.headers.get("Last-Event-ID"), "Last-Event-ID")
+        start = max(x for x in (since, last_id, 0) if x is not None)
+        fmt = q.get("format", "sse")
+        if fmt == "json":
+            kinds = {k for k in q.get("kind", "").split(",") if k} or None
+            limit = _int(q.get("limit"), "limit")
+            return _json(self.manager.events.recent(start, kinds, limit or None))
+        if fmt != "sse":
+            raise ApiError(400, "format must be sse or json", fmt)
+        return await self._sse(request, start)
+
+    async def _sse(self, request: web.Request, since: int) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await resp.prepare(request)
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=10_000)
+
+        async def pump() -> None:
+            async for event in self.manager.events.follow(since):
+                await queue.put(event)
+
+        me = asyncio.current_task()
+        if me is not None:
+            self._streams.add(me)
+        feeder = asyncio.create_task(pump())
+        try:
+            await resp.write(b"retry: 1000\n: connected\n\n")
+            last_write = time.monotonic()
+            while not self._closing.is_set():
+                timeout = max(0.0, SSE_HEARTBEAT_S - (time.monotonic() - last_write))
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout)
+                except TimeoutError:
+                    await resp.write(b": keepalive\n\n")
+                    last_write = time.monotonic()
+                    continue
+                data = event.model_dump_json()
+                chunk = f"id: {event.seq}\nevent: {event.kind}\ndata: {data}\n\n"
+                await resp.write(chunk.encode())
+                last_write = time.monotonic()
+        except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            feeder.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await feeder
+            if me is not None:
+                self._streams.discard(me)
+        return resp
+
+
+async def _none() -> None:
+    return None
+
+
+async def _quiet(coro: Awaitable[Any]) -> Any:
+    try:
+        return await asyncio.wait_for(coro, STATUS_TIMEOUT_S * 1.5)
+    except (PeerUnavailable, CallTimeout, RemoteError, TimeoutError, OSError):
+        return None
+
+
+async def _body(request: web.Request, *, required: bool) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise ApiError(400, "a JSON body is required")
+        return None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "malformed JSON", str(exc)) from None
+
+
+def _pydantic_errors(exc: ValidationError) -> list[dict[str, Any]]:
+    return [
+        {"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"], "type": e["type"],
+         "input": e.get("input") if isinstance(e.get("input"), (int, float, str, bool)) else None}
+        for e in exc.errors()
+    ]  # fmt: skip
+
+
+def _rollout_view(member: Member, state: RolloutState | None, now: float) -> RolloutView:
+    s = member.stats
+
+    def num(key: str) -> int | None:
+        return int(s[key]) if key in s else None
+
+    name = rollout_state(member)
+    in_flight = num("in_flight")
+    version = num("version")
+    if state is not None and member.state == "alive":
+        name = state.phase
+        in_flight = state.in_flight
+        version = state.version
+    return RolloutView(
+        id=member.instance,
+        host=member.host,
+        address=member.address,
+        member_state=member.state,
+        state=name,  # type: ignore[arg-type]
+        version=version,
+        kv_cache_usage=s.get("kv_cache_usage"),
+        running=num("running"),
+        waiting=num("waiting"),
+        in_flight=in_flight,
+        generated_tokens=num("generated_tokens"),
+        completed=num("completed"),
+        last_seen_s=max(0.0, now - member.last_seen),
+        incarnation=member.incarnation,
+    )

@@ -20,7 +20,14 @@ Three owned tasks, each with one job:
   memory (the engine maps it; the bytes never cross a socket) and take prompts again. The relay
   is the one on this host, or ``relay`` if set; with no relay in the cluster, weights never change.
 
-Stats (KV use, running, waiting, in flight, version) ride on the heartbeat to the manager.
+* **repack** (``migration``) — on the manager's word, ``migrate`` moves every trajectory in
+  flight to another rollout of the same version and this one carries on: with a newer version
+  waiting, it loads it at once; otherwise it takes fresh prompts. ``accept`` is the receiving
+  end. An operator can ``drain`` a rollout (take no prompts, finish what it has) and ``resume``
+  it.
+
+Stats (KV use, running, waiting, in flight, version, draining) ride on the heartbeat to the
+manager; they are the repack planner's input.
 """
 
 from __future__ import annotations
@@ -44,7 +51,18 @@ from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S
 from laminar.service import Service, ServiceContext
 from laminar.trajectory import Assignment, PartialChunk, Trajectory
 
-from .api import LoadedWeights, WeightsHistory
+from .api import (
+    DrainRequest,
+    Handoff,
+    HandoffReply,
+    LoadedWeights,
+    MigrateReport,
+    MigrateRequest,
+    RolloutApi,
+    RolloutState,
+    WeightsHistory,
+)
+from .migration import accept_in, migrate_out
 
 
 class RolloutConfig(ServiceConfig):
@@ -78,7 +96,7 @@ class _Flight:
     acked: int = 0  # tokens the data role has acknowledged
 
 
-class RolloutService(Service):
+class RolloutService(Service, RolloutApi):
     role: ClassVar[str] = "rollout"
     config_model: ClassVar[type[ServiceConfig]] = RolloutConfig
     config: RolloutConfig
@@ -96,6 +114,8 @@ class RolloutService(Service):
         self._resume = asyncio.Event()
         self._drained = asyncio.Event()
         self.loads: list[LoadedWeights] = []
+        self.migrating = False  # a repack migration is moving our trajectories out
+        self._operator_drain = False
 
     async def on_start(self) -> None:
         await self.engine.start()
@@ -122,15 +142,57 @@ class RolloutService(Service):
             "generated_tokens": float(s.generated_tokens),
             "completed": float(self.completed),
             "paused_for_weights": float(self._paused),
+            "operator_drain": float(self._operator_drain),
+            "migrating": float(self.migrating),
         }
 
     @endpoint
     async def weights(self) -> WeightsHistory:
         return WeightsHistory(loads=self.loads)
 
+    @endpoint
+    async def state(self) -> RolloutState:
+        phase = "switching" if self._paused else "draining" if self._operator_drain else "running"
+        return RolloutState(
+            rollout=self.ctx.instance,
+            phase=phase,
+            version=self.engine.version,
+            in_flight=len(self.flights),
+            operator_drain=self._operator_drain,
+        )
+
+    @endpoint
+    async def drain(self, req: DrainRequest) -> RolloutState:
+        if not self._operator_drain:
+            self.log.info("draining: taking no prompts", reason=req.reason)
+        self._operator_drain = True
+        return await self.state()
+
+    @endpoint
+    async def resume(self) -> RolloutState:
+        if self._operator_drain:
+            self.log.info("resumed: taking prompts again")
+        self._operator_drain = False
+        self._resume.set()
+        return await self.state()
+
+    @endpoint
+    async def migrate(self, req: MigrateRequest) -> MigrateReport:
+        return await migrate_out(self, req)
+
+    @endpoint
+    async def accept(self, req: Handoff) -> HandoffReply:
+        return await accept_in(self, req)
+
+    def flights_changed(self) -> None:
+        """Flights left (finished, dropped, migrated) or a migration ended: wake who waits."""
+        self._slot_free.set()
+        if not self.flights and not self.migrating:
+            self._drained.set()
+
     # -- the data role -----------------------------------------------------------------------
 
-    async def _data(self) -> DataApi:
+    async def data_api(self) -> DataApi:
         if self._data_address is None:
             self._data_address = await self.ctx.find("data")
             self.log.info("found the data role", address=self._data_address)
@@ -146,7 +208,7 @@ class RolloutService(Service):
     async def _pull(self) -> None:
         cfg = self.config
         while True:
-            if self._paused:
+            if self._paused or self._operator_drain:
                 self._resume.clear()
                 await self._resume.wait()
                 continue
@@ -168,7 +230,7 @@ class RolloutService(Service):
             wait_s=cfg.take_wait_s,
         )
         try:
-            data = await self._data()
+            data = await self.data_api()
             batch = await data.take.options(timeout=cfg.take_wait_s + 10).call(req)
         except (PeerUnavailable, CallTimeout, RemoteError) as exc:
             self._lost_data(exc)
@@ -219,9 +281,7 @@ class RolloutService(Service):
                     del self.flights[out.request_id]
                     self.finished[out.request_id] = self._trajectory(flight, out.finish_reason, now)
                     self.completed += 1
-                    self._slot_free.set()
-                    if not self.flights:
-                        self._drained.set()
+                    self.flights_changed()
 
     def _trajectory(self, f: _Flight, reason: str | None, now: float) -> Trajectory:
         a = f.assignment
@@ -265,7 +325,7 @@ class RolloutService(Service):
         completed = list(self.finished.values())
         if not partials and not completed:
             return
-        data = await self._data()
+        data = await self.data_api()
         reply = await data.report.call(
             Report(rollout=self.ctx.instance, partials=partials, completed=completed)
         )
@@ -278,9 +338,7 @@ class RolloutService(Service):
         for tid in reply.drop:  # the data role gave it to someone else
             if self.flights.pop(tid, None) is not None:
                 await self.engine.abort(tid)
-                self._slot_free.set()
-                if not self.flights:
-                    self._drained.set()
+                self.flights_changed()
         if reply.drop:
             self.log.warning("dropped trajectories the data role reassigned", ids=reply.drop)
 
@@ -320,7 +378,7 @@ class RolloutService(Service):
         self._paused = True
         try:
             async with self._take_lock:  # no lease is half-started while we swap
-                while self.flights:
+                while self.flights or self.migrating:  # a migration may hand some back
                     self._drained.clear()
                     await self._drained.wait()
                 drained = self.ctx.clock.wall()

@@ -1,0 +1,199 @@
+"""Repack migration between rollouts: the source's ``migrate`` and the destination's ``accept``.
+
+The order of steps is what keeps a trajectory whole (nothing lost, one version, no duplicate):
+
+1. **Export** (source). Every trajectory in flight leaves the engine (with its KV state where the
+   engine exports it). The engine's snapshot is the truth: it holds every token the engine
+   emitted, even those still queued for our output task, which then finds no flight and skips
+   them. The source stops reporting these trajectories.
+2. **Move the leases** (source → data role). From now on only the destination's reports are
+   accepted for them. The data role holds back re-delivering them to the destination for a grace
+   period, so a ``take`` racing the handoff cannot start them twice.
+3. **Hand off** (source → destination ``accept``). The destination checks the version, records a
+   flight per trajectory (assignment, tokens, the data role's acknowledged offset) and imports
+   the sequences into its engine, which continues them: from the KV state, or by re-prefilling.
+4. **Take back** what the destination refused or could not be reached for: the leases move back
+   and the sequences go back into the source's engine (its version cannot have changed: a weight
+   load waits for a migration in progress).
+
+If the source dies between 2 and 3, the destination's grace period runs out and the data role
+re-delivers the trajectories from their acknowledged tokens (the usual resume). If the
+destination dies, the data role releases its leases like any dead rollout's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from laminar.engines.base import EngineError
+from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.roles.data.api import LeaseTransfer
+
+from .api import Handoff, HandoffReply, MigratedSequence, MigrateReport, MigrateRequest, RolloutApi
+
+if TYPE_CHECKING:
+    from .service import RolloutService, _Flight
+
+HANDOFF_TIMEOUT_S = 120.0  # the destination's accept: KV bytes in, import
+
+
+async def migrate_out(svc: RolloutService, req: MigrateRequest) -> MigrateReport:
+    """The source side: steps 1-4 of the module docstring."""
+    from .service import _Flight  # noqa: F401 - the flights' type, for readers
+
+    report = MigrateReport(
+        source=svc.ctx.instance, destination=req.destination, version=req.version
+    )
+    t0 = time.perf_counter()
+    if req.destination == svc.ctx.instance:
+        report.error = "a rollout cannot migrate to itself"
+        return report
+    if svc.engine.version != req.version:
+        report.error = f"holds version {svc.engine.version}, not {req.version}"
+        return report
+    if svc.migrating:
+        report.error = "a migration is already under way"
+        return report
+    svc.migrating = True
+    try:
+        ids = list(svc.flights)
+        seqs = await svc.engine.export_sequences(ids, with_kv=req.kv)
+        report.export_s = time.perf_counter() - t0
+        flights = {s.request_id: svc.flights.pop(s.request_id) for s in seqs}
+        svc.flights_changed()
+        if not seqs:
+            return report
+        moving = [
+            MigratedSequence(
+                assignment=f.assignment,
+                version=f.version,
+                started_at=f.started_at,
+                acked=f.acked,
+                sequence=s,
+            )
+            for s in seqs
+            for f in [flights[s.request_id]]
+        ]
+        t1 = time.perf_counter()
+        accepted, refused = await _hand_off(svc, req, moving)
+        report.handoff_s = time.perf_counter() - t1
+        report.moved = accepted
+        back = [m for m in moving if m.sequence.request_id in refused]
+        if back:
+            report.error = refused[back[0].sequence.request_id]
+            report.returned = await _take_back(svc, req.destination, back, flights)
+        moved = [m for m in moving if m.sequence.request_id in set(accepted)]
+        report.tokens = sum(
+            len(m.sequence.prompt_token_ids) + len(m.sequence.response_token_ids) for m in moved
+        )
+        kv = [m.sequence.kv for m in moved if m.sequence.kv is not None]
+        report.kv_tokens = sum(k.tokens for k in kv)
+        report.kv_bytes = sum(k.nbytes for k in kv)
+        report.mode = ("kv" if kv else "reprefill") if moved else "none"
+        return report
+    finally:
+        svc.migrating = False
+        svc.flights_changed()
+        report.total_s = time.perf_counter() - t0
+        if report.moved or report.error:
+            svc.log.info(
+                "migrated",
+                destination=req.destination,
+                moved=len(report.moved),
+                returned=len(report.returned),
+                mode=report.mode,
+                kv_bytes=report.kv_bytes,
+                total_s=round(report.total_s, 3),
+                error=report.error or None,
+            )
+
+
+async def _hand_off(
+    svc: RolloutService, req: MigrateRequest, moving: list[MigratedSequence]
+) -> tuple[list[str], dict[str, str]]:
+    """Steps 2-3: returns (accepted ids, refused id -> why)."""
+    ids = [m.sequence.request_id for m in moving]
+    try:
+        moved = await _transfer(svc, ids, svc.ctx.instance, req.destination)
+    except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+        return [], {i: f"data role: {exc}" for i in ids}
+    # A lease the data role no longer gives us (reassigned meanwhile) is not ours to move.
+    lost = [i for i in ids if i not in moved]
+    if lost:
+        svc.log.warning("not moving trajectories the data role reassigned", ids=lost)
+    sending = [m for m in moving if m.sequence.request_id in moved]
+    if not sending:
+        return [], {}
+    try:
+        dest = svc.ctx.connect(RolloutApi, req.address)
+        reply = await dest.accept.options(timeout=HANDOFF_TIMEOUT_S).call(
+            Handoff(source=svc.ctx.instance, version=req.version, sequences=sending)
+        )
+    except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+        reply = HandoffReply(refused=f"destination: {exc}")
+    accepted = set(reply.accepted)
+    why = reply.refused or "refused by the destination"
+    refused = {m.sequence.request_id: why for m in sending if m.sequence.request_id not in accepted}
+    return sorted(accepted), refused
+
+
+async def _take_back(
+    svc: RolloutService,
+    destination: str,
+    back: list[MigratedSequence],
+    flights: dict[str, _Flight],
+) -> list[str]:
+    """Step 4: leases back from ``destination``, sequences back into our engine."""
+    ids = [m.sequence.request_id for m in back]
+    try:
+        ours = await _transfer(svc, ids, destination, svc.ctx.instance)
+    except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+        # The leases stay with the destination; the data role re-delivers them from their
+        # acknowledged tokens when the handoff grace period ends. Nothing is lost.
+        svc.log.warning("could not take leases back", ids=ids, error=str(exc))
+        return []
+    returning = [m for m in back if m.sequence.request_id in ours]
+    for m in returning:
+        svc.flights[m.sequence.request_id] = flights[m.sequence.request_id]
+    try:
+        await svc.engine.import_sequences(
+            [m.sequence.model_copy(update={"kv": None}) for m in returning]
+        )
+    except EngineError:
+        for m in returning:
+            svc.flights.pop(m.sequence.request_id, None)
+        raise
+    return [m.sequence.request_id for m in returning]
+
+
+async def _transfer(svc: RolloutService, ids: list[str], source: str, destination: str) -> set[str]:
+    data = await svc.data_api()
+    request = LeaseTransfer(trajectory_ids=ids, source=source, destination=destination)
+    return set((await data.transfer.call(request)).moved)
+
+
+async def accept_in(svc: RolloutService, req: Handoff) -> HandoffReply:
+    """The destination side of step 3."""
+    from .service import _Flight
+
+    if svc.engine.version != req.version:
+        return HandoffReply(refused=f"holds version {svc.engine.version}, not {req.version}")
+    here = [m for m in req.sequences if m.sequence.request_id in svc.flights]
+    new = [m for m in req.sequences if m.sequence.request_id not in svc.flights]
+    for m in new:
+        seq = m.sequence
+        flight = _Flight(m.assignment, m.version, m.started_at)
+        flight.tokens, flight.logprobs = list(seq.response_token_ids), list(seq.response_logprobs)
+        flight.acked = min(m.acked, len(flight.tokens))
+        svc.flights[seq.request_id] = flight
+    try:
+        await svc.engine.import_sequences([m.sequence for m in new])
+    except EngineError as exc:
+        for m in new:
+            svc.flights.pop(m.sequence.request_id, None)
+        return HandoffReply(
+            accepted=[m.sequence.request_id for m in here], refused=f"import failed: {exc}"
+        )
+    svc.flights_changed()
+    return HandoffReply(accepted=[m.sequence.request_id for m in req.sequences])
