@@ -12,15 +12,23 @@ test (``tests/unit/test_repack_planner.py``).
 The rules, and the details the paper leaves open:
 
 * **Groups.** Rollouts are grouped by weight version; a trajectory never moves across versions.
-  Rollouts that are not ``accepting`` (a drain requested by an operator, a weight load under way,
-  a failed last migration) are neither sources nor destinations.
 * **Candidates** (Algorithm 1, line 3): ``kv_used < min(C_max, kv_prev)`` and ``n_reqs < B``:
-  the rollout is past its KV peak and its batch is below the roofline batch size. Two additions:
-  a rollout with requests *waiting* for admission is still backfilling (Fig. 9: KV falls only
-  once nothing waits), so it is no candidate; and a rollout that is ``draining`` (it stopped
-  taking prompts, typically to load a newer version) is ramping down by construction even while
-  its tails' growing contexts push KV use up a little, so it is a candidate whenever
-  ``kv_used < C_max``. Rollouts with nothing in flight have nothing to move and are skipped.
+  the rollout is past its KV peak and its batch is below the roofline batch size. Additions:
+
+  - a rollout with requests *waiting* for admission is still backfilling (Fig. 9: KV falls only
+    once nothing waits), so it is no candidate;
+  - a rollout that is ``draining`` (it takes no prompts: a newer version waits, the prompt pool
+    is empty, or an operator drained it) is ramping down by construction even while its tails'
+    growing contexts push KV use up a little, so it is a candidate whenever ``kv_used < C_max``;
+  - ``require_draining`` (default on): *only* draining rollouts are candidates. The paper's
+    rollouts generate a batch, then pull weights, so a falling KV means the batch is ending.
+    Laminar's rollouts refill continuously and ramp down only when they stop taking prompts; a
+    refilling rollout whose KV dips for a step would be "released" only to refill at once, a
+    migration that frees nothing. ``require_draining: false`` gives the paper's rule exactly.
+  - rollouts with nothing in flight have nothing to move.
+
+  A candidate that is not ``accepting`` (an operator drain, a migration under way) may be a
+  source but never a destination.
 * **Order** (line 4): smallest KV footprint first (ties by fewer requests, then by id, so a plan
   is deterministic).
 * **Destinations** (lines 9-11): other candidates of the group that are neither released nor
@@ -74,6 +82,11 @@ class RepackPolicy(BaseModel):
         "after a move without its step time growing much.",
     )
     on_publish: bool = Field(True, description="Also repack right after each weight publish.")
+    require_draining: bool = Field(
+        True,
+        description="Only rollouts that take no prompts are candidates (false: the paper's "
+        "KV-ramp-down rule alone; see laminar.repack.planner).",
+    )
 
 
 class RolloutLoad(BaseModel):
@@ -85,8 +98,8 @@ class RolloutLoad(BaseModel):
     kv_prev: Annotated[float, Field(ge=0)]  # the previous sample
     n_reqs: Annotated[int, Field(ge=0)]  # trajectories in flight
     waiting: Annotated[int, Field(ge=0)] = 0  # of which waiting for admission
-    draining: bool = False  # takes no new prompts (a newer version waits, or an operator drain)
-    accepting: bool = True  # may take part in a repack at all
+    draining: bool = False  # takes no prompts (a newer version waits, pool empty, operator drain)
+    accepting: bool = True  # may receive trajectories
 
 
 class Move(BaseModel):
@@ -123,10 +136,12 @@ class RepackPlan(BaseModel):
 
 def is_candidate(r: RolloutLoad, policy: RepackPolicy) -> bool:
     """Algorithm 1, line 3, with the additions the module docstring explains."""
-    if not r.accepting or r.n_reqs == 0 or r.waiting > 0 or r.n_reqs >= policy.batch_limit:
+    if r.n_reqs == 0 or r.waiting > 0 or r.n_reqs >= policy.batch_limit:
         return False
     if r.kv_used >= policy.c_max:
         return False
+    if policy.require_draining:
+        return r.draining
     return r.draining or r.kv_used < r.kv_prev
 
 
@@ -162,6 +177,7 @@ def _plan_group(group: list[RolloutLoad], policy: RepackPolicy) -> list[Move]:
             d
             for d in group
             if d.rollout != s.rollout
+            and d.accepting
             and d.rollout not in released
             and kv_load[d.rollout] + s.kv_used <= policy.c_max
             and n_load[d.rollout] + s.n_reqs <= policy.batch_limit

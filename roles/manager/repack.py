@@ -126,7 +126,9 @@ class RepackController:
                     kv_prev=float(prev.get("kv_cache_usage", 0.0)),
                     n_reqs=int(now.get("in_flight", 0)),
                     waiting=int(now.get("waiting", 0)),
-                    draining=bool(now.get("paused_for_weights", 0) or now.get("operator_drain", 0)),
+                    draining=any(
+                        now.get(k, 0) for k in ("paused_for_weights", "operator_drain", "starved")
+                    ),
                     accepting=not now.get("operator_drain", 0) and not now.get("migrating", 0),
                 )
             )

@@ -116,6 +116,7 @@ class RolloutService(Service, RolloutApi):
         self.loads: list[LoadedWeights] = []
         self.migrating = False  # a repack migration is moving our trajectories out
         self._operator_drain = False
+        self._starved = False  # the last take found no prompts
 
     async def on_start(self) -> None:
         await self.engine.start()
@@ -144,6 +145,7 @@ class RolloutService(Service, RolloutApi):
             "paused_for_weights": float(self._paused),
             "operator_drain": float(self._operator_drain),
             "migrating": float(self.migrating),
+            "starved": float(self._starved),
         }
 
     @endpoint
@@ -236,6 +238,7 @@ class RolloutService(Service, RolloutApi):
             self._lost_data(exc)
             await self.ctx.clock.sleep(0.5)
             return
+        self._starved = not batch.items  # a long poll came back empty: the pool is dry
         for assignment in batch.items:
             await self._start(assignment)
 

@@ -31,7 +31,9 @@ def clusters(draw):
             )
         )
     policy = RepackPolicy(
-        c_max=draw(st.floats(0.3, 1.0, allow_nan=False)), batch_limit=draw(st.integers(1, 64))
+        c_max=draw(st.floats(0.3, 1.0, allow_nan=False)),
+        batch_limit=draw(st.integers(1, 64)),
+        require_draining=draw(st.booleans()),
     )
     return loads, policy
 
@@ -61,7 +63,7 @@ def test_plan_invariants(cluster):
     for m in plan.moves:
         assert by_id[m.source].version == by_id[m.destination].version == m.version
         assert is_candidate(by_id[m.source], policy)
-        assert is_candidate(by_id[m.destination], policy)
+        assert is_candidate(by_id[m.destination], policy) and by_id[m.destination].accepting
         assert m.n_reqs == by_id[m.source].n_reqs and m.kv_used == by_id[m.source].kv_used
     # every moved trajectory lands exactly once: in-flight counts are conserved per version
     after = apply(loads, plan)
@@ -83,7 +85,7 @@ def test_plan_invariants(cluster):
         for d in loads:
             if d.rollout == s.rollout or d.rollout in released or d.version != s.version:
                 continue
-            if not is_candidate(d, policy):
+            if not is_candidate(d, policy) or not d.accepting:
                 continue
             kv, n = after[d.rollout]
             assert not (kv + s.kv_used <= policy.c_max and n + s.n_reqs <= policy.batch_limit)
@@ -135,18 +137,22 @@ def test_versions_never_mix_and_non_candidates_stay():
         load("b", 0.1, 2, version=2),
         load("c", 0.2, 2, version=2, draining=False, prev=0.1),  # growing, not draining
         load("d", 0.2, 2, version=2, waiting=1),  # still backfilling
-        load("e", 0.2, 2, version=2, accepting=False),  # an operator drained it
+        load("e", 0.25, 2, version=2, accepting=False),  # an operator drained it: source only
         load("f", 0.3, 3, version=1),
     ]
     plan = plan_repack(loads, RepackPolicy())
-    assert [(m.source, m.destination) for m in plan.moves] == [("a", "f")]
-    assert plan.candidates == {1: ["a", "f"], 2: ["b"]}
+    assert [(m.source, m.destination) for m in plan.moves] == [("a", "f"), ("e", "b")]
+    assert plan.candidates == {1: ["a", "f"], 2: ["b", "e"]}
+    paper = plan_repack(loads, RepackPolicy(require_draining=False))
+    assert paper.candidates == {1: ["a", "f"], 2: ["b", "e"]}  # c grows: no candidate either
 
 
 def test_ramp_down_without_draining_is_the_paper_rule():
-    policy = RepackPolicy(c_max=0.9)
+    policy = RepackPolicy(c_max=0.9, require_draining=False)
     assert is_candidate(load("x", 0.5, 3, prev=0.6, draining=False), policy)
     assert not is_candidate(load("x", 0.5, 3, prev=0.5, draining=False), policy)
+    strict = RepackPolicy(c_max=0.9)  # the default: a refilling rollout is never a candidate
+    assert not is_candidate(load("x", 0.5, 3, prev=0.6, draining=False), strict)
     assert not is_candidate(load("x", 0.95, 3, prev=0.99), policy)  # above C_max
     assert not is_candidate(load("x", 0.0, 0), policy)  # nothing to move
 
