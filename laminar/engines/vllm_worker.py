@@ -55,7 +55,10 @@ class LaminarWorkerExtension:
         from laminar.engines.vllm_kv import describe, export_blocks
 
         runner = self.model_runner
-        base = describe(runner)
+        try:
+            base = describe(runner)
+        except ValueError:  # a cache layout we cannot slice by block: the importer re-prefills
+            return [None] * len(request_ids)
         # vLLM appends "-<8 random chars>" to the ids it is given (unless told not to)
         internal = {rid.rsplit("-", 1)[0]: rid for rid in runner.requests}
         internal.update({rid: rid for rid in runner.requests})
@@ -79,7 +82,10 @@ class LaminarWorkerExtension:
         """Keep an imported state until the connector loads it; "" if accepted, else why not."""
         from laminar.engines import vllm_kv
 
-        mine = vllm_kv.describe(self.model_runner)
+        try:
+            mine = vllm_kv.describe(self.model_runner)
+        except ValueError as exc:
+            return str(exc)
         for field in ("block_size", "layers", "row_bytes", "dtype"):
             if layout.get(field) != mine[field]:
                 return f"KV layout differs in {field}: {layout.get(field)} != {mine[field]}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.json_schema import models_json_schema
 
 from laminar.repack import RepackPlan, RepackPolicy, RolloutLoad
@@ -112,16 +112,17 @@ class PlanView(BaseModel):
     policy: RepackPolicy
 
 
-class PolicyPatch(BaseModel):
-    """A partial policy: given fields are merged onto the current policy, then validated."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool | None = None
-    period_s: float | None = None
-    c_max: float | None = None
-    batch_limit: int | None = None
-    on_publish: bool | None = None
+# A partial policy: every field of RepackPolicy, optional (built from it, so it cannot drift).
+PolicyPatch: type[BaseModel] = create_model(
+    "PolicyPatch",
+    __config__=ConfigDict(extra="forbid"),
+    __doc__="A partial policy: given fields are merged onto the current policy, then validated "
+    "as a RepackPolicy.",
+    **{
+        name: (field.annotation | None, Field(None, description=field.description))  # type: ignore[operator]
+        for name, field in RepackPolicy.model_fields.items()
+    },
+)
 
 
 class DrainBody(BaseModel):

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from laminar.engines import EngineRequest, SimEngineConfig, create_engine
+from laminar.membership import MembershipApi
 from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.rollout import MigrateRequest, RolloutApi
 from laminar.roles.rollout.api import DrainRequest
@@ -21,6 +23,7 @@ from laminar.trajectory import Trajectory
 
 from ..support.clients import ClusterClients
 from ..support.poll import until
+from ..support.procs import TOKEN
 from ..support.scenario import process_cluster, write_config
 from ..support.task import write_prompts, write_tokenizer
 
@@ -182,3 +185,40 @@ async def _in_flight(rollout, at_least):
 async def _finished(data):
     status = await data.status.call()
     return status if status.finished else None
+
+
+async def test_manager_repacks_a_ramping_down_cluster(tmp_path):
+    """Prompts run out (epochs: 1), rollouts starve and ramp down; the manager's periodic repack
+    consolidates their tails. Every trajectory completes once, on one version."""
+    config = repack_config(tmp_path, {"enabled": True, "period_s": 0.5, "batch_limit": 64})
+    cluster = process_cluster(tmp_path, config)
+    clients = ClusterClients(cluster)
+    try:
+        cluster.serve("manager", "manager")
+        cluster.serve("data", "data")
+        for name in ("rollout-a", "rollout-b", "rollout-c"):
+            cluster.serve("rollout", name)
+        data = clients.proxy(DataApi, "data")
+        status = await until(lambda: _finished(data), timeout=120)
+        assert status.trajectories == PROMPTS * SAMPLES
+        done = (await data.sample.call(SampleRequest(n=PROMPTS * SAMPLES))).items
+        assert len({t.trajectory_id for t in done}) == PROMPTS * SAMPLES
+        assert all(t.version == 0 for t in done)
+
+        members = (await clients.proxy(MembershipApi, "manager").status.call()).members
+        admin = next(m.endpoints["admin"] for m in members if m.role == "manager")
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            async with http.get(f"{admin}/v1/events", params={"format": "json"}) as r:
+                events = [e for e in await r.json() if e["kind"] == "repack"]
+        assert events, "no repack happened"
+        moved = {tid for e in events for tid in e["data"]["trajectories"]}
+        assert moved and not any(e["data"]["errors"] for e in events)
+        by_id = {t.trajectory_id: t for t in done}
+        destinations = {m["destination"] for e in events for m in e["data"]["moves"]}
+        ref = await reference([by_id[tid] for tid in moved])
+        for tid in moved:
+            assert by_id[tid].rollout in destinations
+            assert by_id[tid].response_token_ids == ref[tid][0]
+    finally:
+        await clients.close()
+        cluster.shutdown()
