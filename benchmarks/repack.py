@@ -247,7 +247,9 @@ async def migrate_vllm(model: str, n: int, tokens_before: int) -> dict[str, floa
     from laminar.engines import EngineRequest, VllmEngineConfig, create_engine
     from laminar.trajectory import SamplingParams
 
-    cfg = VllmEngineConfig(model=model, max_model_len=2048, max_num_seqs=max(8, n))
+    cfg = VllmEngineConfig(
+        model=model, max_model_len=2048, max_num_seqs=max(8, n), kv_migration=True
+    )
     source, dest = create_engine(cfg), create_engine(cfg)
     await source.start()
     await dest.start()
@@ -294,39 +296,41 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("--rollouts", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=48)
-    p.add_argument("--kv-tokens", type=int, default=8000)
-    p.add_argument("--batch-limit", type=int, default=64, help="B, the roofline batch size")
+    p.add_argument("--kv-tokens", type=int, default=4000)
+    p.add_argument("--batch-limit", type=int, default=128, help="B, the roofline batch size")
     p.add_argument("--period", type=float, default=1.0, help="repack period (scaled time)")
-    p.add_argument("--global-batch", type=int, default=1024)
+    p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--train-s", type=float, default=3.0)
     p.add_argument("--length-scale", type=float, default=32.0)
-    p.add_argument("--step-scale", type=float, default=3.0)
+    p.add_argument("--step-scale", type=float, default=6.0)
     p.add_argument("--warmup", type=float, default=20.0)
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--vllm", help="model dir for the migration timing ('auto': a tiny Qwen2)")
     p.add_argument("--vllm-sequences", type=int, default=8)
+    p.add_argument("--vllm-only", action="store_true", help="skip the emulated cluster runs")
     args = p.parse_args()
 
     results: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
     with tempfile.TemporaryDirectory(prefix="laminar-repack-") as tmp:
         work = Path(tmp)
         runs = {}
-        for repack in (False, True):
+        for repack in () if args.vllm_only else (False, True):
             runs[repack] = asyncio.run(run_once(args, repack, work))
             print(f"repack {'on' if repack else 'off'}: {json.dumps(runs[repack])}", flush=True)
-        on, off = runs[True], runs[False]
-        results.update(
-            gen_tokens_per_s_on=on["gen_tokens_per_s"],
-            gen_tokens_per_s_off=off["gen_tokens_per_s"],
-            gain=on["gen_tokens_per_s"] / off["gen_tokens_per_s"],
-            kv_util_on=on["kv_util"],
-            kv_util_off=off["kv_util"],
-            repack_overhead_s_p50=(
-                statistics.median(on["repack_overhead_s"]) if on["repack_overhead_s"] else None
-            ),
-            on=on,
-            off=off,
-        )
+        on, off = runs.get(True), runs.get(False)
+        if on and off:
+            results.update(
+                gen_tokens_per_s_on=on["gen_tokens_per_s"],
+                gen_tokens_per_s_off=off["gen_tokens_per_s"],
+                gain=on["gen_tokens_per_s"] / off["gen_tokens_per_s"],
+                kv_util_on=on["kv_util"],
+                kv_util_off=off["kv_util"],
+                repack_overhead_s_p50=(
+                    statistics.median(on["repack_overhead_s"]) if on["repack_overhead_s"] else None
+                ),
+                on=on,
+                off=off,
+            )
         if args.vllm:
             model = args.vllm
             if model == "auto":

@@ -1,7 +1,8 @@
 """The manager's admin HTTP API and dashboard (aiohttp).
 
 Routes, models and the OpenAPI document are in ``openapi.py`` (one table, so the document cannot
-drift from what is served). Choices worth knowing:
+drift from what is served); what ``/v1/status`` and the scrape-time gauges show is assembled in
+``cluster_view.py``. Choices worth knowing:
 
 * **Auth.** The cluster token is the bearer token (``Authorization: Bearer <token>``), compared
   in constant time; 401 with ``WWW-Authenticate: Bearer`` otherwise. The dashboard page and its
@@ -29,29 +30,19 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import generate_latest
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
-from laminar.endpoint import endpoint
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError, UnknownMethod
-from laminar.membership import Member
 from laminar.repack import RepackPolicy, plan_repack
-from laminar.roles.data.api import DataApi, DataStatus
-from laminar.roles.relay import RelayApi, RelayStatus
-from laminar.roles.rollout.api import DrainRequest, RolloutApi, RolloutState
+from laminar.roles.rollout.api import DrainRequest, RolloutApi
 
+from .cluster_view import ScrapeGauges, cluster_status
 from .openapi import (
     ROUTES,
-    AdminStatus,
-    ChainSummary,
     DrainBody,
     PlanView,
-    RelayView,
     RolloutActionResult,
-    RolloutView,
-    StalenessSummary,
-    TrainerView,
     openapi_document,
 )
 
@@ -59,27 +50,8 @@ if TYPE_CHECKING:
     from .service import ManagerService
 
 DASHBOARD = Path(__file__).with_name("dashboard")
-STATUS_TIMEOUT_S = 1.0  # per role, for /v1/status
 ACTION_TIMEOUT_S = 10.0  # drain / resume
 SSE_HEARTBEAT_S = 15.0
-
-
-class _TrainerStatus(BaseModel):
-    """The fields of the trainer's ``TrainerStatus`` the admin API shows (the trainer's module
-    imports torch; the manager should not)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    version: int
-    published: int
-    max_staleness: int
-    training: bool
-
-
-class _TrainerApi:
-    @endpoint
-    async def status(self) -> _TrainerStatus:
-        raise NotImplementedError
 
 
 class ApiError(Exception):
@@ -116,82 +88,6 @@ def _int(value: str | None, name: str) -> int | None:
     return out
 
 
-def rollout_state(member: Member) -> str:
-    if member.state != "alive":
-        return member.state
-    s = member.stats
-    if not s:
-        return "unknown"
-    if s.get("operator_drain"):
-        return "draining"
-    if s.get("paused_for_weights") or s.get("migrating"):
-        return "switching"
-    return "running"
-
-
-class _ScrapeGauges:
-    """Gauges computed when scraped, from the manager's live view."""
-
-    def __init__(self, manager: ManagerService) -> None:
-        self.manager = manager
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> list[GaugeMetricFamily]:
-        members = list(self.manager.members.values())
-        by_state = GaugeMetricFamily(
-            "laminar_admin_members", "Members by role and state", labels=["role", "state"]
-        )
-        counts: dict[tuple[str, str], int] = {}
-        for m in members:
-            counts[(m.role, m.state)] = counts.get((m.role, m.state), 0) + 1
-        for (role, state), n in sorted(counts.items()):
-            by_state.add_metric([role, state], n)
-        rollouts = [m for m in members if m.role == "rollout" and m.state == "alive"]
-        by_rstate = GaugeMetricFamily(
-            "laminar_admin_rollouts", "Live rollouts by state", labels=["state"]
-        )
-        rstates: dict[str, int] = {}
-        for m in rollouts:
-            rstates[rollout_state(m)] = rstates.get(rollout_state(m), 0) + 1
-        for state, n in sorted(rstates.items()):
-            by_rstate.add_metric([state], n)
-        by_version = GaugeMetricFamily(
-            "laminar_admin_rollouts_by_version",
-            "Live rollouts by the weight version they generate with",
-            labels=["version"],
-        )
-        versions: dict[int, int] = {}
-        for m in rollouts:
-            if "version" in m.stats:
-                v = int(m.stats["version"])
-                versions[v] = versions.get(v, 0) + 1
-        for v, n in sorted(versions.items()):
-            by_version.add_metric([str(v)], n)
-        kv = GaugeMetricFamily(
-            "laminar_admin_rollout_kv_cache_usage", "KV-cache use per rollout", labels=["rollout"]
-        )
-        uses = []
-        for m in rollouts:
-            if "kv_cache_usage" in m.stats:
-                kv.add_metric([m.instance], m.stats["kv_cache_usage"])
-                uses.append(m.stats["kv_cache_usage"])
-        mean = GaugeMetricFamily(
-            "laminar_admin_kv_cache_usage_mean", "Mean KV-cache use of the live rollouts"
-        )
-        mean.add_metric([], sum(uses) / len(uses) if uses else 0.0)
-        in_flight = GaugeMetricFamily(
-            "laminar_admin_in_flight", "Trajectories in flight over all live rollouts"
-        )
-        in_flight.add_metric([], sum(m.stats.get("in_flight", 0.0) for m in rollouts))
-        epoch = GaugeMetricFamily("laminar_admin_chain_epoch", "Relay chain epoch")
-        epoch.add_metric([], self.manager._chain.epoch)
-        last = GaugeMetricFamily("laminar_admin_last_event", "Sequence number of the newest event")
-        last.add_metric([], self.manager.events.last_seq)
-        return [by_state, by_rstate, by_version, kv, mean, in_flight, epoch, last]
-
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -199,7 +95,7 @@ class AdminServer:
     def __init__(self, manager: ManagerService) -> None:
         self.manager = manager
         self._runner: web.AppRunner | None = None
-        self._gauges: _ScrapeGauges | None = None
+        self._gauges: ScrapeGauges | None = None
         self._streams: set[asyncio.Task[Any]] = set()
         self._closing = asyncio.Event()
         self.url = ""
@@ -214,7 +110,7 @@ class AdminServer:
         for route in ROUTES:
             app.router.add_route(route.method, route.path, getattr(self, route.handler))
         app.router.add_static("/dashboard/", DASHBOARD, show_index=False)
-        self._gauges = _ScrapeGauges(self.manager)
+        self._gauges = ScrapeGauges(self.manager)
         self.manager.ctx.registry.register(self._gauges)  # type: ignore[arg-type]
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
@@ -306,124 +202,7 @@ class AdminServer:
     # -- status ------------------------------------------------------------------------------
 
     async def _status(self, _: web.Request) -> web.Response:
-        return _json(await self.status())
-
-    async def status(self) -> AdminStatus:
-        m = self.manager
-        ctx = m.ctx
-        now = ctx.clock.wall()
-        members = list(m.members.values())
-        errors: dict[str, str] = {}
-
-        async def ask(name: str, coro: Awaitable[Any]) -> Any:
-            try:
-                return await asyncio.wait_for(coro, STATUS_TIMEOUT_S * 1.5)
-            except (PeerUnavailable, CallTimeout, RemoteError, TimeoutError, OSError) as exc:
-                errors[name] = f"{type(exc).__name__}: {exc}"
-                return None
-
-        def alive(role: str) -> list[Member]:
-            return [x for x in members if x.role == role and x.state == "alive"]
-
-        data_m, trainer_m = alive("data"), alive("trainer")
-        relays = [x for x in members if x.role == "relay"]
-        rollouts = [x for x in members if x.role == "rollout"]
-        data_call = (
-            ask("data", ctx.connect(DataApi, data_m[0].address)
-                .status.options(timeout=STATUS_TIMEOUT_S).call())
-            if data_m else _none()
-        )  # fmt: skip
-        trainer_call = (
-            ask("trainer", ctx.connect(_TrainerApi, trainer_m[0].address)
-                .status.options(timeout=STATUS_TIMEOUT_S).call())
-            if trainer_m else _none()
-        )  # fmt: skip
-        relay_calls = [
-            ask(r.instance, ctx.connect(RelayApi, r.address)
-                .status.options(timeout=STATUS_TIMEOUT_S).call())
-            if r.state == "alive" else _none()
-            for r in relays
-        ]  # fmt: skip
-        state_calls = [
-            _quiet(ctx.connect(RolloutApi, r.address).state.options(timeout=STATUS_TIMEOUT_S)
-                   .call())
-            if r.state == "alive" else _none()
-            for r in rollouts
-        ]  # fmt: skip
-        data, trainer, *rest = await asyncio.gather(
-            data_call, trainer_call, *relay_calls, *state_calls
-        )
-        relay_st: list[RelayStatus | None] = rest[: len(relays)]
-        states: list[RolloutState | None] = rest[len(relays) :]
-
-        views = [
-            _rollout_view(r, st, now) for r, st in zip(rollouts, states, strict=True)
-        ]  # fmt: skip
-        positions = {info.instance: i for i, info in enumerate(m._chain.relays)}
-        relay_views = []
-        for r, st in zip(relays, relay_st, strict=True):
-            verified = [v.version for v in st.versions if v.verified] if st else None
-            relay_views.append(
-                RelayView(
-                    id=r.instance,
-                    address=r.address,
-                    host=r.host,
-                    member_state=r.state,
-                    position=positions.get(r.instance),
-                    versions=verified,
-                    newest=max(verified) if verified else None,
-                )
-            )
-        trainer_view = (
-            TrainerView(
-                id=trainer_m[0].instance,
-                version=trainer.version,
-                published=trainer.published,
-                max_staleness=trainer.max_staleness,
-                training=trainer.training,
-            )
-            if trainer is not None
-            else None
-        )
-        live_versions = sorted(
-            {v.version for v in views if v.member_state == "alive" and v.version is not None}
-        )
-        trainer_version = trainer.version if trainer is not None else None
-        if trainer_version is None and trainer_m and "version" in trainer_m[0].stats:
-            trainer_version = int(trainer_m[0].stats["version"])
-        staleness = StalenessSummary(
-            trainer_version=trainer_version,
-            max_trained=trainer.max_staleness if trainer is not None else None,
-            rollout_versions=live_versions,
-            max_lag=(trainer_version - live_versions[0])
-            if trainer_version is not None and live_versions
-            else None,
-        )
-        counts: dict[str, dict[str, int]] = {}
-        for x in members:
-            by = counts.setdefault(x.role, {})
-            by[x.state] = by.get(x.state, 0) + 1
-        chain = m._chain
-        return AdminStatus(
-            cluster=ctx.cluster.name,
-            manager=ctx.instance,
-            now=now,
-            rollouts=views,
-            relays=relay_views,
-            chain=ChainSummary(
-                epoch=chain.epoch,
-                order=[r.instance for r in chain.relays],
-                reason=chain.reason,
-                changed_at=chain.changed_at,
-            ),
-            trainer=trainer_view,
-            data=data if isinstance(data, DataStatus) else None,
-            staleness=staleness,
-            repack_policy=m.repack.policy,
-            members=counts,
-            last_event=m.events.last_seq,
-            errors=errors,
-        )
+        return _json(await cluster_status(self.manager))
 
     # -- repack ------------------------------------------------------------------------------
 
@@ -566,17 +345,6 @@ class AdminServer:
         return resp
 
 
-async def _none() -> None:
-    return None
-
-
-async def _quiet(coro: Awaitable[Any]) -> Any:
-    try:
-        return await asyncio.wait_for(coro, STATUS_TIMEOUT_S * 1.5)
-    except (PeerUnavailable, CallTimeout, RemoteError, TimeoutError, OSError):
-        return None
-
-
 async def _body(request: web.Request, *, required: bool) -> Any:
     raw = await request.read()
     if not raw.strip():
@@ -595,34 +363,3 @@ def _pydantic_errors(exc: ValidationError) -> list[dict[str, Any]]:
          "input": e.get("input") if isinstance(e.get("input"), (int, float, str, bool)) else None}
         for e in exc.errors()
     ]  # fmt: skip
-
-
-def _rollout_view(member: Member, state: RolloutState | None, now: float) -> RolloutView:
-    s = member.stats
-
-    def num(key: str) -> int | None:
-        return int(s[key]) if key in s else None
-
-    name = rollout_state(member)
-    in_flight = num("in_flight")
-    version = num("version")
-    if state is not None and member.state == "alive":
-        name = state.phase
-        in_flight = state.in_flight
-        version = state.version
-    return RolloutView(
-        id=member.instance,
-        host=member.host,
-        address=member.address,
-        member_state=member.state,
-        state=name,  # type: ignore[arg-type]
-        version=version,
-        kv_cache_usage=s.get("kv_cache_usage"),
-        running=num("running"),
-        waiting=num("waiting"),
-        in_flight=in_flight,
-        generated_tokens=num("generated_tokens"),
-        completed=num("completed"),
-        last_seen_s=max(0.0, now - member.last_seen),
-        incarnation=member.incarnation,
-    )

@@ -1,0 +1,288 @@
+"""What the admin API shows of the cluster: ``/v1/status`` and the scrape-time gauges.
+
+Read from the manager's live view (members and their heartbeat stats, the relay chain, the event
+log), refined by asking the data role, the trainer, the relays and the rollouts concurrently with
+a short timeout each: a role that does not answer is null and named in ``errors``, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict
+
+from laminar.endpoint import endpoint
+from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.membership import Member
+from laminar.roles.data.api import DataApi, DataStatus
+from laminar.roles.relay import RelayApi, RelayStatus
+from laminar.roles.rollout.api import RolloutApi, RolloutState
+
+from .openapi import (
+    AdminStatus,
+    ChainSummary,
+    RelayView,
+    RolloutView,
+    StalenessSummary,
+    TrainerView,
+)
+
+if TYPE_CHECKING:
+    from .service import ManagerService
+
+STATUS_TIMEOUT_S = 1.0  # per role
+
+
+class _TrainerStatus(BaseModel):
+    """The fields of the trainer's ``TrainerStatus`` the admin API shows (the trainer's module
+    imports torch; the manager should not)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    version: int
+    published: int
+    max_staleness: int
+    training: bool
+
+
+class _TrainerApi:
+    @endpoint
+    async def status(self) -> _TrainerStatus:
+        raise NotImplementedError
+
+
+def rollout_state(member: Member) -> str:
+    if member.state != "alive":
+        return member.state
+    s = member.stats
+    if not s:
+        return "unknown"
+    if s.get("operator_drain"):
+        return "draining"
+    if s.get("paused_for_weights") or s.get("migrating"):
+        return "switching"
+    return "running"
+
+
+class ScrapeGauges:
+    """Gauges computed when scraped, from the manager's live view."""
+
+    def __init__(self, manager: ManagerService) -> None:
+        self.manager = manager
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        members = list(self.manager.members.values())
+        by_state = GaugeMetricFamily(
+            "laminar_admin_members", "Members by role and state", labels=["role", "state"]
+        )
+        counts: dict[tuple[str, str], int] = {}
+        for m in members:
+            counts[(m.role, m.state)] = counts.get((m.role, m.state), 0) + 1
+        for (role, state), n in sorted(counts.items()):
+            by_state.add_metric([role, state], n)
+        rollouts = [m for m in members if m.role == "rollout" and m.state == "alive"]
+        by_rstate = GaugeMetricFamily(
+            "laminar_admin_rollouts", "Live rollouts by state", labels=["state"]
+        )
+        rstates: dict[str, int] = {}
+        for m in rollouts:
+            rstates[rollout_state(m)] = rstates.get(rollout_state(m), 0) + 1
+        for state, n in sorted(rstates.items()):
+            by_rstate.add_metric([state], n)
+        by_version = GaugeMetricFamily(
+            "laminar_admin_rollouts_by_version",
+            "Live rollouts by the weight version they generate with",
+            labels=["version"],
+        )
+        versions: dict[int, int] = {}
+        for m in rollouts:
+            if "version" in m.stats:
+                v = int(m.stats["version"])
+                versions[v] = versions.get(v, 0) + 1
+        for v, n in sorted(versions.items()):
+            by_version.add_metric([str(v)], n)
+        kv = GaugeMetricFamily(
+            "laminar_admin_rollout_kv_cache_usage", "KV-cache use per rollout", labels=["rollout"]
+        )
+        uses = []
+        for m in rollouts:
+            if "kv_cache_usage" in m.stats:
+                kv.add_metric([m.instance], m.stats["kv_cache_usage"])
+                uses.append(m.stats["kv_cache_usage"])
+        mean = GaugeMetricFamily(
+            "laminar_admin_kv_cache_usage_mean", "Mean KV-cache use of the live rollouts"
+        )
+        mean.add_metric([], sum(uses) / len(uses) if uses else 0.0)
+        in_flight = GaugeMetricFamily(
+            "laminar_admin_in_flight", "Trajectories in flight over all live rollouts"
+        )
+        in_flight.add_metric([], sum(m.stats.get("in_flight", 0.0) for m in rollouts))
+        epoch = GaugeMetricFamily("laminar_admin_chain_epoch", "Relay chain epoch")
+        epoch.add_metric([], self.manager._chain.epoch)
+        last = GaugeMetricFamily("laminar_admin_last_event", "Sequence number of the newest event")
+        last.add_metric([], self.manager.events.last_seq)
+        return [by_state, by_rstate, by_version, kv, mean, in_flight, epoch, last]
+
+
+async def cluster_status(m: ManagerService) -> AdminStatus:
+    """Everything ``GET /v1/status`` shows; roles that do not answer in time are null."""
+    ctx = m.ctx
+    now = ctx.clock.wall()
+    members = list(m.members.values())
+    errors: dict[str, str] = {}
+
+    async def ask(name: str, coro: Awaitable[Any]) -> Any:
+        try:
+            return await asyncio.wait_for(coro, STATUS_TIMEOUT_S * 1.5)
+        except (PeerUnavailable, CallTimeout, RemoteError, TimeoutError, OSError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            return None
+
+    def alive(role: str) -> list[Member]:
+        return [x for x in members if x.role == role and x.state == "alive"]
+
+    data_m, trainer_m = alive("data"), alive("trainer")
+    relays = [x for x in members if x.role == "relay"]
+    rollouts = [x for x in members if x.role == "rollout"]
+    data_call = (
+        ask("data", ctx.connect(DataApi, data_m[0].address)
+            .status.options(timeout=STATUS_TIMEOUT_S).call())
+        if data_m else _none()
+    )  # fmt: skip
+    trainer_call = (
+        ask("trainer", ctx.connect(_TrainerApi, trainer_m[0].address)
+            .status.options(timeout=STATUS_TIMEOUT_S).call())
+        if trainer_m else _none()
+    )  # fmt: skip
+    relay_calls = [
+        ask(r.instance, ctx.connect(RelayApi, r.address)
+            .status.options(timeout=STATUS_TIMEOUT_S).call())
+        if r.state == "alive" else _none()
+        for r in relays
+    ]  # fmt: skip
+    state_calls = [
+        _quiet(ctx.connect(RolloutApi, r.address).state.options(timeout=STATUS_TIMEOUT_S)
+               .call())
+        if r.state == "alive" else _none()
+        for r in rollouts
+    ]  # fmt: skip
+    data, trainer, *rest = await asyncio.gather(data_call, trainer_call, *relay_calls, *state_calls)
+    relay_st: list[RelayStatus | None] = rest[: len(relays)]
+    states: list[RolloutState | None] = rest[len(relays) :]
+
+    views = [
+        _rollout_view(r, st, now) for r, st in zip(rollouts, states, strict=True)
+    ]  # fmt: skip
+    positions = {info.instance: i for i, info in enumerate(m._chain.relays)}
+    relay_views = []
+    for r, st in zip(relays, relay_st, strict=True):
+        verified = [v.version for v in st.versions if v.verified] if st else None
+        relay_views.append(
+            RelayView(
+                id=r.instance,
+                address=r.address,
+                host=r.host,
+                member_state=r.state,
+                position=positions.get(r.instance),
+                versions=verified,
+                newest=max(verified) if verified else None,
+            )
+        )
+    trainer_view = (
+        TrainerView(
+            id=trainer_m[0].instance,
+            version=trainer.version,
+            published=trainer.published,
+            max_staleness=trainer.max_staleness,
+            training=trainer.training,
+        )
+        if trainer is not None
+        else None
+    )
+    live_versions = sorted(
+        {v.version for v in views if v.member_state == "alive" and v.version is not None}
+    )
+    trainer_version = trainer.version if trainer is not None else None
+    if trainer_version is None and trainer_m and "version" in trainer_m[0].stats:
+        trainer_version = int(trainer_m[0].stats["version"])
+    staleness = StalenessSummary(
+        trainer_version=trainer_version,
+        max_trained=trainer.max_staleness if trainer is not None else None,
+        rollout_versions=live_versions,
+        max_lag=(trainer_version - live_versions[0])
+        if trainer_version is not None and live_versions
+        else None,
+    )
+    counts: dict[str, dict[str, int]] = {}
+    for x in members:
+        by = counts.setdefault(x.role, {})
+        by[x.state] = by.get(x.state, 0) + 1
+    chain = m._chain
+    return AdminStatus(
+        cluster=ctx.cluster.name,
+        manager=ctx.instance,
+        now=now,
+        rollouts=views,
+        relays=relay_views,
+        chain=ChainSummary(
+            epoch=chain.epoch,
+            order=[r.instance for r in chain.relays],
+            reason=chain.reason,
+            changed_at=chain.changed_at,
+        ),
+        trainer=trainer_view,
+        data=data if isinstance(data, DataStatus) else None,
+        staleness=staleness,
+        repack_policy=m.repack.policy,
+        members=counts,
+        last_event=m.events.last_seq,
+        errors=errors,
+    )
+
+
+def _rollout_view(member: Member, state: RolloutState | None, now: float) -> RolloutView:
+    s = member.stats
+
+    def num(key: str) -> int | None:
+        return int(s[key]) if key in s else None
+
+    name = rollout_state(member)
+    in_flight = num("in_flight")
+    version = num("version")
+    if state is not None and member.state == "alive":
+        name = state.phase
+        in_flight = state.in_flight
+        version = state.version
+    return RolloutView(
+        id=member.instance,
+        host=member.host,
+        address=member.address,
+        member_state=member.state,
+        state=name,  # type: ignore[arg-type]
+        version=version,
+        kv_cache_usage=s.get("kv_cache_usage"),
+        running=num("running"),
+        waiting=num("waiting"),
+        in_flight=in_flight,
+        generated_tokens=num("generated_tokens"),
+        completed=num("completed"),
+        last_seen_s=max(0.0, now - member.last_seen),
+        incarnation=member.incarnation,
+    )
+
+
+async def _none() -> None:
+    return None
+
+
+async def _quiet(coro: Awaitable[Any]) -> Any:
+    try:
+        return await asyncio.wait_for(coro, STATUS_TIMEOUT_S * 1.5)
+    except (PeerUnavailable, CallTimeout, RemoteError, TimeoutError, OSError):
+        return None
