@@ -248,14 +248,14 @@ async def migrate_vllm(model: str, n: int, tokens_before: int) -> dict[str, floa
     from laminar.trajectory import SamplingParams
 
     cfg = VllmEngineConfig(
-        model=model, max_model_len=2048, max_num_seqs=max(8, n), kv_migration=True
+        model=model, max_model_len=512, max_num_seqs=max(8, n), kv_migration=True
     )
     source, dest = create_engine(cfg), create_engine(cfg)
     await source.start()
     await dest.start()
     params = SamplingParams(max_tokens=tokens_before + 64, temperature=0.0, ignore_eos=True)
-    prompts = [[3 + (i % 50)] * 512 for i in range(n)]  # long contexts: prefill is what differs
-    out: dict[str, float] = {"sequences": n, "context_tokens": 512 + tokens_before}
+    prompts = [[3 + (i % 50)] * 384 for i in range(n)]  # long contexts: prefill is what differs
+    out: dict[str, float] = {"sequences": n, "context_tokens": 384 + tokens_before}
     try:
         for mode in ("kv", "reprefill"):
             ids = [f"{mode}-{i}" for i in range(n)]
