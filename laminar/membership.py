@@ -7,7 +7,7 @@ leave) while only the manager role implements it. :class:`MembershipApi` declare
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -49,6 +49,24 @@ class JoinReply(BaseModel):
 class Heartbeat(BaseModel):
     instance: str
     stats: dict[str, float] = Field(default_factory=dict)
+
+
+RolloutPhase = Literal["running", "draining", "switching"]
+
+
+def rollout_phase(stats: Mapping[str, float]) -> RolloutPhase:
+    """What a rollout is doing, from the stats its heartbeats carry (``RolloutService.stats``).
+
+    ``switching``: a newer version waits (it takes nothing until it is loaded) or a repack is
+    moving its trajectories out; ``draining``: an operator told it to take no prompts;
+    ``running``: taking prompts. One reading for the rollout's own ``state`` endpoint, the admin
+    API and ``laminar status``.
+    """
+    if stats.get("paused_for_weights") or stats.get("migrating"):
+        return "switching"
+    if stats.get("operator_drain"):
+        return "draining"
+    return "running"
 
 
 class HeartbeatAck(BaseModel):

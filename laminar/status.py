@@ -18,7 +18,7 @@ from rich.table import Table
 
 from .config import ClusterConfig
 from .errors import LaminarError
-from .membership import ClusterStatus, Member, MembershipApi
+from .membership import ClusterStatus, Member, MembershipApi, rollout_phase
 from .rpc_client import RpcClient, remote
 from .service import transport_options
 
@@ -108,14 +108,9 @@ class AdminClient:
 
 
 def _rollout_phase(m: Member) -> str:
-    s = m.stats
-    if m.role != "rollout" or m.state != "alive" or not s:
+    if m.role != "rollout" or m.state != "alive" or not m.stats:
         return ""
-    if s.get("operator_drain"):
-        return "draining"
-    if s.get("paused_for_weights") or s.get("migrating"):
-        return "switching"
-    return "running"
+    return rollout_phase(m.stats)
 
 
 def render_status(status: ClusterStatus, *, title: str | None = None) -> Table:

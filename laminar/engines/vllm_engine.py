@@ -187,7 +187,7 @@ class VllmEngine(Engine):
             await self._submit(backend_id, prompt, params)
             return
         key = f"{backend_id}#{uuid.uuid4().hex[:8]}"
-        data = b"".join(bytes(b) for b in kv.data) if len(kv.data) != 1 else bytes(kv.data[0])
+        data = b"".join(bytes(b) for b in kv.data)
         refused = await self._llm.collective_rpc("laminar_stage_kv", args=(key, kv.layout, data))
         if any(refused):
             await self._submit(backend_id, prompt, params)  # layout mismatch: re-prefill

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from laminar.endpoint import endpoint
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
-from laminar.membership import Member
+from laminar.membership import Member, rollout_phase
 from laminar.roles.data.api import DataApi, DataStatus
 from laminar.roles.relay import RelayApi, RelayStatus
 from laminar.roles.rollout.api import RolloutApi, RolloutState
@@ -57,14 +57,9 @@ class _TrainerApi:
 def rollout_state(member: Member) -> str:
     if member.state != "alive":
         return member.state
-    s = member.stats
-    if not s:
+    if not member.stats:
         return "unknown"
-    if s.get("operator_drain"):
-        return "draining"
-    if s.get("paused_for_weights") or s.get("migrating"):
-        return "switching"
-    return "running"
+    return rollout_phase(member.stats)
 
 
 class ScrapeGauges:
@@ -92,7 +87,8 @@ class ScrapeGauges:
         )
         rstates: dict[str, int] = {}
         for m in rollouts:
-            rstates[rollout_state(m)] = rstates.get(rollout_state(m), 0) + 1
+            state = rollout_state(m)
+            rstates[state] = rstates.get(state, 0) + 1
         for state, n in sorted(rstates.items()):
             by_rstate.add_metric([state], n)
         by_version = GaugeMetricFamily(

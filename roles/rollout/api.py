@@ -17,9 +17,8 @@ from pydantic import BaseModel, Field
 
 from laminar.endpoint import endpoint
 from laminar.engines import InflightSequence
+from laminar.membership import RolloutPhase
 from laminar.trajectory import Assignment
-
-RolloutPhase = Literal["running", "draining", "switching"]
 
 
 class LoadedWeights(BaseModel):

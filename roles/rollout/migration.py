@@ -40,8 +40,6 @@ HANDOFF_TIMEOUT_S = 120.0  # the destination's accept: KV bytes in, import
 
 async def migrate_out(svc: RolloutService, req: MigrateRequest) -> MigrateReport:
     """The source side: steps 1-4 of the module docstring."""
-    from .service import _Flight  # noqa: F401 - the flights' type, for readers
-
     report = MigrateReport(
         source=svc.ctx.instance, destination=req.destination, version=req.version
     )

@@ -45,6 +45,7 @@ from laminar.endpoint import endpoint
 from laminar.engines import Engine, EngineConfig, EngineRequest, InflightSequence, create_engine
 from laminar.engines.base import EngineError
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.membership import rollout_phase
 from laminar.roles.data.api import DataApi, Report, TakeRequest
 from laminar.roles.relay import LatestRequest, RelayApi
 from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S
@@ -154,10 +155,9 @@ class RolloutService(Service, RolloutApi):
 
     @endpoint
     async def state(self) -> RolloutState:
-        phase = "switching" if self._paused else "draining" if self._operator_drain else "running"
         return RolloutState(
             rollout=self.ctx.instance,
-            phase=phase,
+            phase=rollout_phase(self.stats()),
             version=self.engine.version,
             in_flight=len(self.flights),
             operator_drain=self._operator_drain,
