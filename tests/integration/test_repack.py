@@ -9,12 +9,15 @@ is in tests/slow/test_repack_vllm.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from laminar.engines import EngineRequest, SimEngineConfig, create_engine
+from laminar.launch import ProcessCluster
 from laminar.membership import MembershipApi
 from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.rollout import MigrateRequest, RolloutApi
@@ -39,7 +42,7 @@ SIM = {
 }
 
 
-def repack_config(tmp: Path, repack: dict | None = None) -> Path:
+def repack_config(tmp: Path, repack: dict | None = None, engine: dict | None = None) -> Path:
     return write_config(
         tmp,
         {
@@ -64,7 +67,7 @@ def repack_config(tmp: Path, repack: dict | None = None) -> Path:
                 "concurrency": 8,
                 "flush_interval_s": 0.1,
                 "take_wait_s": 0.5,
-                "engine": SIM,
+                "engine": engine or SIM,
             },
         },
     )
@@ -102,14 +105,28 @@ async def reference(trajectories: list[Trajectory]) -> dict[str, tuple[list[int]
     return out
 
 
+@contextlib.asynccontextmanager
+async def running(
+    tmp: Path, config: Path, rollouts: tuple[str, ...]
+) -> AsyncIterator[tuple[ProcessCluster, ClusterClients]]:
+    """Manager, data and ``rollouts`` as processes, and clients to them."""
+    with process_cluster(tmp, config) as cluster:
+        clients = ClusterClients(cluster)
+        try:
+            cluster.serve("manager", "manager")
+            cluster.serve("data", "data")
+            for name in rollouts:
+                cluster.serve("rollout", name)
+            yield cluster, clients
+        finally:
+            await clients.close()
+
+
 async def test_migrate_moves_in_flight_trajectories_unchanged(tmp_path):
-    cluster = process_cluster(tmp_path, repack_config(tmp_path))
-    clients = ClusterClients(cluster)
-    try:
-        cluster.serve("manager", "manager")
-        cluster.serve("data", "data")
-        for name in ("rollout-a", "rollout-b"):
-            cluster.serve("rollout", name)
+    async with running(tmp_path, repack_config(tmp_path), ("rollout-a", "rollout-b")) as (
+        cluster,
+        clients,
+    ):
         a = clients.proxy(RolloutApi, "rollout-a")
         data = clients.proxy(DataApi, "data")
 
@@ -141,19 +158,13 @@ async def test_migrate_moves_in_flight_trajectories_unchanged(tmp_path):
             tokens, logprobs = ref[t.trajectory_id]
             assert t.response_token_ids == tokens, t.trajectory_id
             assert t.logprobs == pytest.approx(logprobs, abs=1e-6)
-    finally:
-        await clients.close()
-        cluster.shutdown()
 
 
 async def test_migrate_refuses_a_wrong_version_and_keeps_everything(tmp_path):
-    cluster = process_cluster(tmp_path, repack_config(tmp_path))
-    clients = ClusterClients(cluster)
-    try:
-        cluster.serve("manager", "manager")
-        cluster.serve("data", "data")
-        for name in ("rollout-a", "rollout-b"):
-            cluster.serve("rollout", name)
+    async with running(tmp_path, repack_config(tmp_path), ("rollout-a", "rollout-b")) as (
+        cluster,
+        clients,
+    ):
         a = clients.proxy(RolloutApi, "rollout-a")
         await until(lambda: _in_flight(a, at_least=1), timeout=30)
         before = (await a.state.call()).in_flight
@@ -173,9 +184,6 @@ async def test_migrate_refuses_a_wrong_version_and_keeps_everything(tmp_path):
         data = clients.proxy(DataApi, "data")
         status = await until(lambda: _finished(data), timeout=90)
         assert status.trajectories == PROMPTS * SAMPLES
-    finally:
-        await clients.close()
-        cluster.shutdown()
 
 
 async def _in_flight(rollout, at_least):
@@ -190,14 +198,14 @@ async def _finished(data):
 async def test_manager_repacks_a_ramping_down_cluster(tmp_path):
     """Prompts run out (epochs: 1), rollouts starve and ramp down; the manager's periodic repack
     consolidates their tails. Every trajectory completes once, on one version."""
-    config = repack_config(tmp_path, {"enabled": True, "period_s": 0.5, "batch_limit": 64})
-    cluster = process_cluster(tmp_path, config)
-    clients = ClusterClients(cluster)
-    try:
-        cluster.serve("manager", "manager")
-        cluster.serve("data", "data")
-        for name in ("rollout-a", "rollout-b", "rollout-c"):
-            cluster.serve("rollout", name)
+    # Slow steps, so the tails outlive the time it takes to notice the ramp-down: an empty long
+    # poll (take_wait_s), a heartbeat, a repack period. Same seed and lengths as SIM, so the
+    # reference tokens are the same.
+    slow = {**SIM, "cost": {"batch_points": [[1, 0.03], [256, 0.035]], "prefill_s_per_token": 0}}
+    config = repack_config(
+        tmp_path, {"enabled": True, "period_s": 0.25, "batch_limit": 64}, engine=slow
+    )
+    async with running(tmp_path, config, ("rollout-a", "rollout-b", "rollout-c")) as (_, clients):
         data = clients.proxy(DataApi, "data")
         status = await until(lambda: _finished(data), timeout=120)
         assert status.trajectories == PROMPTS * SAMPLES
@@ -219,6 +227,3 @@ async def test_manager_repacks_a_ramping_down_cluster(tmp_path):
         for tid in moved:
             assert by_id[tid].rollout in destinations
             assert by_id[tid].response_token_ids == ref[tid][0]
-    finally:
-        await clients.close()
-        cluster.shutdown()
