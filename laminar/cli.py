@@ -1,5 +1,5 @@
 """The ``laminar`` command: ``serve`` one role, ``run`` a config on this machine, ``status``,
-``repack`` (through the manager's admin HTTP API)."""
+``repack`` (through the manager's admin HTTP API), ``plot`` a run directory."""
 
 from __future__ import annotations
 
@@ -83,7 +83,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.duration is not None:
         overrides.append(f"run.duration_s={args.duration}")
     config = load_config(args.config, overrides)
-    return _loop_runner(Supervisor(config, list(args.set), _console()).run())
+    resume = args.resume if args.resume is not None else False
+    return _loop_runner(Supervisor(config, list(args.set), _console(), resume=resume).run())
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .plots import plot_run
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: no such run directory")
+    for path in plot_run(run_dir, args.trainer_metrics):
+        print(path)
+    return 0
 
 
 def _token(args: argparse.Namespace, cluster: object) -> bytes:
@@ -229,8 +241,22 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="start every role of a config on this machine (dev mode)")
     run.add_argument("config", help="cluster config (YAML)")
     run.add_argument("--duration", type=float, help="stop after this many seconds")
+    run.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        metavar="RUN_DIR",
+        help="continue the run run.run_dir links to (or RUN_DIR): checkpoints, data, metrics",
+    )
     common(run)
     run.set_defaults(fn=cmd_run)
+
+    plot = sub.add_parser("plot", help="draw a run directory's plots (PNG, in RUN_DIR/plots)")
+    plot.add_argument("run_dir", nargs="?", default="runs/latest", help="default: runs/latest")
+    plot.add_argument(
+        "--trainer-metrics", help="the trainer's JSONL (default: RUN_DIR/trainer.jsonl)"
+    )
+    plot.set_defaults(fn=cmd_plot)
 
     def connection(p: argparse.ArgumentParser, *, inherit: bool = False) -> None:
         # On a nested sub-command the copies default to SUPPRESS, so they do not overwrite what

@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError
+from .schedules import ScheduleConfig
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 
@@ -34,22 +35,41 @@ class Strict(BaseModel):
 
 
 class ClusterConfig(Strict):
-    name: str = "laminar"
+    name: str = Field(
+        "laminar", description="Cluster name, shown by `laminar status` and the admin API."
+    )
     manager: str | None = Field(
         None, description="Address of the manager to join (tcp://host:port); set by `--join`."
     )
     token_env: str = Field(
         "LAMINAR_TOKEN", description="Environment variable holding the cluster token (>= 16 chars)."
     )
-    heartbeat_interval_s: PositiveFloat = 0.5
+    heartbeat_interval_s: PositiveFloat = Field(
+        0.5, description="How often each member heartbeats to the manager."
+    )
     heartbeat_timeout_s: PositiveFloat = Field(
         3.0, description="A member silent this long is marked dead."
     )
-    rpc_timeout_s: PositiveFloat = 30.0
-    handshake_timeout_s: PositiveFloat = 5.0
-    max_frame_mib: Annotated[int, Field(gt=0, le=16384)] = 2048
-    log_format: Literal["console", "json"] = "console"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    rpc_timeout_s: PositiveFloat = Field(
+        30.0, description="Default timeout of a remote call (calls may set their own)."
+    )
+    handshake_timeout_s: PositiveFloat = Field(
+        5.0, description="A new connection must finish the token handshake within this."
+    )
+    max_frame_mib: Annotated[int, Field(gt=0, le=16384)] = Field(
+        2048, description="Largest message frame accepted; a bigger one closes that connection."
+    )
+    log_format: Literal["console", "json"] = Field(
+        "console", description="console: readable (dev); json: one object per line (production)."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Minimum level logged."
+    )
+    schedule: ScheduleConfig = Field(
+        default_factory=ScheduleConfig,
+        description="How generation and training interleave (laminar, sync, one_step, "
+        "tail_batching); every role reads it. See laminar/schedules.py and docs/schedules.md.",
+    )
 
     @model_validator(mode="after")
     def _timeout_covers_heartbeats(self) -> ClusterConfig:
@@ -88,9 +108,13 @@ class RoleSpec(Strict):
     """One line of ``run.roles``: which role, how many processes, and what to do when one dies."""
 
     role: str = Field(description="A built-in role name or `module:Class` / `path.py:Class`.")
-    count: Annotated[int, Field(ge=1, le=256)] = 1
-    restart: Literal["never", "on-failure", "always"] = "on-failure"
-    max_restarts: Annotated[int, Field(ge=0)] = 3
+    count: Annotated[int, Field(ge=1, le=256)] = Field(1, description="Processes of this role.")
+    restart: Literal["never", "on-failure", "always"] = Field(
+        "on-failure", description="When `laminar run` restarts a process that exited."
+    )
+    max_restarts: Annotated[int, Field(ge=0)] = Field(
+        3, description="Restarts per process before `laminar run` gives up on it."
+    )
     config: dict[str, Any] = Field(default_factory=dict, description="Overrides of the section.")
     section: str | None = Field(None, description="Config section (default: the role's name).")
 
@@ -98,13 +122,37 @@ class RoleSpec(Strict):
 class RunConfig(Strict):
     """What `laminar run` starts on this machine."""
 
-    roles: list[RoleSpec] = Field(default_factory=lambda: [RoleSpec(role="manager")])
+    roles: list[RoleSpec] = Field(
+        default_factory=lambda: [RoleSpec(role="manager")],
+        description="The processes to start, in order (the manager first).",
+    )
     duration_s: PositiveFloat | None = Field(
         None, description="Stop everything after this long (the run's budget); null = until ^C."
     )
-    run_dir: str = "runs/latest"
-    shutdown_grace_s: PositiveFloat = 10.0
-    view_interval_s: PositiveFloat = 1.0
+    run_dir: str = Field(
+        "runs/latest", description="Where the run writes cluster.json, the token file and logs."
+    )
+    shutdown_grace_s: PositiveFloat = Field(
+        10.0, description="Seconds between SIGTERM and SIGKILL for each child at shutdown."
+    )
+    view_interval_s: PositiveFloat = Field(
+        1.0, description="Seconds between refreshes of the live progress display."
+    )
+    progress_interval_s: PositiveFloat = Field(
+        10.0, description="Seconds between progress lines when the output is not a terminal."
+    )
+    display: Literal["auto", "live", "lines", "logs"] = Field(
+        "auto",
+        description="live: a panel redrawn in place (auto on a terminal); lines: a progress line "
+        "every progress_interval_s (auto otherwise); logs: also every child's output. Children's "
+        "output always goes to <run_dir>/logs/.",
+    )
+    cpus: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: divide this machine's cores between rollouts and the trainer "
+        "(laminar.cpus); off: leave placement to the OS and the engines.",
+    )
+    plots: bool = Field(True, description="Draw <run_dir>/plots/*.png when the run ends.")
 
 
 class LaminarConfig(BaseModel):

@@ -7,6 +7,11 @@ restarts so members find it again). Ctrl-C or SIGTERM stops everything: SIGTERM 
 SIGKILL after ``run.shutdown_grace_s``. Children run in their own session (so a terminal's Ctrl-C
 reaches only the supervisor, which shuts them down in order) and die with the supervisor if it is
 killed (``PR_SET_PDEATHSIG``).
+
+Each run gets its own directory (:mod:`laminar.rundir`; ``--resume`` continues one), every
+child's output is kept in ``<run_dir>/logs/<name>.log``, the cores are divided between the
+processes that compute (:mod:`laminar.cpus`), progress is displayed and recorded while the run
+lasts (:mod:`laminar.runview`), and the plots are drawn when it ends (:mod:`laminar.plots`).
 """
 
 from __future__ import annotations
@@ -26,10 +31,15 @@ from rich.console import Console
 from rich.text import Text
 
 from .config import LaminarConfig, RoleSpec, new_token
-from .errors import ConfigError, LaminarError
+from .cpus import CpuSlot, available_cores, plan_cpus
+from .errors import ConfigError
 from .roles_registry import load_role
+from .rundir import prepare_run_dir
+from .runview import RunView
 from .service import READY_PREFIX
-from .status import fetch_status, render_status
+
+# A child line worth showing even when children's output goes only to their log files.
+ALARMS = ("Traceback", "[error", "[critical", "Error:", "error:")
 
 COLOURS = [
     "cyan",
@@ -57,11 +67,23 @@ class Child:
     info: dict[str, Any] = field(default_factory=dict)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     pinned_bind: str | None = None
+    cpu: CpuSlot | None = None
+    log: Any = None  # the open log file
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _child_setup(cpus: tuple[int, ...]) -> Any:
+    def setup() -> None:  # between fork and exec: only async-signal-safe-ish calls
+        _die_with_parent()
+        if cpus:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 def _flatten(prefix: str, value: Any) -> list[str]:
@@ -75,7 +97,11 @@ def _flatten(prefix: str, value: Any) -> list[str]:
 
 class Supervisor:
     def __init__(
-        self, config: LaminarConfig, overrides: list[str], console: Console | None = None
+        self,
+        config: LaminarConfig,
+        overrides: list[str],
+        console: Console | None = None,
+        resume: bool | str = False,
     ) -> None:
         if config.source is None:
             raise ConfigError("laminar run needs a config file")
@@ -87,6 +113,7 @@ class Supervisor:
         self.exit_code = 0
         self.manager_address: str | None = None
         self.run_dir = Path(config.run.run_dir)
+        self.resume = resume
         base = Path(config.source).parent
         index = 0
         for spec in config.run.roles:
@@ -107,6 +134,14 @@ class Supervisor:
         if not self.env.get(token_env):
             self.env[token_env] = new_token()
         self.env["PYTHONUNBUFFERED"] = "1"
+        if config.run.cpus == "auto":
+            plan = plan_cpus(available_cores(), [(c.name, c.section) for c in self.children])
+            for child in self.children:
+                child.cpu = plan[child.name]
+        mode = config.run.display
+        if mode == "auto":
+            mode = "live" if self.console.is_terminal else "lines"
+        self.display = mode
 
     # -- output --
 
@@ -114,7 +149,11 @@ class Supervisor:
         self.console.print(Text("supervisor | ", style="bold white") + Text(message, style=style))
 
     def _echo(self, child: Child, line: str) -> None:
-        self.console.print(Text(f"{child.name:>12} | ", style=child.colour) + Text(line))
+        if child.log is not None:
+            child.log.write(line + "\n")
+            child.log.flush()
+        if self.display == "logs" or (self.display == "lines" and any(a in line for a in ALARMS)):
+            self.console.print(Text(f"{child.name:>12} | ", style=child.colour) + Text(line))
 
     # -- processes --
 
@@ -146,13 +185,18 @@ class Supervisor:
 
     async def _start(self, child: Child) -> None:
         child.ready.clear()
+        env = self.env if child.cpu is None else {**self.env, **child.cpu.env(child.section)}
+        if child.log is None:
+            logs = self.run_dir / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            child.log = (logs / f"{child.name}.log").open("a")
         child.process = await asyncio.create_subprocess_exec(
             *self._command(child),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env=self.env,
+            env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_child_setup(child.cpu.cpus if child.cpu else ()),
         )
 
     async def _pump(self, child: Child, stream: asyncio.StreamReader) -> None:
@@ -227,7 +271,14 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stopping.set)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        real, resumed = prepare_run_dir(self.run_dir, self.config.cluster.name, self.resume)
+        self.say(f"{'resuming' if resumed else 'new'} run in {real} ({self.run_dir} links to it)")
+        if any(c.cpu and c.cpu.cpus for c in self.children):
+            self.say("cores: " + ", ".join(
+                f"{c.name} {','.join(map(str, c.cpu.cpus)) or 'shared'}/{c.cpu.threads} thr"
+                for c in self.children if c.cpu and c.section in ("rollout", "trainer")
+            ))  # fmt: skip
+        view = self._view()
         watchers: list[asyncio.Task[None]] = []
         try:
             manager, members = self.children[0], self.children[1:]
@@ -242,7 +293,14 @@ class Supervisor:
             self.say(f"manager at {self.manager_address}; starting {len(members)} more")
             for child in members:
                 watchers.append(asyncio.create_task(self._watch(child)))
-            await self._view_until_stopped()
+            duration = self.config.run.duration_s
+            deadline = loop.time() + duration if duration else None
+            token = self.env[self.config.cluster.token_env].encode()
+            await view.run(
+                self.manager_address, token, self.config.cluster, self.stopping, deadline
+            )
+            if not self.stopping.is_set():
+                self.say(f"run budget of {duration:g} s reached; stopping")
         finally:
             self.stopping.set()
             await self._stop_all()
@@ -251,8 +309,43 @@ class Supervisor:
             await asyncio.gather(*watchers, return_exceptions=True)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            for child in self.children:
+                if child.log is not None:
+                    child.log.close()
+        view.final()
         self.say("all roles stopped")
+        if self.config.run.plots:
+            self._plots(view)
         return self.exit_code
+
+    def _trainer_metrics(self) -> Path | None:
+        """The trainer's metrics file, read from its config section (not its model: that would
+        import torch into the supervisor)."""
+        if not any(c.section == "trainer" for c in self.children):
+            return None
+        path = self.config.section("trainer").get("metrics_file", "runs/latest/trainer.jsonl")
+        return Path(path) if path else None
+
+    def _view(self) -> RunView:
+        return RunView(
+            run_dir=self.run_dir,
+            trainer_metrics=self._trainer_metrics(),
+            console=self.console,
+            mode=self.display,
+            interval_s=self.config.run.view_interval_s,
+            progress_interval_s=self.config.run.progress_interval_s,
+            title=self.config.cluster.name,
+        )
+
+    def _plots(self, view: RunView) -> None:
+        from .plots import plot_run
+
+        try:
+            written = plot_run(self.run_dir, view.trainer.path if view.trainer else None)
+        except Exception as exc:  # a plot must never turn a finished run into a failed one
+            self.say(f"plots failed: {type(exc).__name__}: {exc}", "bold red")
+            return
+        self.say(f"plots: {', '.join(str(p) for p in written)}")
 
     async def _wait_ready(self, child: Child, watcher: asyncio.Task[None]) -> bool:
         ready = asyncio.create_task(child.ready.wait())
@@ -276,31 +369,3 @@ class Supervisor:
                 indent=2,
             )
         )
-
-    async def _view_until_stopped(self) -> None:
-        """The membership view: printed when it changes, and once more at the end."""
-        assert self.manager_address is not None
-        cluster = self.config.cluster
-        token = self.env[cluster.token_env].encode()
-        loop = asyncio.get_running_loop()
-        deadline = (
-            (loop.time() + self.config.run.duration_s) if self.config.run.duration_s else None
-        )
-        last_shape: Any = None
-        status = None
-        while not self.stopping.is_set():
-            with contextlib.suppress(LaminarError, OSError):
-                status = await fetch_status(self.manager_address, token, cluster, timeout=2.0)
-                shape = sorted((m.instance, m.state, m.incarnation) for m in status.members)
-                if shape != last_shape:
-                    last_shape = shape
-                    self.console.print(render_status(status))
-            if deadline is not None and loop.time() >= deadline:
-                self.say(f"run budget of {self.config.run.duration_s:g} s reached; stopping")
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), self.config.run.view_interval_s)
-        if status is not None:
-            with contextlib.suppress(LaminarError, OSError):
-                status = await fetch_status(self.manager_address, token, cluster, timeout=2.0)
-            self.console.print(render_status(status, title="final membership"))

@@ -10,4 +10,5 @@ BUILTIN: dict[str, str] = {
     "relay": "laminar.roles.relay:RelayService",
     "rollout": "laminar.roles.rollout.service:RolloutService",
     "trainer": "laminar.roles.trainer.service:TrainerService",
+    "sim_trainer": "laminar.roles.trainer.sim:SimTrainerService",  # emulated (sleeps)
 }

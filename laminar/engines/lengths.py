@@ -83,8 +83,8 @@ class _Distribution(Strict):
 class FixedLength(_Distribution):
     """Every response is ``value`` tokens."""
 
-    kind: Literal["fixed"] = "fixed"
-    value: Annotated[int, Field(ge=1)] = 256
+    kind: Literal["fixed"] = Field("fixed", description="Selects this distribution.")
+    value: Annotated[int, Field(ge=1)] = Field(256, description="The length, in tokens.")
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         import numpy as np
@@ -99,8 +99,12 @@ class FixedLength(_Distribution):
 class _Bounded(_Distribution):
     """A continuous distribution, rounded to integers and clipped to [min_length, max_length]."""
 
-    min_length: Annotated[int, Field(ge=1)] = 1
-    max_length: Annotated[int, Field(ge=1)] | None = None
+    min_length: Annotated[int, Field(ge=1)] = Field(
+        1, description="Shorter samples are raised to it."
+    )
+    max_length: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Longer samples are cut to it; null = unbounded."
+    )
 
     @model_validator(mode="after")
     def _ordered_bounds(self) -> _Bounded:
@@ -130,9 +134,9 @@ class _Bounded(_Distribution):
 class LognormalLength(_Bounded):
     """``median * exp(sigma * Z)``: quantile ``median * exp(sigma * z_q)``."""
 
-    kind: Literal["lognormal"] = "lognormal"
-    median: Annotated[float, Field(gt=0)] = 1024.0
-    sigma: Annotated[float, Field(ge=0)] = 1.0
+    kind: Literal["lognormal"] = Field("lognormal", description="Selects this distribution.")
+    median: Annotated[float, Field(gt=0)] = Field(1024.0, description="Median length (tokens).")
+    sigma: Annotated[float, Field(ge=0)] = Field(1.0, description="Std. dev. of log(length).")
 
     def _raw_sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         return rng.lognormal(math.log(self.median), self.sigma, n)
@@ -146,9 +150,9 @@ class LognormalLength(_Bounded):
 class LongtailLength(_Bounded):
     """A lognormal with p99 = ``p99_ratio`` x median (default 10: the paper's long tail)."""
 
-    kind: Literal["longtail"] = "longtail"
-    median: Annotated[float, Field(gt=0)] = 1024.0
-    p99_ratio: Annotated[float, Field(gt=1)] = 10.0
+    kind: Literal["longtail"] = Field("longtail", description="Selects this distribution.")
+    median: Annotated[float, Field(gt=0)] = Field(1024.0, description="Median length (tokens).")
+    p99_ratio: Annotated[float, Field(gt=1)] = Field(10.0, description="p99 / median.")
 
     @property
     def sigma(self) -> float:
@@ -162,9 +166,11 @@ class LongtailLength(_Bounded):
 
 
 class LognormalComponent(Strict):
-    weight: Annotated[float, Field(gt=0)] = 1.0  # relative; normalised over the components
-    median: Annotated[float, Field(gt=0)]
-    sigma: Annotated[float, Field(ge=0)]
+    weight: Annotated[float, Field(gt=0)] = Field(
+        1.0, description="Relative weight, normalised over the components."
+    )
+    median: Annotated[float, Field(gt=0)] = Field(description="Median length (tokens).")
+    sigma: Annotated[float, Field(ge=0)] = Field(description="Std. dev. of log(length).")
 
 
 def _mixture_sample(
@@ -211,8 +217,10 @@ def _mixture_quantile(q: float, components: list[LognormalComponent]) -> float:
 class MixtureLength(_Bounded):
     """A weighted mixture of lognormals; the quantile is found by bisection on the CDF."""
 
-    kind: Literal["mixture"] = "mixture"
-    components: list[LognormalComponent] = Field(min_length=1)
+    kind: Literal["mixture"] = Field("mixture", description="Selects this distribution.")
+    components: list[LognormalComponent] = Field(
+        min_length=1, description="The lognormal components."
+    )
 
     def _raw_sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         return _mixture_sample(rng, n, self.components)
@@ -224,13 +232,25 @@ class MixtureLength(_Bounded):
 class PaperLength(_Bounded):
     """The paper's bimodal 7B-math lengths (Fig. 17): modes near 1K and 8K, tail to 16K."""
 
-    kind: Literal["paper"] = "paper"
-    short_median: Annotated[float, Field(gt=0)] = 1024.0
-    short_sigma: Annotated[float, Field(ge=0)] = 0.5
-    long_median: Annotated[float, Field(gt=0)] = 8192.0
-    long_sigma: Annotated[float, Field(ge=0)] = 0.35
-    long_weight: Annotated[float, Field(gt=0, lt=1)] = 0.25
-    max_length: Annotated[int, Field(ge=1)] | None = 16384
+    kind: Literal["paper"] = Field("paper", description="Selects this distribution.")
+    short_median: Annotated[float, Field(gt=0)] = Field(
+        1024.0, description="Median of the short mode (tokens)."
+    )
+    short_sigma: Annotated[float, Field(ge=0)] = Field(
+        0.5, description="Std. dev. of log(length) of the short mode."
+    )
+    long_median: Annotated[float, Field(gt=0)] = Field(
+        8192.0, description="Median of the long mode (tokens)."
+    )
+    long_sigma: Annotated[float, Field(ge=0)] = Field(
+        0.35, description="Std. dev. of log(length) of the long mode."
+    )
+    long_weight: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.25, description="Share of responses from the long mode."
+    )
+    max_length: Annotated[int, Field(ge=1)] | None = Field(
+        16384, description="Longer samples are cut to it; null = unbounded."
+    )
 
     def components(self) -> list[LognormalComponent]:
         return [
@@ -252,7 +272,7 @@ class PaperLength(_Bounded):
 class QuantilesLength(_Bounded):
     """An empirical distribution: (probability, length) points, linear in between."""
 
-    kind: Literal["quantiles"] = "quantiles"
+    kind: Literal["quantiles"] = Field("quantiles", description="Selects this distribution.")
     points: list[tuple[float, Annotated[float, Field(ge=0)]]] = Field(
         description="(q, length) from q=0 to q=1: q strictly increasing, lengths non-decreasing."
     )

@@ -114,15 +114,38 @@ def evaluate(
 
     if threads > 0:
         torch.set_num_threads(threads)
-    records: list[Record] = read_jsonl(data)[:n] if data else task.test_records(n, seed)
     model, tok = load_model(model_dir)
+    records = eval_records(task, n, seed, data)
+    return evaluate_model(task, model, tok, records, batch_size, name=str(model_dir))
+
+
+def eval_records(task: Task, n: int, seed: int = 0, data: str | None = None) -> list[Record]:
+    """The first ``n`` records of ``data`` (a JSONL file), or ``n`` of the task's test split."""
+    return read_jsonl(data)[:n] if data else task.test_records(n, seed)
+
+
+def evaluate_model(
+    task: Task,
+    model: Any,
+    tok: Any,
+    records: list[Record],
+    batch_size: int = 32,
+    name: str = "model",
+) -> EvalResult:
+    """Greedy accuracy of an in-memory HF causal LM (the trainer evaluates its live policy with
+    this); the model is put in eval mode for the duration and its previous mode restored."""
+    was_training = model.training
     model.eval()
-    demos = [task.demonstration(r) for r in records]
-    demo_lens = [len(tok.encode(d).ids) + 1 for d in demos]  # + EOS
-    budgets = [2 * length + 16 for length in demo_lens]
-    start = time.monotonic()
-    responses = greedy_responses(model, tok, [r["prompt"] for r in records], budgets, batch_size)
-    seconds = time.monotonic() - start
+    try:
+        demos = [task.demonstration(r) for r in records]
+        demo_lens = [len(tok.encode(d).ids) + 1 for d in demos]  # + EOS
+        budgets = [2 * length + 16 for length in demo_lens]
+        start = time.monotonic()
+        prompts = [r["prompt"] for r in records]
+        responses = greedy_responses(model, tok, prompts, budgets, batch_size)
+        seconds = time.monotonic() - start
+    finally:
+        model.train(was_training)
     rewards = [
         float(task.reward(r, tok.decode(ids))) for r, ids in zip(records, responses, strict=True)
     ]
@@ -135,7 +158,7 @@ def evaluate(
         for label, vals in sorted(groups.items(), key=lambda kv: int(kv[0].split("-")[0]))
     }
     return EvalResult(
-        model=str(model_dir),
+        model=name,
         n=len(records),
         accuracy=round(sum(rewards) / max(1, len(rewards)), 3),
         seconds=round(seconds, 1),

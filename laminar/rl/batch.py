@@ -56,6 +56,12 @@ class PackedBatch:
             )
         return PackedBatch(*(getattr(self, f.name)[rows] for f in fields(self)))
 
+    def trimmed(self) -> PackedBatch:
+        """The same rows cut to their longest real row: a micro-batch of short rows must not pay
+        for the global batch's longest one (with long-tailed lengths that is most of the work)."""
+        width = int(self.attention_mask.sum(dim=1).max().item()) if self.batch_size else 0
+        return PackedBatch(*(getattr(self, f.name)[:, :width] for f in fields(self)))
+
     def to(self, device: torch.device | str) -> PackedBatch:
         return PackedBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 

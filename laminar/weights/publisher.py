@@ -47,13 +47,19 @@ class PublishConfig(Strict):
         200.0,
         description="Per-chunk start cost assumed by k* (a Python frame on TCP).",
     )
-    max_chunk_mib: Annotated[int, Field(ge=1, le=1024)] = 64
+    max_chunk_mib: Annotated[int, Field(ge=1, le=1024)] = Field(
+        64, description="Upper bound on one chunk's size."
+    )
     master: str | None = Field(
         None,
         description="Fixed master weights address (default: follow the manager's chain).",
     )
-    transfer_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    retry_s: Annotated[float, Field(gt=0)] = 0.2
+    transfer_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        120.0, description="Timeout of one version's push to the master relay."
+    )
+    retry_s: Annotated[float, Field(gt=0)] = Field(
+        0.2, description="Pause before retrying a failed push or chain watch."
+    )
 
 
 class WeightPublisher:

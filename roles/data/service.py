@@ -57,6 +57,7 @@ from .api import (
 from .buffer import EVICTIONS, SAMPLERS, Batch, ExperienceBuffer, make_policy
 from .prompts import fingerprint, load_tokenizer, read_records, tokenize_records
 from .rewards import RewardPool
+from .rounds import RoundGate
 from .store import Store
 
 T = TypeVar("T")
@@ -64,14 +65,18 @@ T = TypeVar("T")
 
 class PolicySpec(Strict):
     kind: str = Field(description="A built-in name or module:Class / file.py:Class.")
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the policy's constructor."
+    )
 
 
 class SamplingConfig(Strict):
-    max_tokens: Annotated[int, Field(ge=1)] = 256
-    temperature: Annotated[float, Field(ge=0)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
+    max_tokens: Annotated[int, Field(ge=1)] = Field(256, description="Most response tokens.")
+    temperature: Annotated[float, Field(ge=0)] = Field(
+        1.0, description="Sampling temperature (keep trainer.temperature equal)."
+    )
+    top_p: Annotated[float, Field(gt=0, le=1)] = Field(1.0, description="Nucleus sampling mass.")
+    top_k: Annotated[int, Field(ge=0)] = Field(0, description="Top-k sampling; 0 = off.")
     seed: int | None = Field(
         None,
         description="Set: each trajectory samples with its own seed derived from this and its id "
@@ -95,18 +100,34 @@ class DataConfig(ServiceConfig):
     prompts: str = Field(description="Prompt dataset: .jsonl or .parquet (relative to the cwd).")
     tokenizer: str = Field(description="Model directory (or tokenizer.json) to tokenize prompts.")
     reward: str = Field(description="Reward function: module:function or file.py:function.")
-    id_key: str = "id"
-    prompt_key: str = "prompt"
-    samples_per_prompt: Annotated[int, Field(ge=1)] = 4
+    id_key: str = Field("id", description="Record field holding the prompt's unique id.")
+    prompt_key: str = Field("prompt", description="Record field holding the prompt text.")
+    samples_per_prompt: Annotated[int, Field(ge=1)] = Field(
+        4, description="Trajectories per prompt (a group, for group-relative advantages)."
+    )
     epochs: Annotated[int, Field(ge=1)] | None = Field(1, description="null = cycle forever.")
-    seed: int = 0
+    seed: int = Field(0, description="Seeds the per-epoch prompt order.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    store: str = "runs/latest/data.sqlite"
+    store: str = Field(
+        "runs/latest/data.sqlite",
+        description="SQLite file of the prompt, partial-response and experience pools (durable).",
+    )
     queue_ahead: Annotated[int, Field(ge=1)] = Field(
         256, description="Samples kept queued ahead of demand (whole prompt groups)."
     )
-    reward_workers: Annotated[int, Field(ge=1)] = 1
-    reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    max_ahead: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="Backpressure: at most this many trajectories in generation or finished but "
+        "not yet trained on; rollouts get no new prompts beyond it. When generation outpaces "
+        "training, an unbounded backlog makes staleness grow without limit (FIFO consumption); "
+        "about 2 global batches keeps it at 1-3 versions. Unset: no limit.",
+    )
+    reward_workers: Annotated[int, Field(ge=1)] = Field(
+        1, description="Worker processes running the reward function."
+    )
+    reward_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        10.0, description="A reward call running longer is killed (the trajectory gets no reward)."
+    )
     sampler: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="fifo"))
     eviction: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="none"))
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
@@ -151,6 +172,12 @@ class DataService(Service, DataApi):
         )
         self.sampler = make_policy(c.sampler.kind, SAMPLERS, c.sampler.options)
         self.eviction = make_policy(c.eviction.kind, EVICTIONS, c.eviction.options)
+        # Round schedules (sync, one_step, tail_batching; laminar.schedules): prompts go out in
+        # gated rounds. None under laminar: every path below behaves as without schedules.
+        schedule = ctx.cluster.schedule
+        self.rounds = (
+            RoundGate(schedule, c.samples_per_prompt, c.seed, c.epochs) if schedule.rounds else None
+        )
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -201,7 +228,8 @@ class DataService(Service, DataApi):
         self._thread.shutdown(wait=True)
 
     def stats(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self._counts.items()}
+        rounds = self.rounds.stats() if self.rounds is not None else {}
+        return {**{k: float(v) for k, v in self._counts.items()}, **rounds}
 
     # -- endpoints ---------------------------------------------------------------------------
 
@@ -239,9 +267,17 @@ class DataService(Service, DataApi):
         restarted = store.unbind_versions(alive_versions)
         if restarted:
             self.log.info("restarting resumes of a version no rollout holds", count=len(restarted))
-        store.refill(c.queue_ahead + req.max_count, c.samples_per_prompt, c.seed, c.epochs)
         holding = set(req.holding) | in_handoff
-        out = store.lease(req.rollout, req.max_count, req.version, holding, self.params)
+        if self.rounds is not None:  # a round schedule: only the open round, only its version
+            out = self.rounds.lease(
+                store, req.rollout, req.max_count, req.version, holding, self.params
+            )
+        else:
+            store.refill(c.queue_ahead + req.max_count, c.samples_per_prompt, c.seed, c.epochs)
+            fresh = None if c.max_ahead is None else max(0, c.max_ahead - store.ahead())
+            out = store.lease(
+                req.rollout, req.max_count, req.version, holding, self.params, fresh_limit=fresh
+            )
         if c.sampling.seed is not None:
             out = [
                 a.model_copy(
@@ -265,10 +301,20 @@ class DataService(Service, DataApi):
             for t in req.completed:
                 if t.version is None or len(t.logprobs) != len(t.response_token_ids):
                     raise ValueError(f"trajectory {t.trajectory_id} lacks version or logprobs")
-            new, reply.duplicates = await self._db(store.complete, req.rollout, req.completed)
+            new, reply.duplicates = await self._db(self._complete, store, req)
+            if self.rounds is not None and not self.rounds.open:
+                self._work.set()  # a round ended: waiting takes re-check for the next one
             for tid in new:
                 self._to_score.put_nowait(tid)
         return reply
+
+    def _complete(self, store: Store, req: Report) -> tuple[list[str], int]:
+        if self.rounds is None:
+            return store.complete(req.rollout, req.completed)
+        # round schedules: completions of deferred samples are ignored; a round may end here
+        new, dupes = store.complete(req.rollout, self.rounds.filter_completed(store, req.completed))
+        self.rounds.note_completed(store, new)
+        return new, dupes
 
     @endpoint
     async def transfer(self, req: LeaseTransfer) -> Transferred:
@@ -297,6 +343,8 @@ class DataService(Service, DataApi):
             final = loop.time() >= deadline
             batch = await self._db(self._sample_batch, buffer, req, final)
             if batch is not None and (batch.items or final):
+                if batch.items and self.config.max_ahead is not None:
+                    self._work.set()  # consumption made room: waiting takes re-check
                 return Trajectories(
                     items=batch.items,
                     seqs=batch.seqs,
@@ -368,7 +416,10 @@ class DataService(Service, DataApi):
         assert rewards is not None
         while True:
             tid = await self._to_score.get()
-            t = await self._db(store.trajectory, tid)
+            try:
+                t = await self._db(store.trajectory, tid)
+            except KeyError:  # withdrawn meanwhile (a deferred prompt of tail_batching)
+                continue
             record = await self._db(store.record_of, tid)
             text = self.tokenizer.decode(t.response_token_ids, skip_special_tokens=True)
             result = await rewards.score(record, text)

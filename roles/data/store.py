@@ -252,13 +252,21 @@ class Store:
         )
 
     def lease(
-        self, rollout: str, count: int, version: int, holding: set[str], params: SamplingParams
+        self,
+        rollout: str,
+        count: int,
+        version: int,
+        holding: set[str],
+        params: SamplingParams,
+        fresh_limit: int | None = None,
     ) -> list[Assignment]:
         """Up to ``count`` assignments for ``rollout``: re-deliveries, resumes, then fresh ones.
 
         Re-deliveries are samples already leased to this rollout that it does not hold (the reply
         of an earlier lease was lost). Resumes are requeued samples with partial tokens of
         ``version``; samples with partials of another version are left for a matching rollout.
+        ``fresh_limit`` caps the samples newly leased (backpressure); re-deliveries are already
+        leased, so they are never held back.
         """
         out: list[Assignment] = []
         now = time.time()
@@ -270,10 +278,13 @@ class Store:
             self.db.execute("BEGIN")
             for tid in lost:
                 out.append(self._assignment(tid))
+            want = count - len(out)
+            if fresh_limit is not None:
+                want = min(want, fresh_limit)
             rows = self.db.execute(
                 "SELECT trajectory_id FROM samples WHERE state = 'queued' "
                 "AND (version IS NULL OR version = ?) ORDER BY seq LIMIT ?",
-                (version, count - len(out)),
+                (version, want),
             ).fetchall()
             for (tid,) in rows:
                 self.db.execute(
@@ -587,6 +598,16 @@ class Store:
         return [
             r[0] for r in self.db.execute("SELECT trajectory_id FROM trajectories ORDER BY seq")
         ]
+
+    def ahead(self) -> int:
+        """Trajectories leased (in generation) or finished and not yet consumed nor evicted."""
+        (leased,) = self.db.execute(
+            "SELECT COUNT(*) FROM samples WHERE state = 'leased'"
+        ).fetchone()
+        (waiting,) = self.db.execute(
+            "SELECT COUNT(*) FROM trajectories WHERE consumed = 0 AND evicted = 0"
+        ).fetchone()
+        return int(leased) + int(waiting)
 
     def counts(self) -> dict[str, int]:
         out = {"queued": 0, "leased": 0, "done": 0}

@@ -77,14 +77,18 @@ class RolloutConfig(ServiceConfig):
     flush_interval_s: Annotated[float, Field(gt=0)] = Field(
         0.25, description="How often new tokens and finished trajectories go to the data role."
     )
-    take_wait_s: Annotated[float, Field(ge=0, le=60)] = 2.0
+    take_wait_s: Annotated[float, Field(ge=0, le=60)] = Field(
+        2.0, description="How long a prompt lease request waits at the data role for prompts."
+    )
     data: str | None = Field(
         None, description="The data role's address (default: ask the manager)."
     )
     relay: str | None = Field(
         None, description="The relay to pull weights from (default: the relay on this host)."
     )
-    weights_retry_s: Annotated[float, Field(gt=0)] = 1.0
+    weights_retry_s: Annotated[float, Field(gt=0)] = Field(
+        1.0, description="Pause before retrying a failed weight pull (or finding no relay)."
+    )
 
 
 @dataclass

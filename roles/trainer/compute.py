@@ -2,14 +2,20 @@
 
 A global batch (whole GRPO groups) is split into ``mini_batches`` optimizer steps. Every rank gets
 every step's rows but computes only its own slice (rank r takes rows r, r+W, r+2W, ...), in
-micro-batches of ``micro_batch_rows``. The loss of each micro-batch is normalised by the token
-count of the *whole mini-batch over all ranks* (``laminar.rl.losses``), so after an all-reduce
-SUM of the gradients every rank holds exactly the gradient a single rank would have computed on
-the whole mini-batch, and identical optimizer steps keep the replicas identical. That is the
+micro-batches of ``micro_batch_rows``. Rows are grouped by length before they are cut into
+micro-batches, and each micro-batch is trimmed to its own longest row: with long-tailed lengths
+(one 500-token row among 50-token ones) a fixed global width made the padding most of the work.
+Grouping does not change the update: the gradient is a sum over tokens. The loss of each
+micro-batch is normalised by the token count of the *whole mini-batch over all ranks*
+(``laminar.rl.losses``), so after an all-reduce SUM of the gradients every rank holds exactly
+the gradient a single rank would have computed on the whole mini-batch, and identical optimizer
+steps keep the replicas identical. That is the
 property the 1-rank vs 2-rank test checks.
 
 π_old (the proximal policy of the loss) is recomputed once per global batch, before the first
-step, with the weights the rollouts were asked to catch up to; the reference policy (KL term) is
+step, with the weights the rollouts were asked to catch up to. With one mini-batch the first
+step's own forward pass *is* that recomputation (same weights, no dropout), so its detached
+logprobs serve and the extra pass is skipped. The reference policy (KL term) is
 a frozen copy of the initial weights, loaded only when ``kl_coef > 0``.
 """
 
@@ -84,9 +90,12 @@ class PolicyTrainer:
     def _mine(self, rows: range) -> list[int]:
         return list(rows)[self.rank :: self.world]
 
-    def _micro(self, rows: list[int]) -> list[list[int]]:
+    def _micro(self, batch: PackedBatch, rows: list[int]) -> list[list[int]]:
+        """``rows`` cut into micro-batches of similar length (longest first)."""
         n = self.config.batch.micro_batch_rows
-        return [rows[i : i + n] for i in range(0, len(rows), n)]
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        ordered = sorted(rows, key=lambda r: -lengths[r])
+        return [ordered[i : i + n] for i in range(0, len(ordered), n)]
 
     @torch.no_grad()
     def _recompute(
@@ -95,9 +104,10 @@ class PolicyTrainer:
         out = torch.zeros_like(batch.behaviour_logprobs)
         was_training = model.training
         model.eval()
-        for micro in self._micro(rows):
-            lp, _ = token_logprobs(model, batch.select(micro), temperature=self.config.temperature)
-            out[micro] = lp
+        for micro in self._micro(batch, rows):
+            part = batch.select(micro).trimmed()
+            lp, _ = token_logprobs(model, part, temperature=self.config.temperature)
+            out[micro, : lp.shape[1]] = lp
         model.train(was_training)
         return out
 
@@ -108,7 +118,8 @@ class PolicyTrainer:
         per_step = math.ceil(total / cfg.batch.mini_batches)
         steps = [range(s, min(s + per_step, total)) for s in range(0, total, per_step)]
         mine = [r for step in steps for r in self._mine(step)]
-        old = self._recompute(self.model, batch, mine)
+        # One mini-batch: the step's own forward pass gives π_old (see the module docstring).
+        old = self._recompute(self.model, batch, mine) if len(steps) > 1 else None
         ref = self._recompute(self.reference, batch, mine) if self.reference is not None else None
         for p in self.model.parameters():  # every rank all-reduces the same list, even if idle
             if p.requires_grad and p.grad is None:
@@ -119,21 +130,22 @@ class PolicyTrainer:
             if step_tokens == 0:
                 continue
             self.optimizer.zero_grad(set_to_none=False)
-            for micro in self._micro(self._mine(step)):
-                part = batch.select(micro)
+            for micro in self._micro(batch, self._mine(step)):
+                part = batch.select(micro).trimmed()
+                width = part.input_ids.shape[1]
                 logprobs, entropy = token_logprobs(
                     self.model, part, temperature=cfg.temperature, with_entropy=True
                 )
                 loss, s = policy_loss(
                     logprobs,
-                    old[micro],
+                    logprobs.detach() if old is None else old[micro, :width],
                     part.behaviour_logprobs,
                     part.advantages,
                     part.loss_mask,
                     cfg.loss,
                     total_tokens=step_tokens,
                     entropy=entropy,
-                    ref_logprobs=ref[micro] if ref is not None else None,
+                    ref_logprobs=ref[micro, :width] if ref is not None else None,
                 )
                 loss.backward()
                 stats = stats.merge(s)

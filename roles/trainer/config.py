@@ -38,11 +38,11 @@ class BatchConfig(Strict):
 
 
 class OptimConfig(Strict):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: Annotated[float, Field(gt=0)] = 1e-5
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: Annotated[float, Field(gt=0)] = 1e-8
+    name: Literal["adamw", "sgd"] = Field("adamw", description="The torch optimizer.")
+    lr: Annotated[float, Field(gt=0)] = Field(1e-5, description="Learning rate.")
+    weight_decay: Annotated[float, Field(ge=0)] = Field(0.0, description="Weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's betas.")
+    eps: Annotated[float, Field(gt=0)] = Field(1e-8, description="AdamW's epsilon.")
     grad_clip: Annotated[float, Field(gt=0)] | None = Field(
         1.0, description="Clip the global gradient norm (unset: no clipping)."
     )
@@ -52,6 +52,21 @@ class CheckpointConfig(Strict):
     dir: str = Field("runs/latest/checkpoints", description="Where checkpoints are written.")
     every: Annotated[int, Field(ge=1)] = Field(1, description="Checkpoint every N versions.")
     keep: Annotated[int, Field(ge=1)] = Field(2, description="Checkpoints kept on disk.")
+
+
+class EvalConfig(Strict):
+    """Held-out accuracy of the live policy, measured by the trainer itself (greedy decoding of
+    its in-memory model between versions, so what is measured is exactly what was published)."""
+
+    task: str = Field(description="Task module (`path/to/task.py`, a directory with task.py).")
+    n: Annotated[int, Field(ge=1)] = Field(200, description="Held-out records per evaluation.")
+    seed: int = Field(0, description="Which held-out records (the task's test split, this seed).")
+    data: str | None = Field(None, description="A JSONL file of records instead of the split.")
+    every_s: Annotated[float, Field(gt=0)] = Field(
+        120.0, description="Evaluate when this long has passed since the last evaluation."
+    )
+    at_start: bool = Field(True, description="Evaluate the starting weights before training.")
+    batch_size: Annotated[int, Field(ge=1)] = Field(50, description="Records per generate call.")
 
 
 class TrainerConfig(ServiceConfig):
@@ -71,14 +86,19 @@ class TrainerConfig(ServiceConfig):
     threads_per_rank: Annotated[int, Field(ge=1)] | None = Field(
         None, description="torch threads per rank (default: cores / ranks)."
     )
-    seed: int = 0
+    seed: int = Field(0, description="torch's manual seed.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     publish: PublishConfig = Field(default_factory=PublishConfig)
     max_versions: Annotated[int, Field(ge=1)] | None = Field(
         None, description="Stop after publishing this version (unset: run until data ends)."
     )
-    sample_wait_s: Annotated[float, Field(gt=0, le=600)] = 2.0
+    sample_wait_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        2.0, description="How long one batch request waits at the data role for trajectories."
+    )
     data: str | None = Field(None, description="The data role's address (default: ask manager).")
+    eval: EvalConfig | None = Field(
+        None, description="Periodic held-out accuracy (unset: none); lines with `eval` in metrics."
+    )
     metrics_file: str | None = Field(
         "runs/latest/trainer.jsonl", description="One JSON line per version (unset: none)."
     )

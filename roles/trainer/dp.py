@@ -38,9 +38,13 @@ def _free_port() -> int:
 
 
 def _threads(config: TrainerConfig) -> int:
+    """``threads_per_rank``, else the threads `laminar run`'s CPU plan gave this process
+    (``LAMINAR_THREADS``), else this process's cores, divided between the ranks."""
     if config.threads_per_rank is not None:
         return config.threads_per_rank
-    return max(1, (os.cpu_count() or 1) // config.data_parallel)
+    planned = os.environ.get("LAMINAR_THREADS")
+    cores = int(planned) if planned else len(os.sched_getaffinity(0))
+    return max(1, cores // config.data_parallel)
 
 
 def _init(rank: int, world: int, address: str, timeout_s: float) -> None:

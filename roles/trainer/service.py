@@ -10,7 +10,9 @@ version to the master relay in the background. Per version:
 3. **train** (GRPO advantages, then the policy loss; data-parallel ranks), in a worker thread so
    the event loop keeps serving heartbeats and status;
 4. **checkpoint** (every ``checkpoint.every`` versions) with the new version and cursor;
-5. **publish**: copy the weights into a host buffer (the only stall) and hand off.
+5. **publish**: copy the weights into a host buffer (the only stall) and hand off;
+6. **evaluate** (``eval``, when ``every_s`` has passed): greedy held-out accuracy of the weights
+   just published, on the same worker thread, so it costs trainer time but never races training.
 
 Checkpoint before publish: a version that reached any rollout is always recoverable, so a
 restarted trainer never reuses a version number for different weights when ``every`` is 1.
@@ -70,6 +72,8 @@ class TrainerService(Service):
         self.max_staleness = 0
         self.training = True
         self.resumed: tuple[str, int, int] | None = None
+        self._evaluator: Any = None  # (task, records, tokenizer), loaded on first use
+        self._last_eval = float("-inf")
         self._data_address = self.config.data
         registry = ctx.registry
         self.m_staleness = Histogram(
@@ -86,6 +90,9 @@ class TrainerService(Service):
         )
         self.m_stall = Histogram(
             "laminar_publish_stall_seconds", "Trainer stall per publish", registry=registry
+        )
+        self.m_accuracy = Gauge(
+            "laminar_eval_accuracy", "Held-out accuracy of the newest evaluation", registry=registry
         )
 
     async def _run(self, fn: Any, *args: Any) -> Any:
@@ -178,6 +185,8 @@ class TrainerService(Service):
     async def _train_loop(self) -> None:
         c = self.config
         assert self.group is not None
+        if c.eval is not None and c.eval.at_start:
+            await self._evaluate()
         while c.max_versions is None or self.state.version < c.max_versions:
             batch, cursor = await self._next_batch()
             started = time.perf_counter()
@@ -215,6 +224,7 @@ class TrainerService(Service):
                 "reward_mean": float(rewards.mean()),
                 "staleness_mean": sum(staleness) / len(staleness),
                 "staleness_max": max(staleness),
+                "staleness_counts": {str(k): staleness.count(k) for k in sorted(set(staleness))},
                 "grad_norm": result.grad_norm,
                 "publish_stall_s": stall,
                 **result.stats,
@@ -234,8 +244,49 @@ class TrainerService(Service):
                 },
             )
             self._write_metrics(record)
+            if c.eval is not None and time.monotonic() - self._last_eval >= c.eval.every_s:
+                await self._evaluate()
         self.training = False
         self.log.info("training finished", version=self.state.version)
+
+    async def _evaluate(self) -> None:
+        result = await self._run(self._evaluate_sync)
+        self._last_eval = time.monotonic()
+        self.m_accuracy.set(result.accuracy)
+        self.log.info(
+            "evaluated",
+            version=self.state.version,
+            accuracy=result.accuracy,
+            seconds=result.seconds,
+        )
+        self._write_metrics(
+            {
+                "eval": True,
+                "version": self.state.version,
+                "time": time.time(),
+                "accuracy": result.accuracy,
+                "n": result.n,
+                "eval_s": result.seconds,
+                "buckets": result.buckets,
+            }
+        )
+
+    def _evaluate_sync(self) -> Any:
+        from laminar.recipe.evaluate import eval_records, evaluate_model
+        from laminar.recipe.model import load_tokenizer
+        from laminar.recipe.tasks import load_task
+
+        e = self.config.eval
+        assert e is not None and self.group is not None
+        if self._evaluator is None:
+            task = load_task(e.task)
+            self._evaluator = (task, eval_records(task, e.n, e.seed, e.data),
+                               load_tokenizer(self.config.model))  # fmt: skip
+        task, records, tok = self._evaluator
+        model = self.group.trainer.model
+        return evaluate_model(
+            task, model, tok, records, e.batch_size, name=f"v{self.state.version}"
+        )
 
     def _checkpoint(self) -> None:
         assert self.group is not None

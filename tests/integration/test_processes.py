@@ -213,7 +213,10 @@ run:
         out, _ = sup.communicate(timeout=30)
         assert sup.returncode == 0, out
         assert "restarting (1/2)" in out and "all roles stopped" in out
-        assert "left" in out  # members left the manager cleanly before it stopped
+        # Children's output goes to the run's log files (the console shows progress only).
+        manager_log = (tmp_path / "run" / "logs" / "manager-0.log").read_text()
+        assert "member left" in manager_log  # members left the manager cleanly before it stopped
+        assert (tmp_path / "run").is_symlink() and (tmp_path / "run" / "cluster.jsonl").is_file()
         for m in view.values():
             with pytest.raises(ProcessLookupError):
                 os.kill(m["pid"], 0)  # no orphan left behind

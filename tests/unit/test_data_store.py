@@ -317,3 +317,21 @@ def test_staleness_with_whole_groups_judges_the_whole_group(tmp_path, action):
 def test_a_negative_staleness_bound_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="staleness bound"):
         buffered(tmp_path, staleness_bound=-1)
+
+
+def test_backpressure_counts_what_is_ahead_of_the_trainer_and_never_withholds_a_lost_lease(
+    tmp_path,
+):
+    store = make_store(tmp_path, n=8)
+    store.refill(8, samples=1, seed=0, epochs=1)
+    first = store.lease("r", 4, 0, set(), PARAMS, fresh_limit=3)
+    assert len(first) == 3 and store.ahead() == 3  # capped: 3 in generation
+    store.complete("r", [traj(a.trajectory_id) for a in first[:2]])
+    assert store.ahead() == 3  # finished but not trained on still counts
+    assert store.lease("r", 4, 0, {first[2].trajectory_id}, PARAMS, fresh_limit=0) == []
+    # the reply of the first lease was "lost": r holds nothing, so its lease comes back anyway
+    again = store.lease("r", 4, 0, set(), PARAMS, fresh_limit=0)
+    assert [a.trajectory_id for a in again] == [first[2].trajectory_id]
+    store.set_rewards([(a.trajectory_id, 1.0, None) for a in first[:2]])
+    store.consume([a.trajectory_id for a in first[:2]])
+    assert store.ahead() == 1  # consumption made room

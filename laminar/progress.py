@@ -1,0 +1,185 @@
+"""What a dev-mode run shows while it runs, and what it records for the plots afterwards.
+
+The supervisor samples the cluster every ``run.view_interval_s``: the membership view (each
+member's heartbeat stats, over RPC), the trainer's metrics file (one JSON line per version, plus
+``eval`` lines) and the manager's event log (over the admin API). Each sample is appended to
+``<run_dir>/cluster.jsonl`` and events to ``<run_dir>/events.jsonl``; :mod:`laminar.plots` draws
+from those files and the trainer's, so a plot never depends on what the console happened to show.
+
+Everything here except :class:`TrainerLog` (which reads a file) is pure: a sample in, a view out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from .membership import rollout_phase
+
+PHASE_STYLE = {"running": "green", "switching": "yellow", "draining": "magenta"}
+
+
+class TrainerLog:
+    """Follows the trainer's metrics JSONL (written by another process) by byte offset."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.versions: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+
+    def poll(self) -> None:
+        if not self.path.is_file():
+            return
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        self.offset += end
+        for line in chunk[:end].splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            (self.evals if record.get("eval") else self.versions).append(record)
+
+
+def rollout_sample(stats: dict[str, float]) -> dict[str, Any]:
+    """The part of a rollout's heartbeat stats a timeline needs."""
+    return {
+        "phase": rollout_phase(stats),
+        "version": int(stats.get("version", -1)),
+        "kv": round(float(stats.get("kv_cache_usage", 0.0)), 4),
+        "running": int(stats.get("running", 0)),
+        "waiting": int(stats.get("waiting", 0)),
+        "in_flight": int(stats.get("in_flight", 0)),
+        "generated_tokens": int(stats.get("generated_tokens", 0)),
+    }
+
+
+def cluster_sample(members: list[Any], now: float | None = None) -> dict[str, Any]:
+    """One line of ``cluster.jsonl`` from a membership view's members."""
+    rollouts = {
+        m.instance: {**rollout_sample(m.stats), "state": m.state}
+        for m in members
+        if m.role == "rollout"
+    }
+    return {"time": time.time() if now is None else now, "rollouts": rollouts}
+
+
+@dataclass
+class Progress:
+    """The numbers the live display shows, derived from the samples so far."""
+
+    started: float
+    version: int | None = None
+    reward: float | None = None  # mean over the last few versions
+    accuracy: float | None = None
+    accuracy_start: float | None = None
+    trained_tokens_per_s: float | None = None
+    staleness_mean: float | None = None
+    staleness_max: int | None = None
+    rollouts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rollout_tokens_per_s: dict[str, float] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+def summarize(
+    trainer: TrainerLog,
+    samples: list[dict[str, Any]],
+    started: float,
+    now: float,
+    window: int = 5,
+) -> Progress:
+    """The display's numbers: reward averaged over the last ``window`` versions, trained
+    tokens/s over the versions of the last minute (or all, if fewer), generation tokens/s per
+    rollout over the last ten samples."""
+    p = Progress(started=started, elapsed_s=now - started)
+    versions = trainer.versions
+    if versions:
+        last = versions[-window:]
+        p.version = int(versions[-1]["version"])
+        p.reward = sum(v["reward_mean"] for v in last) / len(last)
+        p.staleness_mean = sum(v["staleness_mean"] for v in last) / len(last)
+        p.staleness_max = max(int(v["staleness_max"]) for v in versions)
+        recent = [v for v in versions if v["time"] >= now - 60] or versions
+        span = now - (recent[0]["time"] - recent[0].get("train_s", 0.0))
+        if span > 0:
+            p.trained_tokens_per_s = sum(v["tokens"] for v in recent) / span
+    if trainer.evals:
+        p.accuracy = float(trainer.evals[-1]["accuracy"])
+        p.accuracy_start = float(trainer.evals[0]["accuracy"])
+        if p.version is None:
+            p.version = int(trainer.evals[-1]["version"])
+    if samples:
+        p.rollouts = samples[-1]["rollouts"]
+        first = samples[max(0, len(samples) - 10)]
+        dt = samples[-1]["time"] - first["time"]
+        for name, now_r in p.rollouts.items():
+            before = first["rollouts"].get(name)
+            if before is not None and dt > 0:
+                delta = now_r["generated_tokens"] - before["generated_tokens"]
+                p.rollout_tokens_per_s[name] = max(0.0, delta / dt)
+    return p
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def progress_line(p: Progress) -> str:
+    """One line for logs and pipes."""
+    acc = _fmt(p.accuracy, ".3f")
+    if p.accuracy is not None and p.accuracy_start is not None:
+        acc += f" ({p.accuracy - p.accuracy_start:+.3f})"
+    phases = " ".join(
+        f"{name}:{r['phase']}@v{r['version']}" for name, r in sorted(p.rollouts.items())
+    )
+    worst = p.staleness_max if p.staleness_max is not None else "-"
+    return (
+        f"[{p.elapsed_s:6.0f}s] version {p.version if p.version is not None else '-'}  "
+        f"reward {_fmt(p.reward, '.3f')}  accuracy {acc}  "
+        f"trained {_fmt(p.trained_tokens_per_s, '.0f')} tok/s  "
+        f"staleness {_fmt(p.staleness_mean, '.2f')}/{worst}"
+        f"  {phases}"
+    )
+
+
+def render_progress(p: Progress, title: str = "laminar run") -> Group:
+    """The live panel: headline numbers, then one row per rollout."""
+    head = Table.grid(padding=(0, 3))
+    for _ in range(6):
+        head.add_column()
+    acc = _fmt(p.accuracy, ".3f")
+    if p.accuracy is not None and p.accuracy_start is not None:
+        acc += f" ({p.accuracy - p.accuracy_start:+.3f} since start)"
+    head.add_row(
+        Text(f"{title}  {p.elapsed_s:.0f} s", style="bold"),
+        f"version [bold]{p.version if p.version is not None else '-'}[/]",
+        f"reward [bold]{_fmt(p.reward, '.3f')}[/]",
+        f"held-out accuracy [bold]{acc}[/]",
+        f"trained [bold]{_fmt(p.trained_tokens_per_s, '.0f')}[/] tok/s",
+        f"staleness mean [bold]{_fmt(p.staleness_mean, '.2f')}[/] max "
+        f"[bold]{p.staleness_max if p.staleness_max is not None else '-'}[/]",
+    )
+    table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    for col in ("rollout", "state", "version", "KV", "run/wait/flight", "gen tok/s"):
+        table.add_column(col)
+    for name, r in sorted(p.rollouts.items()):
+        phase = r["phase"] if r.get("state", "alive") == "alive" else r.get("state", "?")
+        table.add_row(
+            name,
+            Text(phase, style=PHASE_STYLE.get(phase, "red")),
+            str(r["version"]),
+            f"{100 * r['kv']:.1f}%",
+            f"{r['running']}/{r['waiting']}/{r['in_flight']}",
+            _fmt(p.rollout_tokens_per_s.get(name), ".0f"),
+        )
+    return Group(head, table)

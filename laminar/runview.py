@@ -1,0 +1,144 @@
+"""The supervisor's eyes on a dev-mode run: sample, record, display (see :mod:`laminar.progress`).
+
+:class:`RunView` runs for the life of ``laminar run``. Every ``run.view_interval_s`` it asks the
+manager for the membership view (heartbeat stats of every member), appends one sample to
+``cluster.jsonl``, copies new manager events (admin API, ``/v1/events?format=json``) into
+``events.jsonl``, reads new lines of the trainer's metrics file, and refreshes the display:
+
+* ``live`` (a terminal): a panel redrawn in place, children's output only in ``logs/``;
+* ``lines`` (a pipe, CI): one progress line every ``run.progress_interval_s``, plus the
+  membership table whenever it changes and any child line that reports an error;
+* ``logs``: every child line as well (what ``laminar run`` printed before it had a display).
+
+Failures to reach the manager or its admin API are skipped, not fatal: the run's own processes
+matter more than its dashboard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+
+from .errors import LaminarError
+from .progress import TrainerLog, cluster_sample, progress_line, render_progress, summarize
+from .status import AdminClient, fetch_status, render_status
+
+
+class RunView:
+    def __init__(
+        self,
+        *,
+        run_dir: Path,
+        trainer_metrics: Path | None,
+        console: Console,
+        mode: str,
+        interval_s: float,
+        progress_interval_s: float,
+        title: str,
+    ) -> None:
+        self.run_dir = run_dir
+        self.console = console
+        self.mode = mode
+        self.interval_s = interval_s
+        self.progress_interval_s = progress_interval_s
+        self.title = title
+        self.trainer = TrainerLog(trainer_metrics) if trainer_metrics else None
+        self.samples: list[dict[str, Any]] = []
+        self.started = time.time()
+        self.admin: AdminClient | None = None
+        self.events_seen = 0  # per manager: a resumed run's new manager counts from 1 again
+        self.live: Live | None = None
+        self._last_line = 0.0
+        self._last_shape: Any = None
+        self.status: Any = None
+
+    # -- the loop --
+
+    async def run(
+        self,
+        manager: str,
+        token: bytes,
+        cluster: Any,
+        stopping: asyncio.Event,
+        deadline: float | None,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        if self.mode == "live":
+            self.live = Live(console=self.console, refresh_per_second=2, transient=False)
+            self.live.start()
+        try:
+            while not stopping.is_set():
+                await self._tick(manager, token, cluster)
+                if deadline is not None and loop.time() >= deadline:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), self.interval_s)
+        finally:
+            if self.live is not None:
+                self.live.stop()
+                self.live = None
+
+    async def _tick(self, manager: str, token: bytes, cluster: Any) -> None:
+        with contextlib.suppress(LaminarError, OSError):
+            self.status = await fetch_status(manager, token, cluster, timeout=2.0)
+        if self.status is not None:
+            sample = cluster_sample(self.status.members)
+            self.samples.append(sample)
+            self._append("cluster.jsonl", [sample])
+            if self.admin is None:
+                url = next(
+                    (m.endpoints.get("admin") for m in self.status.members if m.role == "manager"),
+                    None,
+                )
+                if url:
+                    self.admin = AdminClient(url, token, timeout=2.0)
+        if self.admin is not None:
+            with contextlib.suppress(LaminarError, OSError, ValueError):
+                events = await asyncio.to_thread(
+                    self.admin.get, f"/v1/events?format=json&since={self.events_seen}"
+                )
+                if events:
+                    self.events_seen = max(e["seq"] for e in events)
+                    self._append("events.jsonl", events)
+        if self.trainer is not None:
+            self.trainer.poll()
+        self._show()
+
+    def _append(self, name: str, rows: list[dict[str, Any]]) -> None:
+        with (self.run_dir / name).open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+    # -- display --
+
+    def progress(self) -> Any:
+        empty = TrainerLog(Path("/nonexistent"))
+        return summarize(self.trainer or empty, self.samples, self.started, time.time())
+
+    def _show(self) -> None:
+        p = self.progress()
+        if self.live is not None:
+            self.live.update(render_progress(p, self.title))
+            return
+        if self.status is not None:
+            shape = sorted((m.instance, m.state, m.incarnation) for m in self.status.members)
+            if shape != self._last_shape:
+                self._last_shape = shape
+                self.console.print(render_status(self.status))
+        now = time.monotonic()
+        if now - self._last_line >= self.progress_interval_s:
+            self._last_line = now
+            self.console.print(progress_line(p), highlight=False)
+
+    def final(self) -> None:
+        """The last word: the final membership and progress."""
+        if self.status is not None:
+            self.console.print(render_status(self.status, title="final membership"))
+        self.console.print(progress_line(self.progress()), highlight=False)

@@ -1,0 +1,185 @@
+"""The data role's side of the round schedules (``sync``, ``one_step``, ``tail_batching``).
+
+Decisions come from :mod:`laminar.schedules`; this module applies them to the store. Everything
+here runs on the data role's database thread (the service wraps each call in ``_db``), so the
+round state below and the store change together.
+
+* **Opening** round ``r`` (on a ``take`` by a rollout at :func:`round_version` ``(r)``, once round
+  ``r - 1`` is over): a plain or short round queues fresh whole groups (``refill``; the queue is
+  empty between rounds); a long round puts deferred groups back in the queue.
+* **Leasing**: only while a round is open and only to a rollout at the round's version; the queue
+  holds nothing but the open round's samples, so the store's ordinary ``lease`` applies.
+* **Ending**: after each report, complete groups are counted; at :func:`round_over` the groups
+  :func:`split_round` defers are *parked*: their partial tokens and any finished members are
+  withdrawn (a deferred prompt restarts from scratch, on the version of a later long round, so
+  the batch stays on-policy) and their samples are leased to the pseudo-rollout ``~deferred``.
+  A rollout still generating one learns it at its next report (``drop``: it aborts it), and a
+  completion of a parked sample that arrives later is ignored (:meth:`filter_completed`).
+
+The state lives in memory: a data role that restarts mid-run starts with a fresh round (parked
+samples of the old one are released to the queue at start-up like any dead rollout's leases).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from laminar.schedules import (
+    RoundPlan,
+    ScheduleConfig,
+    plan_round,
+    round_over,
+    round_version,
+    split_round,
+)
+from laminar.trajectory import Assignment, Trajectory
+
+from .store import Store
+
+PARKED = "~deferred"  # the pseudo-rollout holding deferred samples between rounds
+
+
+class RoundGate:
+    """Round state of one data role; see the module docstring."""
+
+    def __init__(self, schedule: ScheduleConfig, samples: int, seed: int, epochs: int | None):
+        assert schedule.round_prompts is not None
+        self.schedule = schedule
+        self.samples = samples
+        self.seed = seed
+        self.epochs = epochs
+        self.plan: RoundPlan | None = None
+        self.open = False
+        self.groups: dict[str, int] = {}  # prompt id of each group in the open round -> done
+        self.completed: list[str] = []  # complete groups of the open round, in order
+        self.deferred: list[str] = []  # parked groups waiting for a long round, oldest first
+        self.history: list[dict[str, Any]] = []  # one record per finished round
+
+    # -- leasing -----------------------------------------------------------------------------
+
+    def lease(
+        self, store: Store, rollout: str, count: int, version: int, holding: set[str], params: Any
+    ) -> list[Assignment]:
+        """Samples of the open round for a rollout at its version (opening the next if due)."""
+        if not self.open:
+            self._maybe_open(store, version)
+        if not self.open or self.plan is None:
+            return []
+        if version != round_version(self.schedule.kind, self.plan.index):
+            return []
+        return store.lease(rollout, count, version, holding, params)
+
+    def _maybe_open(self, store: Store, version: int) -> None:
+        index = 0 if self.plan is None else self.plan.index + 1
+        if version != round_version(self.schedule.kind, index):
+            return
+        rp = self.schedule.round_prompts
+        assert rp is not None
+        plan = plan_round(
+            self.schedule.kind, index, rp, self.schedule.over_launch, len(self.deferred)
+        )
+        if plan.deferred:
+            groups, self.deferred = self.deferred[: plan.deferred], self.deferred[plan.deferred :]
+            self._unpark(store, groups)
+        else:
+            store.refill(plan.fresh * self.samples, self.samples, self.seed, self.epochs)
+            groups = [
+                pid
+                for (pid,) in store.db.execute(
+                    "SELECT DISTINCT prompt_id FROM samples WHERE state = 'queued'"
+                )
+            ]
+        if not groups:
+            return  # the data is exhausted: no more rounds
+        fresh = len(groups) if plan.fresh else 0  # the last epoch may queue fewer groups
+        self.plan = RoundPlan(
+            index, plan.kind, fresh, len(groups) - fresh, min(plan.keep, len(groups))
+        )
+        self.groups = dict.fromkeys(groups, 0)
+        self.completed = []
+        self.open = True
+
+    # -- reports -----------------------------------------------------------------------------
+
+    def filter_completed(
+        self, store: Store, trajectories: Iterable[Trajectory]
+    ) -> list[Trajectory]:
+        """Drop completions of parked samples: their round ended without them."""
+        out = []
+        for t in trajectories:
+            row = store.db.execute(
+                "SELECT rollout, state FROM samples WHERE trajectory_id = ?", (t.trajectory_id,)
+            ).fetchone()
+            if row is not None and row[0] == PARKED and row[1] == "leased":
+                continue
+            out.append(t)
+        return out
+
+    def note_completed(self, store: Store, new_ids: Iterable[str]) -> None:
+        """Count newly complete trajectories; end the open round when it is over."""
+        if not self.open or self.plan is None:
+            return
+        for tid in new_ids:
+            group = tid.rpartition("/")[0]
+            if group not in self.groups:
+                continue
+            self.groups[group] += 1
+            if self.groups[group] == self.samples:
+                self.completed.append(group)
+        if round_over(self.plan, len(self.completed)):
+            kept, deferred = split_round(self.plan, self.completed, list(self.groups))
+            self._park(store, deferred)
+            self.deferred += deferred
+            self.history.append(
+                {
+                    "round": self.plan.index,
+                    "kind": self.plan.kind,
+                    "launched": self.plan.launched,
+                    "kept": kept,
+                    "deferred": deferred,
+                }
+            )
+            self.open = False
+
+    # -- parking -----------------------------------------------------------------------------
+
+    def _park(self, store: Store, groups: list[str]) -> None:
+        with store.db:
+            store.db.execute("BEGIN")
+            for pid in groups:
+                tids = [
+                    tid
+                    for (tid,) in store.db.execute(
+                        "SELECT trajectory_id FROM samples WHERE prompt_id = ?", (pid,)
+                    )
+                ]
+                for tid in tids:
+                    store.db.execute("DELETE FROM partials WHERE trajectory_id = ?", (tid,))
+                    store.db.execute(
+                        "DELETE FROM trajectories WHERE trajectory_id = ? AND consumed = 0", (tid,)
+                    )
+                store.db.execute(
+                    "UPDATE samples SET state = 'leased', rollout = ?, version = NULL, "
+                    "started_at = NULL WHERE prompt_id = ?",
+                    (PARKED, pid),
+                )
+
+    def _unpark(self, store: Store, groups: list[str]) -> None:
+        with store.db:
+            store.db.execute("BEGIN")
+            for pid in groups:
+                store.db.execute(
+                    "UPDATE samples SET state = 'queued', rollout = NULL, version = NULL "
+                    "WHERE prompt_id = ? AND rollout = ?",
+                    (pid, PARKED),
+                )
+
+    def stats(self) -> dict[str, float]:
+        plan = self.plan
+        return {
+            "round": float(plan.index if plan else -1),
+            "round_open": float(self.open),
+            "round_long": float(bool(plan and plan.kind == "long")),
+            "deferred_groups": float(len(self.deferred)),
+        }
