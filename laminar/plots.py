@@ -157,9 +157,11 @@ def plot_run(run_dir: str | Path, trainer_metrics: str | Path | None = None) -> 
     ax.set_yticks(range(len(names)), names)
     ax.set_ylim(-0.6, max(0.6, len(names) - 0.4))
     ax.set_xlabel("wall time (min)")
-    ax.set_title("rollouts: generating (green, darker = fuller KV cache), switching weights "
-                 "(amber), drained (purple), dead (red); ▼ weight pull; red arrow: repack move",
-                 fontsize=9)  # fmt: skip
+    ax.set_title(
+        "rollouts: generating (green; darker = fuller KV cache), switching weights (amber),\n"
+        "drained (purple), dead (red); ▼ weight pull; red arrow: repack move",
+        fontsize=9,
+    )
     save(fig, "timeline.png")
     return written
 
