@@ -22,7 +22,7 @@ import json
 import sys
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -413,15 +413,22 @@ def check(path: Path, expected: str, regenerate: str) -> int:
     return 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def generator_main(
+    doc: str | None, render_doc: Callable[[], str], regenerate: str, argv: list[str] | None
+) -> int:
+    """The command line of a generated page: print it, or ``--check FILE`` against it."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     parser.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not up to date")
     args = parser.parse_args(argv)
-    text = render()
+    text = render_doc()
     if args.check:
-        return check(Path(args.check), text, REGENERATE)
+        return check(Path(args.check), text, regenerate)
     sys.stdout.write(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return generator_main(__doc__, render, REGENERATE, argv)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ class Progress:
 
 
 def summarize(
-    trainer: TrainerLog,
+    trainer: TrainerLog | None,
     samples: list[dict[str, Any]],
     started: float,
     now: float,
@@ -102,7 +102,8 @@ def summarize(
     tokens/s over the versions of the last minute (or all, if fewer), generation tokens/s per
     rollout over the last ten samples."""
     p = Progress(started=started, elapsed_s=now - started)
-    versions = trainer.versions
+    versions = trainer.versions if trainer else []
+    evals = trainer.evals if trainer else []
     if versions:
         last = versions[-window:]
         p.version = int(versions[-1]["version"])
@@ -113,11 +114,11 @@ def summarize(
         span = now - (recent[0]["time"] - recent[0].get("train_s", 0.0))
         if span > 0:
             p.trained_tokens_per_s = sum(v["tokens"] for v in recent) / span
-    if trainer.evals:
-        p.accuracy = float(trainer.evals[-1]["accuracy"])
-        p.accuracy_start = float(trainer.evals[0]["accuracy"])
+    if evals:
+        p.accuracy = float(evals[-1]["accuracy"])
+        p.accuracy_start = float(evals[0]["accuracy"])
         if p.version is None:
-            p.version = int(trainer.evals[-1]["version"])
+            p.version = int(evals[-1]["version"])
     if samples:
         p.rollouts = samples[-1]["rollouts"]
         first = samples[max(0, len(samples) - 10)]

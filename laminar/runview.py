@@ -119,8 +119,7 @@ class RunView:
     # -- display --
 
     def progress(self) -> Any:
-        empty = TrainerLog(Path("/nonexistent"))
-        return summarize(self.trainer or empty, self.samples, self.started, time.time())
+        return summarize(self.trainer, self.samples, self.started, time.time())
 
     def _show(self) -> None:
         p = self.progress()

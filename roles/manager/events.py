@@ -18,15 +18,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 EventKind = Literal[
-    "repack",  # a repack ran: plan, moves, moved trajectories, overhead
-    "publish",  # the master relay has a new weight version
-    "pull",  # a rollout loaded a weight version
-    "failure",  # a member died, a migration failed
-    "membership",  # joined, left, revived
-    "policy",  # the repack policy changed
-    "drain",  # an operator drained a rollout
-    "resume",  # an operator resumed a rollout
+    "repack", "publish", "pull", "failure", "membership", "policy", "drain", "resume"
 ]
+
+# What each kind means (the admin API page is generated from this; a new kind needs a line).
+EVENT_KINDS: dict[str, str] = {
+    "repack": "a repack ran: the plan, its moves, the trajectories moved and the overhead",
+    "publish": "the master relay has a new weight version",
+    "pull": "a rollout loaded a weight version",
+    "failure": "a member died, or a migration failed",
+    "membership": "a member joined, left or came back",
+    "policy": "the repack policy changed",
+    "drain": "an operator drained a rollout",
+    "resume": "an operator resumed a rollout",
+}
 
 
 class ClusterEvent(BaseModel):

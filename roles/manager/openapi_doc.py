@@ -10,14 +10,11 @@ the file is stale; the unit tests check it too).
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
 from typing import get_args
 
-from laminar.config_reference import check
+from laminar.config_reference import generator_main
 
-from .events import EventKind
+from .events import EVENT_KINDS, EventKind
 from .openapi import _ERROR_TEXT, ROUTES, Route
 
 REGENERATE = "python -m laminar.roles.manager.openapi_doc > docs/admin-api.md"
@@ -195,36 +192,17 @@ def render() -> str:
         elif isinstance(resp, str):
             out.append(f"Response: `{resp}`.\n")
         out.append(f"```bash\n{EXAMPLES[_key(r)]}\n```\n")
-    undocumented = [k for k in get_args(EventKind) if k not in _KIND_TEXT]
+    undocumented = [k for k in get_args(EventKind) if k not in EVENT_KINDS]
     if undocumented:
-        raise ValueError(f"event kinds without a line in openapi_doc._KIND_TEXT: {undocumented}")
-    kinds = "\n".join(f"| `{k}` | {_KIND_TEXT[k]} |" for k in get_args(EventKind))
+        raise ValueError(f"event kinds without a line in events.EVENT_KINDS: {undocumented}")
+    kinds = "\n".join(f"| `{k}` | {EVENT_KINDS[k]} |" for k in get_args(EventKind))
     errors = "\n".join(f"| {code} | {text} |" for code, text in sorted(_ERROR_TEXT.items()))
     out.append(EVENTS.format(kinds=kinds, errors=errors))
     return "\n".join(out).rstrip() + "\n"
 
 
-_KIND_TEXT = {
-    "repack": "a repack ran: the plan, its moves, the trajectories moved and the overhead",
-    "publish": "the master relay has a new weight version",
-    "pull": "a rollout loaded a weight version",
-    "failure": "a member died, or a migration failed",
-    "membership": "a member joined, left or came back",
-    "policy": "the repack policy changed",
-    "drain": "an operator drained a rollout",
-    "resume": "an operator resumed a rollout",
-}
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not up to date")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        return check(Path(args.check), text, REGENERATE)
-    sys.stdout.write(text)
-    return 0
+    return generator_main(__doc__, render, REGENERATE, argv)
 
 
 if __name__ == "__main__":
