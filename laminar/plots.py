@@ -23,6 +23,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from .progress import policy_reward
+
 PHASE_COLOUR = {"running": "#2ca02c", "switching": "#ffbf00", "draining": "#9467bd"}
 DEAD_COLOUR = "#d62728"
 
@@ -73,10 +75,11 @@ def plot_run(run_dir: str | Path, trainer_metrics: str | Path | None = None) -> 
     fig, ax = plt.subplots(figsize=(8, 4.2))
     if versions:
         ts = [(v["time"] - t0) / 60 for v in versions]
-        ax.plot(ts, [v["reward_mean"] for v in versions], ".", alpha=0.35, label="reward (version)")
+        rewards = [policy_reward(v) for v in versions]
+        ax.plot(ts, rewards, ".", alpha=0.35, label="reward (version)")
         ax.plot(
             ts,
-            _smooth([v["reward_mean"] for v in versions], 9),
+            _smooth(rewards, 9),
             "-",
             label="reward (9-version mean)",
         )

@@ -51,6 +51,14 @@ class TrainerLog:
             (self.evals if record.get("eval") else self.versions).append(record)
 
 
+def policy_reward(record: dict[str, Any]) -> float:
+    """A version record's reward of the policy: of every trajectory scored while its batch was
+    gathered (``reward_generated``) where there is one, else of the batch it trained on (the same
+    thing unless the data role filters groups)."""
+    generated = record.get("reward_generated")
+    return float(generated if generated is not None else record["reward_mean"])
+
+
 def rollout_sample(stats: dict[str, float]) -> dict[str, Any]:
     """The part of a rollout's heartbeat stats a timeline needs."""
     return {
@@ -107,7 +115,7 @@ def summarize(
     if versions:
         last = versions[-window:]
         p.version = int(versions[-1]["version"])
-        p.reward = sum(v["reward_mean"] for v in last) / len(last)
+        p.reward = sum(policy_reward(v) for v in last) / len(last)
         p.staleness_mean = sum(v["staleness_mean"] for v in last) / len(last)
         p.staleness_max = max(int(v["staleness_max"]) for v in versions)
         recent = [v for v in versions if v["time"] >= now - 60] or versions

@@ -21,11 +21,22 @@ are the same computation with grad. Three modes (``PolicyLossConfig.off_policy``
 Optional terms: ``kl_coef * k3`` to a reference policy, ``k3 = exp(ref - logp) - (ref - logp) - 1``
 (unbiased, non-negative, low variance), and an entropy bonus ``- entropy_coef * H``.
 
-Aggregation is token-level (DAPO): ``loss = Σ per_token · mask / total_tokens``. ``total_tokens``
-is passed in rather than read off the mask so the caller can use the token count of the *whole
-mini-batch* across gradient-accumulation micro-batches and data-parallel ranks: then each
-micro-batch's loss is its exact share of the mini-batch loss, and summing gradients over micro-
-batches and all-reducing them with SUM over ranks gives exactly the 1-rank, 1-micro-batch update.
+Aggregation (``PolicyLossConfig.aggregation``):
+
+* ``token_mean`` (DAPO): ``loss = Σ per_token · mask / total_tokens``; every token weighs the same,
+  so a 300-token response pulls ten times harder than a 30-token one.
+* ``seq_mean``: each response's mean over its own tokens, then the mean over responses,
+  ``loss = Σ_rows (Σ_t per_token / len_row) / total_sequences``; every response weighs the same,
+  so a few long responses cannot dominate an update. Its known cost (Dr. GRPO's length bias): a
+  long wrong response is penalised less per token than a short one, so rambling is cheap. On
+  ``examples/arith`` it was no better than ``token_mean`` at equal learning rate, and with two
+  PPO epochs the responses grew to the length cap and accuracy collapsed (issue 6's notes).
+
+``total_tokens`` / ``total_sequences`` are passed in rather than read off the mask so the caller
+can use the count of the *whole mini-batch* across gradient-accumulation micro-batches and data-
+parallel ranks: then each micro-batch's loss is its exact share of the mini-batch loss, and
+summing gradients over micro-batches and all-reducing them with SUM over ranks gives exactly the
+1-rank, 1-micro-batch update.
 
 Statistics are token *sums* (:class:`LossStats`) so they can be merged and all-reduced before
 dividing. A token counts as *clipped* when the clipped branch is strictly the larger loss, i.e.
@@ -55,6 +66,10 @@ class PolicyLossConfig(Strict):
     tis_cap: float = Field(2.0, gt=0, description="Truncation of the TIS weight (off_policy=tis).")
     decoupled_cap: float | None = Field(
         None, gt=0, description="Drop tokens whose behaviour weight exceeds this (decoupled)."
+    )
+    aggregation: Literal["token_mean", "seq_mean"] = Field(
+        "token_mean",
+        description="token_mean: every token weighs the same; seq_mean: every response does.",
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the reference policy.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
@@ -130,16 +145,20 @@ def policy_loss(
     cfg: PolicyLossConfig,
     *,
     total_tokens: float,
+    total_sequences: float | None = None,
     entropy: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Scalar loss ``Σ per_token · mask / total_tokens`` and its token-sum statistics.
+    """Scalar loss (``cfg.aggregation``; see the module docstring) and its token-sum statistics.
 
     All tensors are ``[B, T]`` on the :class:`~laminar.rl.PackedBatch` grid; only ``logprobs``
-    (and ``entropy``) carry gradient. ``total_tokens`` must be > 0.
+    (and ``entropy``) carry gradient. ``total_tokens`` must be > 0, and so must
+    ``total_sequences`` (responses with at least one loss token) for ``seq_mean``.
     """
     if total_tokens <= 0:
         raise ValueError(f"total_tokens must be > 0, got {total_tokens}")
+    if cfg.aggregation == "seq_mean" and not (total_sequences and total_sequences > 0):
+        raise ValueError(f"seq_mean needs total_sequences > 0, got {total_sequences}")
     mask = loss_mask > 0
     # Zero everything outside the response first: prompt/pad values (e.g. a behaviour logprob of
     # 0 against a recomputed -9) must not reach exp() and leak inf/nan through the gradient.
@@ -166,7 +185,11 @@ def policy_loss(
 
     used = mask & keep
     per_token = torch.where(used, per_token, torch.zeros_like(per_token)) * weight_mask
-    loss = per_token.sum() / total_tokens
+    if cfg.aggregation == "seq_mean":
+        row_tokens = weight_mask.sum(dim=1, keepdim=True).clamp(min=1)
+        loss = (per_token / row_tokens).sum() / total_sequences
+    else:
+        loss = per_token.sum() / total_tokens
     stats = _stats(mask, keep, is_clipped, ratio, w, old, behaviour_logprobs, entropy, kl_ref)
     return loss, stats
 

@@ -86,6 +86,10 @@ class Trajectories(BaseModel):
     seqs: list[int] = Field(default_factory=list)  # consume seq of each item (ascending)
     cursor: int = 0  # max of ``seqs``; the request's ``after`` (or 0) when empty
     redelivered: int = 0  # leading items that were consumed before (re-delivered after ``after``)
+    # Rewards of every trajectory scored since the previous ``sample`` (whatever became of it:
+    # with ``drop_constant_groups`` the trained batch's mean reward is not the policy's).
+    scored: int = 0
+    scored_reward_sum: float = 0.0
 
 
 class CompletedIds(BaseModel):
@@ -105,6 +109,7 @@ class DataStatus(BaseModel):
     consumed: int
     evicted: int  # by the eviction policy or for staleness
     stale_dropped: int = 0  # evicted because staler than the bound (staleness action ``drop``)
+    filtered: int = 0  # evicted as uninformative groups (``drop_constant_groups``)
     held: int = 0  # skipped for staleness by the last sample (action ``hold``), still buffered
     cursor: int = 0  # the highest consume seq handed out so far
     reward_errors: int

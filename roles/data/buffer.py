@@ -115,6 +115,12 @@ class ExperienceBuffer:
       ``drop`` evicts durably (counted in ``stale_dropped``); ``hold`` skips them and keeps them
       (``held`` counts those skipped by the last call). With whole groups a group with any member
       over the bound is dropped whole (``drop``) or held whole (``hold``).
+    * **Uninformative groups** (``drop_constant_groups``, whole groups only): a complete group
+      whose members all got the same reward has group-relative advantage 0 for every member, so
+      training on it costs a forward and backward pass and teaches nothing (with token-mean
+      aggregation it even dilutes the informative rows). Such groups are evicted when seen
+      (counted in ``filtered``) and the batch is filled from the next ones: DAPO's dynamic
+      sampling, with the generation that backpressure would otherwise idle.
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class ExperienceBuffer:
         group_size: int,
         staleness_bound: int | None = None,
         staleness_action: Literal["drop", "hold"] = "drop",
+        drop_constant_groups: bool = False,
     ) -> None:
         if staleness_bound is not None and staleness_bound < 0:
             raise ConfigError(f"the staleness bound must be >= 0, got {staleness_bound}")
@@ -135,7 +142,9 @@ class ExperienceBuffer:
         self.group_size = group_size
         self.staleness_bound = staleness_bound
         self.staleness_action = staleness_action
+        self.drop_constant_groups = drop_constant_groups
         self.held = 0  # trajectories the last call skipped for staleness (``hold``)
+        self.filtered = 0  # trajectories the last call evicted as constant groups
 
     def check(self, n: int, whole_groups: bool) -> None:
         if whole_groups and n % self.group_size:
@@ -159,6 +168,7 @@ class ExperienceBuffer:
         caller can wait for more; ``partial=True``: return what there is (maybe nothing).
         """
         self.check(n, whole_groups)
+        self.filtered = 0
         store = self.store
         again = store.consumed_after(after, n) if after is not None else []
         want = n - len(again)
@@ -220,6 +230,13 @@ class ExperienceBuffer:
             for m in members.values()
             if len({e.sample_index for e in m}) == self.group_size
         ]
+        if self.drop_constant_groups:
+            constant = [m for m in complete if len({e.reward for e in m}) == 1]
+            if constant:
+                dropped = [e.trajectory_id for m in constant for e in m]
+                self.store.evict(dropped, filtered=True)
+                self.filtered = len(dropped)
+                complete = [m for m in complete if len({e.reward for e in m}) > 1]
         complete.sort(key=lambda m: max(e.seq for e in m))
         entries = [e for m in complete for e in m]
         by_id = {e.trajectory_id: e.prompt_id for e in entries}

@@ -53,8 +53,16 @@ def load_tokenizer(path: str | Path) -> Any:
 
 
 def tokenize_records(
-    records: list[dict[str, Any]], tokenizer: Any, *, id_key: str, prompt_key: str, source: str
+    records: list[dict[str, Any]],
+    tokenizer: Any,
+    *,
+    id_key: str,
+    prompt_key: str,
+    source: str,
+    max_prompt_tokens: int | None = None,
 ) -> list[tuple[str, dict[str, Any], list[int]]]:
+    """``(id, record, prompt token ids)`` per record; prompts longer than ``max_prompt_tokens``
+    are left out (verl's ``filter_overlong_prompts``), and leaving out all of them is an error."""
     rows, seen = [], set()
     for i, record in enumerate(records):
         if id_key not in record or prompt_key not in record:
@@ -68,9 +76,12 @@ def tokenize_records(
         ids = tokenizer.encode(str(record[prompt_key])).ids
         if not ids:
             raise ConfigError(f"{source}: prompt {pid!r} tokenizes to nothing")
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            continue
         rows.append((pid, record, ids))
     if not rows:
-        raise ConfigError(f"{source}: no prompts")
+        longer = f" of at most {max_prompt_tokens} tokens" if max_prompt_tokens else ""
+        raise ConfigError(f"{source}: no prompts{longer}")
     return rows
 
 

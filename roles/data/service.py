@@ -100,6 +100,11 @@ class DataConfig(ServiceConfig):
     prompts: str = Field(description="Prompt dataset: .jsonl or .parquet (relative to the cwd).")
     tokenizer: str = Field(description="Model directory (or tokenizer.json) to tokenize prompts.")
     reward: str = Field(description="Reward function: module:function or file.py:function.")
+    max_prompt_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="Leave out prompts longer than this many tokens (a curriculum, or a bound on "
+        "the prompt part of the context); null: keep all.",
+    )
     id_key: str = Field("id", description="Record field holding the prompt's unique id.")
     prompt_key: str = Field("prompt", description="Record field holding the prompt text.")
     samples_per_prompt: Annotated[int, Field(ge=1)] = Field(
@@ -127,6 +132,12 @@ class DataConfig(ServiceConfig):
     )
     reward_timeout_s: Annotated[float, Field(gt=0)] = Field(
         10.0, description="A reward call running longer is killed (the trajectory gets no reward)."
+    )
+    drop_constant_groups: bool = Field(
+        False,
+        description="Dynamic sampling (DAPO): evict complete groups whose rewards are all equal "
+        "(advantage 0 for every member) instead of training on them; counted in `filtered`. "
+        "Applies to whole-group samples (the trainer's).",
     )
     sampler: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="fifo"))
     eviction: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="none"))
@@ -158,6 +169,7 @@ class DataService(Service, DataApi):
         self._ready = asyncio.Event()  # set when scored trajectories arrive
         self._to_score: asyncio.Queue[str] = asyncio.Queue()
         self._counts: dict[str, int] = {}
+        self._scored = (0, 0.0)  # trajectories scored since the last sample, their reward sum
         self._rollout_versions: dict[str, int] = {}  # weight version each live rollout last took at
         # Leases repack moved to a rollout whose handoff may still be on its way: its takes must
         # not re-deliver them meanwhile (rollout -> trajectory id -> deadline, loop time).
@@ -189,9 +201,20 @@ class DataService(Service, DataApi):
         self.tokenizer = load_tokenizer(c.tokenizer)
         records = read_records(c.prompts)
         rows = tokenize_records(
-            records, self.tokenizer, id_key=c.id_key, prompt_key=c.prompt_key, source=c.prompts
+            records,
+            self.tokenizer,
+            id_key=c.id_key,
+            prompt_key=c.prompt_key,
+            source=c.prompts,
+            max_prompt_tokens=c.max_prompt_tokens,
         )
-        print_ = fingerprint(c.prompts, c.tokenizer, extra=f"{c.samples_per_prompt}/{c.seed}")
+        if len(rows) < len(records):
+            self.log.info("prompts left out", longer_than=c.max_prompt_tokens,
+                          left_out=len(records) - len(rows), kept=len(rows))  # fmt: skip
+        extra = f"{c.samples_per_prompt}/{c.seed}"
+        if c.max_prompt_tokens is not None:  # another prompt set: another dataset
+            extra += f"/{c.max_prompt_tokens}"
+        print_ = fingerprint(c.prompts, c.tokenizer, extra=extra)
         self.store = await self._db(Store, c.store)
         self.buffer = ExperienceBuffer(
             self.store,
@@ -200,6 +223,7 @@ class DataService(Service, DataApi):
             group_size=c.samples_per_prompt,
             staleness_bound=c.staleness.bound,
             staleness_action=c.staleness.action,
+            drop_constant_groups=c.drop_constant_groups,
         )
         try:
             await self._db(self.store.load_prompts, rows, print_)
@@ -223,8 +247,9 @@ class DataService(Service, DataApi):
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.rewards is not None:
             await self.rewards.close()
-        if self.store is not None:
-            await self._db(self.store.close)
+        store, self.store = self.store, None  # requests from now on get a clear error
+        if store is not None:
+            await self._db(store.close)
         self._thread.shutdown(wait=True)
 
     def stats(self) -> dict[str, float]:
@@ -342,14 +367,17 @@ class DataService(Service, DataApi):
             self._ready.clear()
             final = loop.time() >= deadline
             batch = await self._db(self._sample_batch, buffer, req, final)
+            if self.config.max_ahead is not None and (buffer.filtered or (batch and batch.items)):
+                self._work.set()  # consumption or filtering made room: waiting takes re-check
             if batch is not None and (batch.items or final):
-                if batch.items and self.config.max_ahead is not None:
-                    self._work.set()  # consumption made room: waiting takes re-check
+                (scored, reward_sum), self._scored = self._scored, (0, 0.0)
                 return Trajectories(
                     items=batch.items,
                     seqs=batch.seqs,
                     cursor=batch.cursor,
                     redelivered=batch.redelivered,
+                    scored=scored,
+                    scored_reward_sum=reward_sum,
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ready.wait(), max(deadline - loop.time(), 0.0))
@@ -398,7 +426,7 @@ class DataService(Service, DataApi):
 
     def _need_store(self) -> Store:
         if self.store is None:
-            raise RuntimeError("the data store is not open yet")
+            raise RuntimeError("the data store is not open (the data role is starting or stopping)")
         return self.store
 
     async def _refresh_counts(self) -> None:
@@ -426,6 +454,8 @@ class DataService(Service, DataApi):
             if result.error is not None:
                 self.log.warning("reward failed", trajectory=tid, error=result.error)
             await self._db(store.set_rewards, [(tid, result.reward, result.error)])
+            if result.reward is not None:
+                self._scored = (self._scored[0] + 1, self._scored[1] + result.reward)
             self._ready.set()
 
     async def _watch_rollouts(self) -> None:

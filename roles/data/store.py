@@ -20,7 +20,8 @@ Tables:
   ones it had taken but not committed, in the same order). NULL until consumed; the counter is
   ``MAX(consume_seq)``, so it is as durable as the rows.
 * ``meta`` — counters: the prompt cursor and epoch, the next queue sequence number, how many
-  trajectories were dropped for staleness (``stale_dropped``).
+  trajectories were dropped for staleness (``stale_dropped``) and as uninformative groups
+  (``filtered``).
 
 This class is synchronous and not thread-safe: the data service runs every call on one thread.
 """
@@ -571,8 +572,9 @@ class Store:
         ).fetchone()
         return int(cursor)
 
-    def evict(self, tids: Sequence[str], *, stale: bool = False) -> None:
-        """Drop ``tids`` from the buffer for good; ``stale`` counts them in ``stale_dropped``."""
+    def evict(self, tids: Sequence[str], *, stale: bool = False, filtered: bool = False) -> None:
+        """Drop ``tids`` from the buffer for good; ``stale`` counts them in ``stale_dropped``,
+        ``filtered`` in ``filtered``."""
         with self.db:
             self.db.execute("BEGIN")
             dropped = 0
@@ -584,9 +586,14 @@ class Store:
                 ).rowcount
             if stale and dropped:
                 self._set_meta("stale_dropped", self.stale_dropped() + dropped)
+            if filtered and dropped:
+                self._set_meta("filtered", self.filtered() + dropped)
 
     def stale_dropped(self) -> int:
         return int(self.get_meta("stale_dropped", "0") or 0)
+
+    def filtered(self) -> int:
+        return int(self.get_meta("filtered", "0") or 0)
 
     def mean_reward(self) -> float | None:
         (mean,) = self.db.execute(
@@ -627,6 +634,7 @@ class Store:
             tokens=row[5],
         )
         out["stale_dropped"] = self.stale_dropped()
+        out["filtered"] = self.filtered()
         out["cursor"] = self.consume_cursor()
         out["partial_tokens"] = int(
             self.db.execute("SELECT COALESCE(SUM(stop - start), 0) FROM partials").fetchone()[0]

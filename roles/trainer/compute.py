@@ -1,6 +1,8 @@
 """One rank's share of a policy update: the torch work, with no asyncio and no RPC.
 
-A global batch (whole GRPO groups) is split into ``mini_batches`` optimizer steps. Every rank gets
+A global batch (whole GRPO groups) is split into ``mini_batches`` optimizer steps, and the
+steps are repeated ``epochs`` times (PPO epochs: more updates per generated sample, which the
+clipped ratio keeps near π_old). Every rank gets
 every step's rows but computes only its own slice (rank r takes rows r, r+W, r+2W, ...), in
 micro-batches of ``micro_batch_rows``. Rows are grouped by length before they are cut into
 micro-batches, and each micro-batch is trimmed to its own longest row: with long-tailed lengths
@@ -15,8 +17,9 @@ property the 1-rank vs 2-rank test checks.
 π_old (the proximal policy of the loss) is recomputed once per global batch, before the first
 step, with the weights the rollouts were asked to catch up to. With one mini-batch the first
 step's own forward pass *is* that recomputation (same weights, no dropout), so its detached
-logprobs serve and the extra pass is skipped. The reference policy (KL term) is
-a frozen copy of the initial weights, loaded only when ``kl_coef > 0``.
+logprobs serve and the extra pass is skipped (with one epoch: a second epoch needs π_old). The
+reference policy (KL term) is a frozen copy of the initial weights, loaded only when
+``kl_coef > 0``.
 """
 
 from __future__ import annotations
@@ -118,15 +121,18 @@ class PolicyTrainer:
         per_step = math.ceil(total / cfg.batch.mini_batches)
         steps = [range(s, min(s + per_step, total)) for s in range(0, total, per_step)]
         mine = [r for step in steps for r in self._mine(step)]
-        # One mini-batch: the step's own forward pass gives π_old (see the module docstring).
-        old = self._recompute(self.model, batch, mine) if len(steps) > 1 else None
+        # One step in all: the step's own forward pass gives π_old (see the module docstring).
+        once = len(steps) == 1 and cfg.batch.epochs == 1
+        old = None if once else self._recompute(self.model, batch, mine)
         ref = self._recompute(self.reference, batch, mine) if self.reference is not None else None
         for p in self.model.parameters():  # every rank all-reduces the same list, even if idle
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         stats, norms = LossStats(), []
-        for step in steps:
-            step_tokens = float(batch.loss_mask[list(step)].sum())
+        for step in steps * cfg.batch.epochs:
+            step_mask = batch.loss_mask[list(step)]
+            step_tokens = float(step_mask.sum())
+            step_sequences = float((step_mask.sum(dim=1) > 0).sum())
             if step_tokens == 0:
                 continue
             self.optimizer.zero_grad(set_to_none=False)
@@ -144,6 +150,7 @@ class PolicyTrainer:
                     part.loss_mask,
                     cfg.loss,
                     total_tokens=step_tokens,
+                    total_sequences=step_sequences,
                     entropy=entropy,
                     ref_logprobs=ref[micro, :width] if ref is not None else None,
                 )
@@ -159,7 +166,7 @@ class PolicyTrainer:
         return StepResult(
             stats=means,
             grad_norm=float(sum(norms) / max(len(norms), 1)),
-            tokens=int(stats.tokens),
+            tokens=int(stats.tokens) // cfg.batch.epochs,  # each epoch sees the same tokens
         )
 
     def _all_reduce_grads(self) -> None:

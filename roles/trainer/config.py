@@ -19,6 +19,9 @@ class BatchConfig(Strict):
     mini_batches: Annotated[int, Field(ge=1)] = Field(
         1, description="Optimizer steps per global batch (each on 1/mini_batches of the rows)."
     )
+    epochs: Annotated[int, Field(ge=1)] = Field(
+        1, description="Passes over each global batch (PPO epochs): epochs x mini_batches steps."
+    )
     micro_batch_rows: Annotated[int, Field(ge=1)] = Field(
         16, description="Rows per forward/backward pass (gradient accumulation bounds memory)."
     )

@@ -70,6 +70,7 @@ class TrainerService(Service):
         self.state = TrainingState()
         self.publisher: WeightPublisher | None = None
         self.max_staleness = 0
+        self._scored = (0, 0.0)  # see _next_batch
         self.training = True
         self.resumed: tuple[str, int, int] | None = None
         self._evaluator: Any = None  # (task, records, tokenizer), loaded on first use
@@ -156,10 +157,14 @@ class TrainerService(Service):
         return self.ctx.connect(DataApi, self._data_address)
 
     async def _next_batch(self) -> tuple[list[Trajectory], int]:
-        """Exactly the next ``prompts x samples`` trajectories after the committed cursor."""
+        """Exactly the next ``prompts x samples`` trajectories after the committed cursor.
+
+        Also keeps ``self._scored``: how many trajectories the data role scored meanwhile and
+        their reward sum (the policy's reward, whatever the buffer then trained or filtered)."""
         c = self.config
         items: list[Trajectory] = []
         cursor = self.state.cursor
+        self._scored = (0, 0.0)
         while len(items) < c.batch.rows:
             try:
                 data = await self._data()
@@ -180,6 +185,8 @@ class TrainerService(Service):
                 continue
             items.extend(reply.items)
             cursor = max(cursor, reply.cursor)
+            n, total = self._scored
+            self._scored = (n + reply.scored, total + reply.scored_reward_sum)
         return items, cursor
 
     async def _train_loop(self) -> None:
@@ -222,6 +229,8 @@ class TrainerService(Service):
                 "train_s": time.perf_counter() - started,
                 "tokens": result.tokens,
                 "reward_mean": float(rewards.mean()),
+                # every trajectory scored while this batch was gathered (filtered ones too)
+                "reward_generated": self._scored[1] / self._scored[0] if self._scored[0] else None,
                 "staleness_mean": sum(staleness) / len(staleness),
                 "staleness_max": max(staleness),
                 "staleness_counts": {str(k): staleness.count(k) for k in sorted(set(staleness))},

@@ -65,6 +65,9 @@ async def test_a_restarted_trainer_resumes_from_its_cursor_with_whole_groups(ser
     got = await data.sample.call(SampleRequest(n=4, whole_groups=True))
     assert [t.trajectory_id for t in got.items] == [a.trajectory_id for a in groups[1]]
     assert got.seqs == [1, 2] and got.cursor == 2 and got.redelivered == 0
+    # every trajectory scored since the last sample is reported, taken or not (same text: same r)
+    r = got.items[0].reward
+    assert got.scored == 3 and got.scored_reward_sum == pytest.approx(3 * r)
 
     # a trainer waiting for two groups gets them once they complete (and are scored)
     waiting = asyncio.ensure_future(
@@ -75,12 +78,12 @@ async def test_a_restarted_trainer_resumes_from_its_cursor_with_whole_groups(ser
     await report(data, [groups[0][1], *groups[2]])
     lost = await waiting
     assert [t.trajectory_id for t in lost.items] == [a.trajectory_id for a in groups[0] + groups[2]]
-    assert lost.seqs == [3, 4, 5, 6] and lost.cursor == 6
+    assert lost.seqs == [3, 4, 5, 6] and lost.cursor == 6 and lost.scored == 3
 
     # the trainer crashed after committing cursor 2: it gets exactly what it had not committed
     again = await data.sample.call(SampleRequest(n=4, after=got.cursor, whole_groups=True))
     assert [t.trajectory_id for t in again.items] == [t.trajectory_id for t in lost.items]
-    assert again.seqs == lost.seqs and again.redelivered == 4
+    assert again.seqs == lost.seqs and again.redelivered == 4 and again.scored == 0
     empty = await data.sample.call(SampleRequest(n=2, after=again.cursor))
     assert empty.items == [] and empty.cursor == 6
     status = await data.status.call()

@@ -173,6 +173,13 @@ def test_prompt_files_jsonl_and_parquet_with_clear_errors(tmp_path):
         )
     with pytest.raises(ConfigError, match="lacks"):
         tokenize_records([{"id": "a"}], Tok(), id_key="id", prompt_key="prompt", source="f")
+    two = [{"id": "a", "prompt": "xy"}, {"id": "b", "prompt": "xyz"}]
+    kept = tokenize_records(two, Tok(), id_key="id", prompt_key="prompt", source="f",
+                            max_prompt_tokens=2)  # fmt: skip
+    assert [pid for pid, _, _ in kept] == ["a"]
+    with pytest.raises(ConfigError, match="no prompts of at most 1 tokens"):
+        tokenize_records(two, Tok(), id_key="id", prompt_key="prompt", source="f",
+                         max_prompt_tokens=1)  # fmt: skip
 
 
 # -- the experience buffer: consume cursor, whole groups, staleness ------------------------------
@@ -265,6 +272,23 @@ def test_whole_groups_follow_the_sampler_and_skip_groups_with_an_evicted_member(
     assert ids(buffer.sample(4, 0, whole_groups=True)) == leased[4:6] + leased[0:2]
     assert buffer.sample(2, 0, whole_groups=True).items == []
     assert [e.trajectory_id for e in store.ready_entries()] == [leased[2]]
+
+
+def test_constant_groups_are_filtered_durably_and_the_batch_fills_from_the_next(tmp_path):
+    store, buffer, leased = buffered(tmp_path, prompts=4, group=2, drop_constant_groups=True)
+    g = [leased[i : i + 2] for i in range(0, 8, 2)]
+    # g0 all right, g1 mixed, g2 all wrong, g3 mixed (buffered() scored everything 1.0)
+    store.set_rewards([(g[1][1], 0.0, None), (*g[2][0:1], 0.0, None), (g[2][1], 0.0, None)])
+    store.set_rewards([(g[3][0], 0.0, None)])
+    got = buffer.sample(4, 0, whole_groups=True)
+    assert ids(got) == g[1] + g[3] and got.seqs == [1, 2, 3, 4]
+    assert buffer.filtered == 4 and store.counts()["filtered"] == 4
+    assert store.counts()["evicted"] == 4 and store.ready_entries() == []
+    assert buffer.sample(2, 0, whole_groups=True).items == [] and buffer.filtered == 0
+    # off (the default): a constant group is trained on like any other
+    store, buffer, leased = buffered(tmp_path / "off", prompts=2, group=2)
+    assert ids(buffer.sample(4, 0, whole_groups=True)) == leased
+    assert buffer.filtered == 0 and store.counts()["filtered"] == 0
 
 
 def test_staleness_drop_evicts_for_good_and_counts(tmp_path):

@@ -238,6 +238,21 @@ def test_masked_positions_contribute_nothing() -> None:
     assert grad[0] == 0 and grad[3] == 0 and torch.isfinite(grad).all()
 
 
+def test_seq_mean_weighs_every_response_equally() -> None:
+    """Two responses, 1 and 3 tokens: token_mean gives each token 1/4, seq_mean 1/(2 len)."""
+    logp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    cfg = PolicyLossConfig(aggregation="seq_mean")
+    loss, stats = policy_loss(logp, logp.detach(), logp.detach(), adv, mask, cfg,
+                              total_tokens=4.0, total_sequences=2.0)  # fmt: skip
+    loss.backward()
+    assert loss.item() == pytest.approx(0.0, abs=1e-6) and stats.tokens == 4  # (-1 + 1) / 2
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, 0, 0], [1 / 6, 1 / 6, 1 / 6]]))
+    with pytest.raises(ValueError, match="total_sequences"):
+        policy_loss(logp, logp, logp, adv, mask, cfg, total_tokens=4.0)
+
+
 def test_split_batch_gradients_sum_to_full_batch_gradient(model: torch.nn.Module) -> None:
     """Two halves (two DP ranks) normalised by the global token count sum to the full update."""
     g = torch.Generator().manual_seed(0)
