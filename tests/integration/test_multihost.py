@@ -83,6 +83,7 @@ def config(tmp: Path, manager_address: str) -> Path:
                 "max_versions": VERSIONS,
                 "sample_wait_s": 0.5,
                 "checkpoint": {"dir": str(tmp / "ckpt"), "keep": 2},
+                "metrics_file": str(tmp / "trainer.jsonl"),  # not the default runs/latest/
                 "publish": {"chunks": 4},
             },
         },
