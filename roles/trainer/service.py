@@ -33,13 +33,11 @@ from pydantic import BaseModel
 
 from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.rl import grpo_advantages, pack
-from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.service import Service, ServiceContext
-from laminar.trajectory import Trajectory
 from laminar.weights.publisher import WeightPublisher
 
+from .batches import BatchSource
 from .checkpoint import TrainingState, latest_checkpoint, load_state, save_checkpoint
 from .config import TrainerConfig
 from .dp import DataParallelGroup
@@ -70,12 +68,11 @@ class TrainerService(Service):
         self.state = TrainingState()
         self.publisher: WeightPublisher | None = None
         self.max_staleness = 0
-        self._scored = (0, 0.0)  # see _next_batch
         self.training = True
         self.resumed: tuple[str, int, int] | None = None
         self._evaluator: Any = None  # (task, records, tokenizer), loaded on first use
         self._last_eval = float("-inf")
-        self._data_address = self.config.data
+        self.source = BatchSource(ctx, self.log, self.config.data, self.config.sample_wait_s)
         registry = ctx.registry
         self.m_staleness = Histogram(
             "laminar_staleness",
@@ -151,51 +148,14 @@ class TrainerService(Service):
 
     # -- the loop ----------------------------------------------------------------------------
 
-    async def _data(self) -> DataApi:
-        if self._data_address is None:
-            self._data_address = await self.ctx.find("data")
-        return self.ctx.connect(DataApi, self._data_address)
-
-    async def _next_batch(self) -> tuple[list[Trajectory], int]:
-        """Exactly the next ``prompts x samples`` trajectories after the committed cursor.
-
-        Also keeps ``self._scored``: how many trajectories the data role scored meanwhile and
-        their reward sum (the policy's reward, whatever the buffer then trained or filtered)."""
-        c = self.config
-        items: list[Trajectory] = []
-        cursor = self.state.cursor
-        self._scored = (0, 0.0)
-        while len(items) < c.batch.rows:
-            try:
-                data = await self._data()
-                reply = await data.sample.options(timeout=c.sample_wait_s + 30).call(
-                    SampleRequest(
-                        n=c.batch.rows - len(items),
-                        trainer_version=self.state.version,
-                        wait_s=c.sample_wait_s,
-                        after=cursor,
-                        whole_groups=True,
-                    )
-                )
-            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
-                self.log.warning("data role unreachable; retrying", error=str(exc))
-                if c.data is None:
-                    self._data_address = None
-                await asyncio.sleep(1.0)
-                continue
-            items.extend(reply.items)
-            cursor = max(cursor, reply.cursor)
-            n, total = self._scored
-            self._scored = (n + reply.scored, total + reply.scored_reward_sum)
-        return items, cursor
-
     async def _train_loop(self) -> None:
         c = self.config
         assert self.group is not None
         if c.eval is not None and c.eval.at_start:
             await self._evaluate()
         while c.max_versions is None or self.state.version < c.max_versions:
-            batch, cursor = await self._next_batch()
+            got = await self.source.next(c.batch.rows, self.state.version, self.state.cursor)
+            batch, cursor = got.items, got.cursor
             started = time.perf_counter()
             staleness = [self.state.version - t.version for t in batch]
             for s in staleness:
@@ -229,8 +189,7 @@ class TrainerService(Service):
                 "train_s": time.perf_counter() - started,
                 "tokens": result.tokens,
                 "reward_mean": float(rewards.mean()),
-                # every trajectory scored while this batch was gathered (filtered ones too)
-                "reward_generated": self._scored[1] / self._scored[0] if self._scored[0] else None,
+                "reward_generated": got.reward_generated,  # filtered groups' rewards too
                 "staleness_mean": sum(staleness) / len(staleness),
                 "staleness_max": max(staleness),
                 "staleness_counts": {str(k): staleness.count(k) for k in sorted(set(staleness))},

@@ -30,13 +30,11 @@ from pydantic import BaseModel, Field
 from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint
 from laminar.engines.costmodel import TrainCostModel
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
-from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.schedules import may_publish
 from laminar.service import Service, ServiceContext
-from laminar.trajectory import Trajectory
 from laminar.weights.publisher import PublishConfig, WeightPublisher
 
+from .batches import BatchSource
 from .config import BatchConfig
 
 
@@ -80,7 +78,7 @@ class SimTrainerService(Service):
         self.records: list[dict[str, Any]] = []
         self.publisher: WeightPublisher | None = None
         self._tensors: list[tuple[str, Any]] = []
-        self._data_address = self.config.data
+        self.source = BatchSource(ctx, self.log, self.config.data, self.config.sample_wait_s)
 
     async def on_start(self) -> None:
         import torch  # the publisher lays out torch tensors
@@ -107,44 +105,14 @@ class SimTrainerService(Service):
 
     # -- the loop ----------------------------------------------------------------------------
 
-    async def _data(self) -> DataApi:
-        if self._data_address is None:
-            self._data_address = await self.ctx.find("data")
-        return self.ctx.connect(DataApi, self._data_address)
-
-    async def _next_batch(self) -> list[Trajectory]:
-        """Exactly the next ``batch.rows`` trajectories (whole groups) after the cursor."""
-        c = self.config
-        items: list[Trajectory] = []
-        while len(items) < c.batch.rows:
-            try:
-                data = await self._data()
-                reply = await data.sample.options(timeout=c.sample_wait_s + 30).call(
-                    SampleRequest(
-                        n=c.batch.rows - len(items),
-                        trainer_version=self.version,
-                        wait_s=c.sample_wait_s,
-                        after=self.cursor,
-                        whole_groups=True,
-                    )
-                )
-            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
-                self.log.warning("data role unreachable; retrying", error=str(exc))
-                if c.data is None:
-                    self._data_address = None
-                await self.ctx.clock.sleep(1.0)
-                continue
-            items.extend(reply.items)
-            self.cursor = max(self.cursor, reply.cursor)
-        return items
-
     async def _train_loop(self) -> None:
         c = self.config
         kind = self.ctx.cluster.schedule.kind
         clock = self.ctx.clock
         held: int | None = None  # a trained version the schedule does not let out yet
         while c.max_versions is None or self.version < c.max_versions:
-            batch = await self._next_batch()
+            got = await self.source.next(c.batch.rows, self.version, self.cursor)
+            batch, self.cursor = got.items, got.cursor
             sampled_at = clock.wall()
             self.batches += 1
             if held is not None and may_publish(kind, held, self.batches):

@@ -8,6 +8,7 @@ checkpoint with the same version and cursor, and no trajectory is trained twice 
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,12 @@ async def test_rollouts_follow_the_trainer(tmp_path: Path) -> None:
             await check_rollouts_follow(clients, status, tmp_path / "data.sqlite", 2)
         finally:
             await clients.close()
+    # the policy's reward reaches the records (a batch gathered from trajectories scored before
+    # the previous sample reply has none of its own)
+    lines = (tmp_path / "trainer.jsonl").read_text().splitlines()
+    generated = [json.loads(x).get("reward_generated", -1.0) for x in lines]
+    assert any(g is not None for g in generated), generated
+    assert all(g is None or 0.0 <= g <= 1.0 for g in generated), generated
 
 
 async def test_trainer_kill_9_resumes_from_its_checkpoint(tmp_path: Path) -> None:
