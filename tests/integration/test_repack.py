@@ -132,7 +132,9 @@ async def test_migrate_moves_in_flight_trajectories_unchanged(tmp_path):
 
         # a has a full batch in flight, with tokens generated; it takes no more from now on
         await until(lambda: _in_flight(a, at_least=8), timeout=30)
-        await asyncio.sleep(0.5)
+        # long enough for every sequence to have tokens (0.01 s steps, 0.1 s flushes), short
+        # enough that none finishes first: at 0.5 s a short one sometimes did, under load
+        await asyncio.sleep(0.2)
         await a.drain.call(DrainRequest(reason="test"))
         report = await a.migrate.call(
             MigrateRequest(
