@@ -40,7 +40,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/schedules.py --json runs/bench/schedules.json
 	$(PY) benchmarks/learning.py --json runs/bench/learning.json
 
-# The example task's data, a model, and its warm start.
+# The example task's data, a model, and its warm start. `laminar sft` exits non-zero (and writes
+# nothing to runs/models/arith-sft) when the warm start misses its accuracy target, so `make run`
+# stops there with its message instead of RL-training a broken start.
 runs/arith/train.jsonl: | $(STAMP)
 	$(PY) examples/arith/task.py generate --out runs/arith --train 20000 --test 500 --seed 0
 

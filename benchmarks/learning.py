@@ -1,21 +1,24 @@
-"""Does RL improve the warm-started model, and by how much within the run's budget?
+"""Does RL improve the warm-started model, and by how much within the run's budget, on any seed?
 
-One invocation:
+One invocation, for each seed in ``--seeds``:
 
-1. prepares the example task exactly as ``make run`` does (data, model init, the SFT warm start;
-   reused when they already exist under ``runs/``);
+1. prepares the example task as ``make run`` does, with that seed: the data (shared by all
+   seeds), ``laminar model init --seed S`` and the SFT warm start ``laminar sft --seed S``, cached
+   under ``runs/bench/learning/seed<S>/`` (a warm start that misses its target is reported, not
+   trained on);
 2. measures ``acc_before``: greedy accuracy of the warm start on ``--n`` held-out problems;
 3. runs the dev mode, ``laminar run examples/arith/config.yaml``, for ``--minutes`` (every role
-   on this machine: manager, data, relay, trainer, 2 vLLM rollouts), in a fresh run directory;
+   on this machine: manager, data, relay, trainer, 2 vLLM rollouts) on that warm start, with the
+   trainer's seed set to S, in a fresh run directory;
 4. measures ``acc_after``: the same held-out problems, greedy, with the last checkpoint the
    trainer wrote (it checkpoints every version before publishing it).
 
-The goal (issue 6): ``acc_after - acc_before >= 0.15`` within 15 minutes on a 2-core machine.
-Accuracy is measured outside the timed run, with the same code (``laminar eval``'s) for both
-models, so the difference is RL's alone. ``max_staleness`` is the largest trainer version minus
-generating version of any trajectory trained on.
+The goal (issue 14): the mean of ``acc_after - acc_before`` over the seeds is >= 0.15 within 15
+minutes on a 2-core machine. Accuracy is measured outside the timed run, with the same code
+(``laminar eval``'s) for both models, so the difference is RL's alone. ``max_staleness`` is the
+largest trainer version minus generating version of any trajectory trained on.
 
-    python benchmarks/learning.py --json runs/bench/learning.json
+    python benchmarks/learning.py --json runs/bench/learning.json --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,42 +40,41 @@ from laminar.recipe.evaluate import evaluate  # noqa: E402
 from laminar.recipe.tasks import load_task  # noqa: E402
 
 CONFIG = ROOT / "examples" / "arith" / "config.yaml"
+GOAL = 0.15
 
 
 def laminar(*args: str) -> list[str]:
     return [sys.executable, "-m", "laminar", *args]
 
 
-def prepare() -> Path:
-    """The example's data and warm start (the Makefile's ``run`` prerequisites)."""
-    subprocess.run(["make", "-s", "runs/arith/train.jsonl", "runs/models/arith-sft/config.json"],
-                   cwd=ROOT, check=True)  # fmt: skip
-    return ROOT / "runs" / "models" / "arith-sft"
+def warm_start(seed: int) -> tuple[Path, dict[str, Any]]:
+    """The data (the Makefile's rule) and this seed's initial model and SFT warm start."""
+    subprocess.run(["make", "-s", "runs/arith/train.jsonl"], cwd=ROOT, check=True)
+    base = ROOT / "runs" / "bench" / "learning" / f"seed{seed}"
+    init, sft = base / "init", base / "sft"
+    if not (init / "config.json").is_file():
+        subprocess.run(laminar("model", "init", "--task", "examples/arith", "--out", str(init),
+                               "--seed", str(seed)), cwd=ROOT, check=True)  # fmt: skip
+    if not (sft / "config.json").is_file():
+        started = time.monotonic()
+        sft_cmd = laminar("sft", "--task", "examples/arith", "--model", str(init),
+                          "--out", str(sft), "--seed", str(seed))  # fmt: skip
+        done = subprocess.run(sft_cmd, cwd=ROOT)
+        if done.returncode != 0:
+            raise SystemExit(f"seed {seed}: the SFT warm start missed its target (see above)")
+        print(f"seed {seed}: warm start in {time.monotonic() - started:.0f} s")
+    return sft, json.loads((sft / "sft.json").read_text())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--minutes",
-        type=float,
-        default=14.5,
-        help="the RL run's budget (run.duration_s); start-up and shutdown come on top, and "
-        "`minutes` in the JSON is the whole run's wall time",
-    )
-    ap.add_argument("--n", type=int, default=500, help="held-out problems (the test split)")
-    ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--set", action="append", default=[], help="config overrides for the run")
-    args = ap.parse_args()
-
-    sft = prepare()
+def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     task = load_task(str(ROOT / "examples" / "arith"))
+    sft, sft_summary = warm_start(seed)
     before = evaluate(task, sft, n=args.n)
-    print(
-        f"acc_before {before.accuracy:.3f} ({before.n} held-out problems, {before.seconds:.0f} s)"
-    )
-
+    print(f"seed {seed}: acc_before {before.accuracy:.3f} ({before.n} held-out problems)")
     cmd = laminar("run", str(CONFIG), "--duration", str(60 * args.minutes),
-                  "--set", "run.display=lines", "--set", "run.progress_interval_s=30")  # fmt: skip
+                  "--set", "run.display=lines", "--set", "run.progress_interval_s=30",
+                  "--set", f"trainer.model={sft}", "--set", f"rollout.engine.model={sft}",
+                  "--set", f"data.tokenizer={sft}", "--set", f"trainer.seed={seed}")  # fmt: skip
     for item in args.set:
         cmd += ["--set", item]
     started = time.monotonic()
@@ -84,16 +88,16 @@ def main() -> None:
     versions = [r for r in records if not r.get("eval")]
     after = evaluate(task, final, n=args.n)
     result = {
+        "seed": seed,
         "acc_before": before.accuracy,
         "acc_after": after.accuracy,
         "gain": round(after.accuracy - before.accuracy, 3),
-        "goal_gain": 0.15,
         "minutes": round(minutes, 2),
-        "budget_minutes": args.minutes,
+        "sft_steps": sft_summary["steps"],
+        "sft_seconds": sft_summary["seconds"],
         "max_staleness": max((int(v["staleness_max"]) for v in versions), default=0),
         "versions": len(versions),
         "trained_tokens": sum(int(v["tokens"]) for v in versions),
-        "n_heldout": after.n,
         "buckets_before": before.buckets,
         "buckets_after": after.buckets,
         "checkpoint": str(final),
@@ -105,9 +109,54 @@ def main() -> None:
         ],
     }
     print(
-        f"acc_before {result['acc_before']:.3f}  acc_after {result['acc_after']:.3f}  "
-        f"gain {result['gain']:+.3f} (goal +0.15)  in {minutes:.1f} min  "
+        f"seed {seed}: acc_before {result['acc_before']:.3f}  acc_after "
+        f"{result['acc_after']:.3f}  gain {result['gain']:+.3f}  in {minutes:.1f} min  "
         f"versions {len(versions)}  max_staleness {result['max_staleness']}"
+    )
+    return result
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+        "stdev": round(statistics.stdev(values), 3) if len(values) > 1 else 0.0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run each")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=14.5,
+        help="each RL run's budget (run.duration_s); start-up and shutdown come on top, and "
+        "`minutes` in the JSON is the mean whole run's wall time",
+    )
+    ap.add_argument("--n", type=int, default=500, help="held-out problems (the test split)")
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--set", action="append", default=[], help="config overrides for the runs")
+    args = ap.parse_args()
+
+    per_seed = [one_seed(seed, args) for seed in args.seeds]
+    gains = [r["gain"] for r in per_seed]
+    result = {
+        "acc_before": round(statistics.mean(r["acc_before"] for r in per_seed), 3),
+        "acc_after": round(statistics.mean(r["acc_after"] for r in per_seed), 3),
+        "gain": round(statistics.mean(gains), 3),
+        "gain_spread": spread(gains),
+        "goal_gain": GOAL,
+        "minutes": round(statistics.mean(r["minutes"] for r in per_seed), 2),
+        "budget_minutes": args.minutes,
+        "n_heldout": args.n,
+        "seeds": args.seeds,
+        "per_seed": per_seed,
+    }
+    print(
+        f"mean over seeds {args.seeds}: acc_before {result['acc_before']:.3f}  acc_after "
+        f"{result['acc_after']:.3f}  gain {result['gain']:+.3f} (goal +{GOAL}; per seed "
+        f"{', '.join(f'{g:+.3f}' for g in gains)})  {result['minutes']:.1f} min per run"
     )
     if args.json:
         out = Path(args.json)

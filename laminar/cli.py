@@ -1,5 +1,6 @@
-"""The ``laminar`` command: ``serve`` one role, ``run`` a config on this machine, ``status``,
-``repack`` (through the manager's admin HTTP API), ``plot`` a run directory."""
+"""The ``laminar`` command: ``serve`` one role, ``run`` a config on this machine (after the
+``doctor`` preflight), ``status``, ``repack`` (through the manager's admin HTTP API), ``plot`` a
+run directory."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from .errors import LaminarError
 
 if TYPE_CHECKING:
     from .status import AdminClient
+
+#: what `laminar doctor` checks when no config is given (and it exists)
+DEFAULT_EXAMPLE = "examples/arith/config.yaml"
 
 
 def _loop_runner(coro: object) -> int:
@@ -83,8 +87,57 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.duration is not None:
         overrides.append(f"run.duration_s={args.duration}")
     config = load_config(args.config, overrides)
+    if not args.skip_doctor and not _preflight(config):
+        return 1
     resume = args.resume if args.resume is not None else False
     return _loop_runner(Supervisor(config, list(args.set), _console(), resume=resume).run())
+
+
+def _preflight(config: LaminarConfig) -> bool:
+    """``laminar doctor`` before a run: print its problems; False (refuse) on a blocker."""
+    from .doctor import blockers, doctor
+
+    findings = doctor(config, "run", preflight=True)
+    console = _console()
+    for finding in findings:
+        if finding.severity != "ok":
+            style = "bold red" if finding.severity == "blocker" else "yellow"
+            console.print(f"doctor | {finding.line()}", style=style, markup=False)
+    stopped = blockers(findings)
+    if stopped:
+        names = ", ".join(dict.fromkeys(f.name for f in stopped))
+        print(
+            f"laminar run: refusing to start: {len(stopped)} blocker(s) ({names}); fix them, "
+            "see `laminar doctor`, or pass --skip-doctor to start anyway",
+            file=sys.stderr,
+        )
+    return not stopped
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import blockers, doctor, findings_json, summary
+
+    path = args.config
+    if path is None and Path(DEFAULT_EXAMPLE).is_file():
+        path = DEFAULT_EXAMPLE
+    machine_only = path is None and not args.set and not args.serve
+    config = None if machine_only else load_config(path, args.set)
+    mode = "serve" if args.serve else "run"
+    findings = doctor(config, mode, args.serve)
+    if args.json:
+        print(json.dumps({"config": path, "mode": mode, **findings_json(findings, mode)}, indent=2))
+        return 1 if blockers(findings) else 0
+    console = _console()
+    purpose = f"laminar serve --role {', '.join(args.serve)}" if args.serve else "laminar run"
+    what = f"{path or 'default config'} (for {purpose})"
+    if machine_only:
+        what = "this machine only (no config)"
+    console.print(f"laminar doctor: {what}", style="bold", markup=False)
+    styles = {"blocker": "bold red", "warning": "yellow", "ok": "green"}
+    for finding in findings:
+        console.print(finding.line(), style=styles[finding.severity], markup=False)
+    console.print(summary(findings, mode), style="bold", markup=False)
+    return 1 if blockers(findings) else 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -248,8 +301,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue the run run.run_dir links to (or RUN_DIR): checkpoints, data, metrics",
     )
+    run.add_argument(
+        "--skip-doctor",
+        action="store_true",
+        help="start even when `laminar doctor` finds a blocker (it is not run at all)",
+    )
     common(run)
     run.set_defaults(fn=cmd_run)
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine against what a config needs; exit 1 on a blocker",
+    )
+    doctor.add_argument(
+        "config",
+        nargs="?",
+        help=f"cluster config (YAML); default: {DEFAULT_EXAMPLE} if it exists, else only the "
+        "machine",
+    )
+    doctor.add_argument(
+        "--serve",
+        action="append",
+        default=[],
+        metavar="ROLE",
+        help="check for `laminar serve --role ROLE` on this machine instead of `laminar run` "
+        "(repeatable; the cluster token must then be set)",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
+    common(doctor)
+    doctor.set_defaults(fn=cmd_doctor)
 
     plot = sub.add_parser("plot", help="draw a run directory's plots (PNG, in RUN_DIR/plots)")
     plot.add_argument("run_dir", nargs="?", default="runs/latest", help="default: runs/latest")

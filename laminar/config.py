@@ -133,7 +133,9 @@ class RunConfig(Strict):
         "runs/latest", description="Where the run writes cluster.json, the token file and logs."
     )
     shutdown_grace_s: PositiveFloat = Field(
-        10.0, description="Seconds between SIGTERM and SIGKILL for each child at shutdown."
+        10.0,
+        description="Seconds between SIGTERM and SIGKILL for a child's processes: at shutdown, "
+        "and for what a child that exited left behind (e.g. a killed rollout's vLLM engine).",
     )
     view_interval_s: PositiveFloat = Field(
         1.0, description="Seconds between refreshes of the live progress display."

@@ -4,6 +4,13 @@ For programs that need a real multi-process cluster without the dev-mode supervi
 integration tests, benchmarks. Each child is ``python -m laminar serve --role R ...``; its
 ``LAMINAR_READY`` line gives the address; everything else it prints goes to ``<log_dir>/<name>.log``
 (a thread drains stdout after the ready line, so a chatty child never blocks on a full pipe).
+
+Each child runs in its own session (so its process group, and everything it starts, can be told
+apart from the caller's), and a role's processes end with it: :meth:`ProcessCluster.shutdown`
+stops each role, then whatever its session still holds (SIGTERM, SIGKILL after the grace), killed
+roles' sessions included. :meth:`ProcessCluster.kill9` kills only the role's own process, the way
+a crash does, so tests can watch what happens to the rest (a vLLM engine kills itself, see
+:mod:`laminar.engines.vllm_worker`). The session helpers below serve ``laminar run`` too.
 """
 
 from __future__ import annotations
@@ -16,12 +23,15 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from .errors import LaminarError
 from .service import READY_PREFIX
+
+MARK_ENV = "LAMINAR_LAUNCH"
 
 
 class ProcessCluster:
@@ -36,9 +46,14 @@ class ProcessCluster:
         self.config = Path(config)
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # Marks every process this cluster starts (inherited by what they start): a session id
+        # swept at shutdown may have been recycled by then (pid_max can be as low as 32768).
+        token = uuid.uuid4().hex
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), MARK_ENV: token}
+        self.mark = f"{MARK_ENV}={token}"
         self.cwd = cwd
         self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.sessions: set[int] = set()  # of every role started, killed ones too, until emptied
         self.info: dict[str, dict[str, Any]] = {}
         self.manager: str | None = None
 
@@ -64,9 +79,16 @@ class ProcessCluster:
             cmd += ["--join", self.manager]
         log = (self.log_dir / f"{name}.log").open("a")
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=self.env, cwd=self.cwd
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,  # its session id is its pid: see ``session_members``
         )
         self.procs[name] = proc
+        self.sessions.add(proc.pid)
         info = self._wait_ready(name, proc, log, timeout)
         self.info[name] = info
         if role == "manager":
@@ -87,15 +109,22 @@ class ProcessCluster:
             return info
         proc.kill()
         proc.wait(timeout=10)
+        # A grace period even here: a tracker of shared memory (multiprocessing's resource
+        # tracker ignores SIGTERM) unlinks it once its clients are gone, unless killed with them.
+        end_session(proc.pid, grace=5.0, mark=self.mark)
+        self.sessions.discard(proc.pid)
         raise LaminarError(f"{name} never became ready; its log ends:\n{self.log_tail(name)}")
 
     def kill9(self, name: str) -> None:
+        """SIGKILL the role's own process, as a crash would; what it started is left to itself
+        (and to :meth:`shutdown`)."""
         proc = self.procs.pop(name)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
 
     def shutdown(self, grace: float = 20.0) -> None:
-        """SIGTERM the members, then the manager; SIGKILL whatever outlives ``grace``."""
+        """SIGTERM the members, then the manager; SIGKILL whatever outlives ``grace``. Then the
+        same for anything left in the sessions of every role started (killed ones too)."""
         members = [p for name, p in self.procs.items() if name != "manager"]
         manager = [p for name, p in self.procs.items() if name == "manager"]
         for group in (members, manager):
@@ -109,6 +138,9 @@ class ProcessCluster:
                     proc.kill()
                     proc.wait(timeout=10)
         self.procs.clear()
+        for sid in sorted(self.sessions):
+            end_session(sid, grace, mark=self.mark)
+        self.sessions.clear()
 
     def log_tail(self, name: str, chars: int = 4000) -> str:
         path = self.log_dir / f"{name}.log"
@@ -148,3 +180,82 @@ def _drain(src: IO[str], dst: IO[str]) -> None:
     for line in src:
         dst.write(line)
         dst.flush()
+
+
+# -- sessions: a role and everything it started ---------------------------------------------------
+
+
+def proc_stat(pid: int) -> tuple[str, int, int, int] | None:
+    """``(state, ppid, process group, session)`` of ``pid`` from ``/proc``; None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+
+
+def _marked(pid: int, mark: str | None) -> bool:
+    if mark is None:
+        return True
+    try:
+        return mark.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def session_members(sid: int, mark: str | None = None) -> list[int]:
+    """The live processes (zombies excluded) of session ``sid``; with ``mark`` (``NAME=value``),
+    only those started with it in their environment.
+
+    A child started with ``start_new_session`` leads a session whose id is its pid; everything
+    it starts stays in that session unless it calls ``setsid`` itself (vLLM does not), whoever
+    its parent becomes. The id is not recycled while any process of the session remains; once it
+    is empty, it may be (which is what ``mark`` guards against)."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            stat = proc_stat(int(entry.name))
+            if stat is not None and stat[3] == sid and stat[0] != "Z":
+                if _marked(int(entry.name), mark):
+                    out.append(int(entry.name))
+    return out
+
+
+def signal_session(sid: int, sig: int, mark: str | None = None) -> list[int]:
+    """Send ``sig`` to every live process of session ``sid`` (its process group, and any group
+    made inside it; with ``mark``, only those carrying it); the pids signalled. Each is signalled
+    through a pidfd after its session is read again, so a pid recycled in between is never hit.
+    (Not ``killpg``: once the session is empty its id may name someone else's group.)"""
+    sent = []
+    for pid in session_members(sid, mark):
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            stat = proc_stat(pid)
+            if stat is not None and stat[3] == sid and stat[0] != "Z" and _marked(pid, mark):
+                signal.pidfd_send_signal(fd, sig)
+                sent.append(pid)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(fd)
+    return sent
+
+
+def end_session(sid: int, grace: float, mark: str | None = None) -> list[int]:
+    """Stop what is left of session ``sid`` (with ``mark``: of its processes carrying it):
+    SIGTERM, then SIGKILL to whatever outlives ``grace``; waits (up to 10 s more) until none is
+    left. Returns the pids that were left."""
+    left = signal_session(sid, signal.SIGTERM, mark)
+    if not left:
+        return []
+    deadline = time.monotonic() + grace
+    while session_members(sid, mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    deadline = time.monotonic() + 10.0
+    while signal_session(sid, signal.SIGKILL, mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left

@@ -143,14 +143,24 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _alive(r: dict[str, Any]) -> bool:
+    return r.get("state", "alive") == "alive"
+
+
+def member_phase(name: str, r: dict[str, Any]) -> str:
+    """``rollout-0:running@v3`` for a live rollout; a dead (or departed) one shows its state
+    only: its last heartbeat's phase and version are no longer true."""
+    if not _alive(r):
+        return f"{name}:{r.get('state', '?')}"
+    return f"{name}:{r['phase']}@v{r['version']}"
+
+
 def progress_line(p: Progress) -> str:
     """One line for logs and pipes."""
     acc = _fmt(p.accuracy, ".3f")
     if p.accuracy is not None and p.accuracy_start is not None:
         acc += f" ({p.accuracy - p.accuracy_start:+.3f})"
-    phases = " ".join(
-        f"{name}:{r['phase']}@v{r['version']}" for name, r in sorted(p.rollouts.items())
-    )
+    phases = " ".join(member_phase(name, r) for name, r in sorted(p.rollouts.items()))
     worst = p.staleness_max if p.staleness_max is not None else "-"
     return (
         f"[{p.elapsed_s:6.0f}s] version {p.version if p.version is not None else '-'}  "
@@ -182,10 +192,12 @@ def render_progress(p: Progress, title: str = "laminar run") -> Group:
     for col in ("rollout", "state", "version", "KV", "run/wait/flight", "gen tok/s"):
         table.add_column(col)
     for name, r in sorted(p.rollouts.items()):
-        phase = r["phase"] if r.get("state", "alive") == "alive" else r.get("state", "?")
+        if not _alive(r):  # its last heartbeat's numbers are no longer true
+            table.add_row(name, Text(r.get("state", "?"), style="red"), "-", "-", "-", "-")
+            continue
         table.add_row(
             name,
-            Text(phase, style=PHASE_STYLE.get(phase, "red")),
+            Text(r["phase"], style=PHASE_STYLE.get(r["phase"], "red")),
             str(r["version"]),
             f"{100 * r['kv']:.1f}%",
             f"{r['running']}/{r['waiting']}/{r['in_flight']}",

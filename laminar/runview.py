@@ -10,6 +10,12 @@ manager for the membership view (heartbeat stats of every member), appends one s
   membership table whenever it changes and any child line that reports an error;
 * ``logs``: every child line as well (what ``laminar run`` printed before it had a display).
 
+Each sample also goes to the run's tracker (:mod:`laminar.tracking`) as the TensorBoard run
+``cluster`` beside the trainer's (and a W&B run when configured): generated and trained tokens/s,
+rollouts by phase, KV-cache use and queue lengths, per rollout as well (:func:`cluster_scalars`).
+Step = whole seconds since the run first started (its first ``cluster.jsonl`` sample), so a run
+continued with ``--resume`` extends its curves instead of drawing over them.
+
 Failures to reach the manager or its admin API are skipped, not fatal: the run's own processes
 matter more than its dashboard.
 """
@@ -25,10 +31,66 @@ from typing import Any
 
 from rich.console import Console
 from rich.live import Live
+from rich.text import Text
 
 from .errors import LaminarError
-from .progress import TrainerLog, cluster_sample, progress_line, render_progress, summarize
+from .progress import (
+    Progress,
+    TrainerLog,
+    cluster_sample,
+    progress_line,
+    render_progress,
+    summarize,
+)
 from .status import AdminClient, fetch_status, render_status
+from .tracking import NullTracker, ThreadedTracker, TrackingPlan, open_tracker
+
+PHASES = ("running", "switching", "draining")
+
+
+def cluster_scalars(p: Progress) -> dict[str, float]:
+    """The tracker's view of one sample: totals under ``cluster/``, each rollout's own numbers
+    under ``rollout/<name>/``. Rollouts that are not alive count only in ``rollouts_down``."""
+    out: dict[str, float] = {}
+    alive = {n: r for n, r in p.rollouts.items() if r.get("state", "alive") == "alive"}
+    out["cluster/generated_tokens_per_s"] = sum(p.rollout_tokens_per_s.values())
+    if p.trained_tokens_per_s is not None:
+        out["cluster/trained_tokens_per_s"] = p.trained_tokens_per_s
+    if p.version is not None:
+        out["cluster/trainer_version"] = p.version
+    for phase in PHASES:
+        out[f"cluster/rollouts_{phase}"] = sum(r["phase"] == phase for r in alive.values())
+    out["cluster/rollouts_down"] = len(p.rollouts) - len(alive)
+    if alive:
+        kv = [r["kv"] for r in alive.values()]
+        out["cluster/kv_use_mean"] = sum(kv) / len(kv)
+        out["cluster/kv_use_max"] = max(kv)
+    for key in ("running", "waiting", "in_flight"):
+        out[f"cluster/sequences_{key}"] = sum(r[key] for r in alive.values())
+    for name, r in alive.items():
+        out[f"rollout/{name}/generated_tokens_per_s"] = p.rollout_tokens_per_s.get(name, 0.0)
+        out[f"rollout/{name}/kv_use"] = r["kv"]
+        out[f"rollout/{name}/version"] = r["version"]
+    return out
+
+
+class _ConsoleLog:
+    """What the tracker has to say (backends started or failed), on the supervisor's console."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def _say(self, event: str, style: str, **kw: object) -> None:
+        extra = "".join(f" {k}={v}" for k, v in kw.items() if v is not None)
+        self.console.print(
+            Text("supervisor | ", style="bold white") + Text(f"{event}{extra}", style=style)
+        )
+
+    def info(self, event: str, **kw: object) -> None:
+        self._say(event, "dim", **kw)
+
+    def warning(self, event: str, **kw: object) -> None:
+        self._say(event, "bold yellow", **kw)
 
 
 class RunView:
@@ -42,6 +104,7 @@ class RunView:
         interval_s: float,
         progress_interval_s: float,
         title: str,
+        tracking: TrackingPlan | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.console = console
@@ -58,6 +121,9 @@ class RunView:
         self._last_line = 0.0
         self._last_shape: Any = None
         self.status: Any = None
+        self.tracking = tracking
+        self.tracker: ThreadedTracker | NullTracker = NullTracker()
+        self._origin: float | None = None  # step 0 of the tracker's cluster scalars
 
     # -- the loop --
 
@@ -70,6 +136,8 @@ class RunView:
         deadline: float | None,
     ) -> None:
         loop = asyncio.get_running_loop()
+        if self.tracking is not None:
+            self.tracker = open_tracker(self.tracking, "cluster", _ConsoleLog(self.console))
         if self.mode == "live":
             self.live = Live(console=self.console, refresh_per_second=2, transient=False)
             self.live.start()
@@ -84,6 +152,7 @@ class RunView:
             if self.live is not None:
                 self.live.stop()
                 self.live = None
+            await asyncio.to_thread(self.tracker.close)
 
     async def _tick(self, manager: str, token: bytes, cluster: Any) -> None:
         with contextlib.suppress(LaminarError, OSError):
@@ -91,6 +160,8 @@ class RunView:
         if self.status is not None:
             sample = cluster_sample(self.status.members)
             self.samples.append(sample)
+            if self._origin is None:
+                self._origin = self._first_sample_time() or sample["time"]
             self._append("cluster.jsonl", [sample])
             if self.admin is None:
                 url = next(
@@ -109,7 +180,17 @@ class RunView:
                     self._append("events.jsonl", events)
         if self.trainer is not None:
             self.trainer.poll()
+        if self.status is not None and self._origin is not None:
+            step = round(self.samples[-1]["time"] - self._origin)
+            self.tracker.log(step, cluster_scalars(self.progress()))
         self._show()
+
+    def _first_sample_time(self) -> float | None:
+        """The time of a resumed run's first sample, if it has one."""
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            with (self.run_dir / "cluster.jsonl").open() as f:
+                return float(json.loads(f.readline())["time"])
+        return None
 
     def _append(self, name: str, rows: list[dict[str, Any]]) -> None:
         with (self.run_dir / name).open("a") as f:

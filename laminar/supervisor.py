@@ -1,12 +1,27 @@
 """``laminar run``: every role of a config as a supervised process on this machine (dev mode).
 
 The manager starts first; its ``LAMINAR_READY`` line gives the address every other role joins.
-Each child's output is prefixed with its instance name in a stable colour. A child that exits is
-reported and, by its role's ``restart`` policy, started again (the manager keeps its port across
-restarts so members find it again). Ctrl-C or SIGTERM stops everything: SIGTERM to each child, and
-SIGKILL after ``run.shutdown_grace_s``. Children run in their own session (so a terminal's Ctrl-C
-reaches only the supervisor, which shuts them down in order) and die with the supervisor if it is
-killed (``PR_SET_PDEATHSIG``).
+Each child's output is prefixed with its instance name in a stable colour.
+
+A role's processes live and die together. Each child runs in its own session (so a terminal's
+Ctrl-C reaches only the supervisor, which shuts them down in order), and whatever it starts (a
+rollout's vLLM engine core and workers) stays in that session. The supervisor notices a child's
+exit on a pidfd of the child, not by its output closing: processes the child started inherit its
+stdout and stderr, so after a kill -9 the pipes stay open as long as they live. Then it ends the
+child's session: SIGTERM to what is left, SIGKILL after ``run.shutdown_grace_s``, and says so
+(:mod:`laminar.launch` has the session helpers, and the same policy for tests and benchmarks).
+The child is reported and, by its role's ``restart`` policy, started again (``on-failure``: any
+non-zero exit or a signal, kill -9 included; ``max_restarts`` times, with a growing pause; the
+manager keeps its port across restarts so members find it again).
+
+Ctrl-C or SIGTERM stops everything: SIGTERM to each child's own process (members first, the
+manager last), its session ended as above once it exits, and SIGKILL to the whole session of any
+child still there after ``run.shutdown_grace_s``; last, any session not yet seen empty is killed,
+so no process of the run outlives it. Only processes started with the run's ``LAMINAR_LAUNCH``
+value in their environment are signalled, so a recycled session id never hits someone else's.
+Children die with the supervisor if it is killed (``PR_SET_PDEATHSIG``: SIGTERM, and each then
+stops what it started; a vLLM engine also kills itself when its rollout is gone, see
+:mod:`laminar.engines.vllm_worker`).
 
 Each run gets its own directory (:mod:`laminar.rundir`; ``--resume`` continues one), every
 child's output is kept in ``<run_dir>/logs/<name>.log``, the cores are divided between the
@@ -23,6 +38,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,10 +49,12 @@ from rich.text import Text
 from .config import LaminarConfig, RoleSpec, new_token
 from .cpus import CpuSlot, available_cores, plan_cpus
 from .errors import ConfigError
+from .launch import MARK_ENV, session_members, signal_session
 from .roles_registry import load_role
 from .rundir import prepare_run_dir
 from .runview import RunView
 from .service import READY_PREFIX
+from .tracking import TrackingPlan, plan_for_run
 
 # A child line worth showing even when children's output goes only to their log files.
 ALARMS = ("Traceback", "[error", "[critical", "Error:", "error:")
@@ -69,6 +87,15 @@ class Child:
     pinned_bind: str | None = None
     cpu: CpuSlot | None = None
     log: Any = None  # the open log file
+    pidfd: int | None = None  # of the current process, until its exit is seen
+    # Set once the child's own process has exited, and once its session is empty as well.
+    exited: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
+    ended: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
+
+
+def _set(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -84,6 +111,40 @@ def _child_setup(cpus: tuple[int, ...]) -> Any:
                 os.sched_setaffinity(0, cpus)
 
     return setup
+
+
+async def _readable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _until(check: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``check`` until it holds or ``timeout`` passes (``/proc`` has no events to wait on;
+    a scan takes a few milliseconds)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def _processes(pids: list[int]) -> str:
+    return f"{len(pids)} process{'es' if len(pids) != 1 else ''} (pid {', '.join(map(str, pids))})"
+
+
+def _describe(code: int) -> str:
+    if code >= 0:
+        return f"code {code}"
+    with contextlib.suppress(ValueError):
+        return f"signal {-code} ({signal.Signals(-code).name})"
+    return f"signal {-code}"
 
 
 def _flatten(prefix: str, value: Any) -> list[str]:
@@ -111,6 +172,8 @@ class Supervisor:
         self.children: list[Child] = []
         self.stopping = asyncio.Event()
         self.exit_code = 0
+        # Session ids (a child's pid) not yet seen empty: swept before the supervisor returns.
+        self.sessions: set[int] = set()
         self.manager_address: str | None = None
         self.run_dir = Path(config.run.run_dir)
         self.resume = resume
@@ -134,6 +197,10 @@ class Supervisor:
         if not self.env.get(token_env):
             self.env[token_env] = new_token()
         self.env["PYTHONUNBUFFERED"] = "1"
+        # Marks every process of this run, whoever its parent becomes: only those are signalled
+        # by session (a session id can be recycled once the session is empty).
+        self.env[MARK_ENV] = new_token()
+        self.mark = f"{MARK_ENV}={self.env[MARK_ENV]}"
         if config.run.cpus == "auto":
             plan = plan_cpus(available_cores(), [(c.name, c.section) for c in self.children])
             for child in self.children:
@@ -195,9 +262,62 @@ class Supervisor:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,
-            start_new_session=True,
+            start_new_session=True,  # the session id is its pid
             preexec_fn=_child_setup(child.cpu.cpus if child.cpu else ()),
         )
+        child.exited.clear()
+        child.ended.clear()
+        self.sessions.add(child.process.pid)
+        try:
+            # Unless the event loop has reaped it already (then its returncode is set), the pid
+            # still names this very process: we are its parent.
+            child.pidfd = os.pidfd_open(child.process.pid)
+        except ProcessLookupError:
+            child.pidfd = None
+        if child.pidfd is not None and child.process.returncode is not None:
+            os.close(child.pidfd)
+            child.pidfd = None
+
+    async def _exit_code(self, child: Child) -> int | None:
+        """Wait for the child's process to exit; its exit status (negative: the signal), or None
+        if the event loop reaped it before we could read it."""
+        proc = child.process
+        assert proc is not None
+        if child.pidfd is None:
+            return proc.returncode
+        try:
+            await _readable(child.pidfd)  # readable once it has exited, whatever holds its pipes
+            # It has exited, so this does not block (WNOHANG all the same); WNOWAIT leaves the
+            # reaping to the event loop's child watcher, which owns it.
+            flags = os.WEXITED | os.WNOWAIT | os.WNOHANG
+            try:
+                info = os.waitid(os.P_PIDFD, child.pidfd, flags)  # noqa: ASYNC222
+            except ChildProcessError:
+                info = None
+        finally:
+            os.close(child.pidfd)
+            child.pidfd = None
+        if info is None or info.si_pid == 0:
+            return proc.returncode
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+    async def _end_session(self, child: Child, sid: int) -> None:
+        """Stop what the child left in its session: SIGTERM, SIGKILL after the grace period."""
+        grace = self.config.run.shutdown_grace_s
+        # A moment for what ends by itself once its parent is gone (multiprocessing's resource
+        # tracker, a vLLM engine watching its rollout): only the rest is worth a word.
+        await _until(lambda: not session_members(sid, self.mark), 1.0)
+        left = signal_session(sid, signal.SIGTERM, self.mark)
+        if left:
+            await _until(lambda: not session_members(sid, self.mark), grace)
+            killed = signal_session(sid, signal.SIGKILL, self.mark)
+            await _until(lambda: not signal_session(sid, signal.SIGKILL, self.mark), 10.0)
+            how = f"{len(killed)} needed SIGKILL after {grace:g} s" if killed else "SIGTERM"
+            them = "it" if len(left) == 1 else "them"
+            message = f"{child.name} left {_processes(left)} behind; stopped {them} ({how})"
+            self.say(message, "yellow")
+        if not session_members(sid, self.mark):
+            self.sessions.discard(sid)
 
     async def _pump(self, child: Child, stream: asyncio.StreamReader) -> None:
         while line := await stream.readline():
@@ -210,36 +330,62 @@ class Supervisor:
             self._echo(child, text)
 
     async def _watch(self, child: Child) -> None:
-        """Own one child for the whole run: start, relay output, restart per policy."""
+        """Own one child for the whole run: start, relay output, end its session when it exits,
+        restart it per policy."""
         while True:
             await self._start(child)
             proc = child.process
             assert proc is not None and proc.stdout is not None and proc.stderr is not None
             pumps = [asyncio.create_task(self._pump(child, s)) for s in (proc.stdout, proc.stderr)]
-            code = await proc.wait()
-            await asyncio.gather(*pumps, return_exceptions=True)
+            restart: bool | None = None  # decided (and said) as soon as the exit status is known
+            try:
+                code = await self._exit_code(child)
+                child.exited.set()
+                if code is not None and not self.stopping.is_set():
+                    restart = self._decide(child, code)
+                await self._end_session(child, proc.pid)
+                # The session is gone, so are the pipes' writers (bar one that left the session)
+                await asyncio.wait(pumps, timeout=2.0)
+                if code is None:  # reaped by the event loop first: it has the status
+                    with contextlib.suppress(TimeoutError):
+                        code = await asyncio.wait_for(proc.wait(), 5.0)
+            finally:
+                for pump in pumps:
+                    pump.cancel()
+                child.exited.set()
+                child.ended.set()
             if self.stopping.is_set():
                 return
-            how = f"signal {-code}" if code < 0 else f"code {code}"
-            policy = child.spec.restart
-            wanted = policy == "always" or (policy == "on-failure" and code != 0)
-            if not wanted or child.restarts >= child.spec.max_restarts:
-                self.say(
-                    f"{child.name} exited with {how}; not restarting "
-                    f"(policy {policy}, {child.restarts} restarts)",
-                    "bold red",
-                )
+            if restart is None:
+                restart = self._decide(child, -1 if code is None else code)
+            if not restart:
                 if child.role == "manager":
                     self.exit_code = 1
                     self.stopping.set()
                 return
-            child.restarts += 1
-            self.say(
-                f"{child.name} exited with {how}; restarting "
-                f"({child.restarts}/{child.spec.max_restarts})",
-                "bold yellow",
-            )
             await asyncio.sleep(min(0.5 * 2 ** (child.restarts - 1), 5.0))
+            if self.stopping.is_set():
+                return
+
+    def _decide(self, child: Child, code: int) -> bool:
+        """Whether the child is started again, by its restart policy; says which."""
+        how = _describe(code)
+        policy = child.spec.restart
+        wanted = policy == "always" or (policy == "on-failure" and code != 0)
+        if not wanted or child.restarts >= child.spec.max_restarts:
+            self.say(
+                f"{child.name} exited with {how}; not restarting "
+                f"(policy {policy}, {child.restarts} restarts)",
+                "bold red",
+            )
+            return False
+        child.restarts += 1
+        self.say(
+            f"{child.name} exited with {how}; restarting "
+            f"({child.restarts}/{child.spec.max_restarts})",
+            "bold yellow",
+        )
+        return True
 
     async def _stop_all(self) -> None:
         # Members first, so they leave the manager cleanly; the manager last.
@@ -247,23 +393,41 @@ class Supervisor:
         await self._stop([c for c in self.children if c.role == "manager"])
 
     async def _stop(self, children: list[Child]) -> None:
+        """SIGTERM each child's own process (it stops what it started); its watcher sees it exit
+        and ends its session. A child not gone after the grace period: SIGKILL to its session."""
         grace = self.config.run.shutdown_grace_s
-        live = [c.process for c in children if c.process and c.process.returncode is None]
-        for proc in live:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+        live = [c for c in children if c.process is not None and not c.ended.is_set()]
+        for child in live:
+            assert child.process is not None
+            if not child.exited.is_set():
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.send_signal(signal.SIGTERM)
         try:
             async with asyncio.timeout(grace):
-                await asyncio.gather(*(p.wait() for p in live))
+                await asyncio.gather(*(c.exited.wait() for c in live))
         except TimeoutError:
-            for proc in live:
-                if proc.returncode is None:
+            for child in live:
+                if not child.exited.is_set():
+                    assert child.process is not None
                     self.say(
-                        f"pid {proc.pid} ignored SIGTERM for {grace:g} s; killing it", "bold red"
+                        f"{child.name} (pid {child.process.pid}) did not stop {grace:g} s after "
+                        "SIGTERM; killing its processes",
+                        "bold red",
                     )
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-            await asyncio.gather(*(p.wait() for p in live))
+                    signal_session(child.process.pid, signal.SIGKILL, self.mark)
+        # Their watchers end what their sessions still hold (with a grace period of its own).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace + 15.0):
+                await asyncio.gather(*(c.ended.wait() for c in live))
+
+    def _sweep(self) -> None:
+        """Kill whatever is left in the run's sessions (a child started while the run stopped,
+        a watcher cancelled before its child's session was empty): nothing outlives the run."""
+        for sid in sorted(self.sessions):
+            left = signal_session(sid, signal.SIGKILL, self.mark)
+            if left:
+                self.say(f"killed {_processes(left)} left at the end of the run", "bold red")
+        self.sessions.clear()
 
     # -- the run --
 
@@ -273,12 +437,16 @@ class Supervisor:
             loop.add_signal_handler(sig, self.stopping.set)
         real, resumed = prepare_run_dir(self.run_dir, self.config.cluster.name, self.resume)
         self.say(f"{'resuming' if resumed else 'new'} run in {real} ({self.run_dir} links to it)")
+        roles = [(c.role, c.section, c.spec.config) for c in self.children]
+        tracking = plan_for_run(self.config, roles, real)
+        for hint in tracking.hints():  # where to look: TensorBoard, W&B
+            self.say(hint)
         if any(c.cpu and c.cpu.cpus for c in self.children):
             self.say("cores: " + ", ".join(
                 f"{c.name} {','.join(map(str, c.cpu.cpus)) or 'shared'}/{c.cpu.threads} thr"
                 for c in self.children if c.cpu and c.section in ("rollout", "trainer")
             ))  # fmt: skip
-        view = self._view()
+        view = self._view(tracking)
         watchers: list[asyncio.Task[None]] = []
         try:
             manager, members = self.children[0], self.children[1:]
@@ -307,6 +475,7 @@ class Supervisor:
             for task in watchers:
                 task.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
+            self._sweep()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             for child in self.children:
@@ -326,7 +495,7 @@ class Supervisor:
         path = self.config.section("trainer").get("metrics_file", "runs/latest/trainer.jsonl")
         return Path(path) if path else None
 
-    def _view(self) -> RunView:
+    def _view(self, tracking: TrackingPlan | None = None) -> RunView:
         return RunView(
             run_dir=self.run_dir,
             trainer_metrics=self._trainer_metrics(),
@@ -335,6 +504,7 @@ class Supervisor:
             interval_s=self.config.run.view_interval_s,
             progress_interval_s=self.config.run.progress_interval_s,
             title=self.config.cluster.name,
+            tracking=tracking,
         )
 
     def _plots(self, view: RunView) -> None:

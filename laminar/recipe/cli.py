@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 DEFAULT_TASK = "examples/arith"
@@ -49,10 +50,11 @@ def cmd_sft(args: argparse.Namespace) -> int:
     cfg = SftConfig(
         steps=steps, minutes=args.minutes, seed=args.seed, threads=args.threads, demos=args.demos
     )
-    for name in ("batch_size", "lr", "warmup"):
+    for name in ("batch_size", "lr", "warmup", "eval_every"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     cfg.stop_at = _stop_at(args.stop_at, getattr(task.module, "SFT_STOP_AT", None))
+    cfg.curriculum = not args.no_curriculum
     result = train_sft(task, args.model, args.out, cfg)
     val = f", val accuracy {result.evals[-1][2]:.2f}" if result.evals else ""
     print(
@@ -60,6 +62,17 @@ def cmd_sft(args: argparse.Namespace) -> int:
         f"sequences, {result.tokens} tokens in {result.seconds:.0f} s, final loss "
         f"{result.final_loss:.4f}{val}"
     )
+    if not result.reached_target:
+        best = max((acc for _, _, acc in result.evals), default=None)
+        seen = "never checked" if best is None else f"best {best:.2f}"
+        print(
+            f"sft MISSED its target: validation accuracy never reached {cfg.stop_at:.2f} in "
+            f"{result.steps} steps ({seen}). Nothing was written to {args.out}; the "
+            f"model is in {result.out} for a look. Try a longer budget (--steps) or another "
+            "--seed.",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 
@@ -154,6 +167,12 @@ def register(sub: Any) -> None:
         "100 steps), so the warm start leaves RL room; 'off' to disable (default: the task's "
         "SFT_STOP_AT, if any)",
     )
+    sft.add_argument(
+        "--no-curriculum",
+        action="store_true",
+        help="draw from the task's own distribution from the first step (ignore SFT_CURRICULUM)",
+    )
+    sft.add_argument("--eval-every", type=int, help="steps between accuracy checks (default 100)")
     sft.add_argument("--demos", help="JSONL of prompt/response rows (default: from the task)")
     threads_arg(sft)
     sft.set_defaults(fn=cmd_sft)

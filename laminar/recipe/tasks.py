@@ -98,6 +98,20 @@ class Task:
     def demonstration(self, record: Record) -> str:
         return str(self.module.demonstration(record))
 
+    @property
+    def sft_curriculum(self) -> list[tuple[int, dict[str, Any]]]:
+        """The task's ``SFT_CURRICULUM``: ``(until_step, generate knobs)`` stages, in order; after
+        the last, training draws from the task's own distribution. Empty if it has none."""
+        stages = getattr(self.module, "SFT_CURRICULUM", None) or []
+        out = []
+        for stage in stages:
+            well_formed = isinstance(stage, tuple | list) and len(stage) == 2
+            if not (well_formed and isinstance(stage[1], dict)):
+                raise ConfigError(f"task {self.spec!r}: SFT_CURRICULUM entries are "
+                                  f"(until_step, {{generate knobs}}), not {stage!r}")  # fmt: skip
+            out.append((int(stage[0]), dict(stage[1])))
+        return out
+
     @cached_property
     def has_splits(self) -> bool:
         """Whether the task's ``generate`` takes ``split`` (and so keeps test problems apart)."""
@@ -116,14 +130,17 @@ class Task:
             return list(self.module.generate(n, seed, split="test"))
         return list(self.module.generate(n, seed + TEST_SEED_OFFSET))
 
-    def train_records(self, n: int, seed: int) -> list[Record]:
-        """``n`` training records, none with the prompt of a held-out record."""
+    def train_records(self, n: int, seed: int, **knobs: Any) -> list[Record]:
+        """``n`` training records, none with the prompt of a held-out record. ``knobs`` go to the
+        task's ``generate`` (a curriculum stage's settings, see :attr:`sft_curriculum`)."""
         if self.has_splits:
-            return list(self.module.generate(n, seed, split="train"))
+            return list(self.module.generate(n, seed, split="train", **knobs))
         exclude = self._held_out_prompts
         want = n
         while want <= 64 * n:
-            out = [r for r in self.module.generate(want, seed) if r["prompt"] not in exclude]
+            out = [
+                r for r in self.module.generate(want, seed, **knobs) if r["prompt"] not in exclude
+            ]
             if len(out) >= n:
                 return out[:n]
             want *= 2

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from laminar.config import ServiceConfig, Strict
 from laminar.rl import PolicyLossConfig
+from laminar.tracking import TrackingConfig
 from laminar.weights.publisher import PublishConfig
 
 
@@ -104,4 +105,8 @@ class TrainerConfig(ServiceConfig):
     )
     metrics_file: str | None = Field(
         "runs/latest/trainer.jsonl", description="One JSON line per version (unset: none)."
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="The metrics file's lines as TensorBoard/W&B scalars (docs/training.md).",
     )

@@ -16,6 +16,9 @@ version to the master relay in the background. Per version:
 
 Checkpoint before publish: a version that reached any rollout is always recoverable, so a
 restarted trainer never reuses a version number for different weights when ``every`` is 1.
+
+Each version's record and each evaluation is a line of ``metrics_file`` and, through
+:class:`laminar.tracking.TrainerTracking`, TensorBoard/W&B scalars at step = version.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint
 from laminar.rl import grpo_advantages, pack
 from laminar.service import Service, ServiceContext
+from laminar.tracking import TrainerTracking
 from laminar.weights.publisher import WeightPublisher
 
 from .batches import BatchSource
@@ -72,6 +76,7 @@ class TrainerService(Service):
         self.resumed: tuple[str, int, int] | None = None
         self._evaluator: Any = None  # (task, records, tokenizer), loaded on first use
         self._last_eval = float("-inf")
+        self.tracking: TrainerTracking | None = None
         self.source = BatchSource(ctx, self.log, self.config.data, self.config.sample_wait_s)
         registry = ctx.registry
         self.m_staleness = Histogram(
@@ -110,6 +115,9 @@ class TrainerService(Service):
                 version=self.state.version,
                 cursor=self.state.cursor,
             )
+        self.tracking = TrainerTracking(
+            c.tracking, c.metrics_file, self.log, c.model_dump(mode="json")
+        )
         self.group = await self._run(DataParallelGroup, c, self.state.path)
         self.m_version.set(self.state.version)
         manager = self.ctx.client(self.ctx.manager) if self.ctx.manager else None
@@ -122,6 +130,8 @@ class TrainerService(Service):
     async def on_stop(self) -> None:
         if self.group is not None:
             await self._run(self.group.close)
+        if self.tracking is not None:
+            await asyncio.to_thread(self.tracking.close)
         self._compute.shutdown(wait=False)
 
     def stats(self) -> dict[str, float]:
@@ -280,6 +290,8 @@ class TrainerService(Service):
         return stall
 
     def _write_metrics(self, record: dict[str, Any]) -> None:
+        if self.tracking is not None:
+            self.tracking.record(record, record["time"])
         if self.config.metrics_file is None:
             return
         path = Path(self.config.metrics_file)

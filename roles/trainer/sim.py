@@ -13,7 +13,8 @@ It does what :mod:`roles.trainer.service` does with the GPU work replaced by sle
 The schedule (``cluster.schedule``, :mod:`laminar.schedules`) decides when a trained version may
 go out: ``one_step`` holds version ``v`` until batch ``v`` has been sampled (the global barrier),
 every other schedule publishes at once. One JSON line per version goes to ``metrics_file``:
-version, batch tokens, staleness, the train interval and the publish time.
+version, batch tokens, staleness, the train interval and the publish time; its numbers also go
+to TensorBoard/W&B (``tracking``, :mod:`laminar.tracking`, shared with the torch trainer).
 
 No checkpoints: there is no model state to keep; a restarted sim trainer starts from version 0.
 """
@@ -32,6 +33,7 @@ from laminar.endpoint import endpoint
 from laminar.engines.costmodel import TrainCostModel
 from laminar.schedules import may_publish
 from laminar.service import Service, ServiceContext
+from laminar.tracking import TrackingConfig, TrainerTracking
 from laminar.weights.publisher import PublishConfig, WeightPublisher
 
 from .batches import BatchSource
@@ -54,6 +56,10 @@ class SimTrainerConfig(ServiceConfig):
     data: str | None = Field(None, description="The data role's address (default: ask manager).")
     metrics_file: str | None = Field(
         None, description="One JSON line per version (unset: none; `status` has them too)."
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="The metrics file's lines as TensorBoard/W&B scalars (docs/training.md).",
     )
 
 
@@ -78,6 +84,7 @@ class SimTrainerService(Service):
         self.records: list[dict[str, Any]] = []
         self.publisher: WeightPublisher | None = None
         self._tensors: list[tuple[str, Any]] = []
+        self.tracking: TrainerTracking | None = None
         self.source = BatchSource(ctx, self.log, self.config.data, self.config.sample_wait_s)
 
     async def on_start(self) -> None:
@@ -85,10 +92,17 @@ class SimTrainerService(Service):
 
         c = self.config
         self._tensors = [("weights", torch.zeros(c.weight_bytes // 2, dtype=torch.bfloat16))]
+        self.tracking = TrainerTracking(
+            c.tracking, c.metrics_file, self.log, c.model_dump(mode="json")
+        )
         manager = self.ctx.client(self.ctx.manager) if self.ctx.manager else None
         self.publisher = WeightPublisher(c.publish, self.ctx.options, manager=manager, log=self.log)
         self.spawn(self.publisher.run(), name="publish")
         self.spawn(self._train_loop(), name="train")
+
+    async def on_stop(self) -> None:
+        if self.tracking is not None:
+            await asyncio.to_thread(self.tracking.close)
 
     def stats(self) -> dict[str, float]:
         return {
@@ -163,6 +177,8 @@ class SimTrainerService(Service):
                 break
 
     def _write(self, record: dict[str, Any]) -> None:
+        if self.tracking is not None:
+            self.tracking.record(record, self.ctx.clock.wall())
         if self.config.metrics_file is None:
             return
         path = Path(self.config.metrics_file)

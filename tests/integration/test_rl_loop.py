@@ -25,6 +25,7 @@ from ..support.models import tiny_qwen2
 from ..support.poll import until
 from ..support.scenario import process_cluster, write_config
 from ..support.task import write_prompts, write_tokenizer
+from ..unit.test_tracking import read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -161,6 +162,14 @@ async def test_rollouts_follow_the_trainer(tmp_path: Path) -> None:
     generated = [json.loads(x).get("reward_generated", -1.0) for x in lines]
     assert any(g is not None for g in generated), generated
     assert all(g is None or 0.0 <= g <= 1.0 for g in generated), generated
+    # the same records in TensorBoard, beside the metrics file, at step = version
+    scalars = read_scalars(tmp_path / "tensorboard" / "trainer")
+    records = [r for r in map(json.loads, lines) if not r.get("eval")]
+    assert [r["version"] for r in records] == [1, 2, 3, 4]
+    assert scalars["train/reward_mean"] == [
+        (r["version"], pytest.approx(r["reward_mean"])) for r in records
+    ]
+    assert scalars["train/tokens"] == [(r["version"], r["tokens"]) for r in records]
 
 
 async def test_trainer_kill_9_resumes_from_its_checkpoint(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ def config(model_dir, *, kv_migration):
         model=str(model_dir),
         max_model_len=256,
         max_num_seqs=8,
-        gpu_memory_utilization=0.05,
+        kv_cache_bytes="32MiB",
         kv_migration=kv_migration,
         extra={"block_size": 32},
     )

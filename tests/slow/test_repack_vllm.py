@@ -68,7 +68,7 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path):
                     "model": str(model),
                     "max_model_len": 512,
                     "max_num_seqs": 8,
-                    "gpu_memory_utilization": 0.05,
+                    "kv_cache_bytes": "32MiB",
                     "kv_migration": True,
                     "stream_interval": 1,
                 },

