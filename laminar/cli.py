@@ -94,11 +94,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _preflight(config: LaminarConfig) -> bool:
-    """``laminar doctor`` before a run: print its problems; False (refuse) on a blocker."""
+    """``laminar doctor`` before a run: print its problems; False (refuse) on a blocker.
+    A doctor that fails itself (not the config: that error is the run's too) is a warning: a
+    preflight must never be the reason a run cannot start."""
     from .doctor import blockers, doctor
 
-    findings = doctor(config, "run", preflight=True)
     console = _console()
+    try:
+        findings = doctor(config, "run", preflight=True)
+    except LaminarError:
+        raise  # an invalid config: `laminar run` reports it as the supervisor would
+    except Exception as exc:
+        console.print(
+            f"doctor failed: {type(exc).__name__}: {exc}; starting anyway",
+            style="yellow", markup=False,
+        )  # fmt: skip
+        return True
     for finding in findings:
         if finding.severity != "ok":
             style = "bold red" if finding.severity == "blocker" else "yellow"

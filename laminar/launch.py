@@ -8,9 +8,10 @@ integration tests, benchmarks. Each child is ``python -m laminar serve --role R 
 Each child runs in its own session (so its process group, and everything it starts, can be told
 apart from the caller's), and a role's processes end with it: :meth:`ProcessCluster.shutdown`
 stops each role, then whatever its session still holds (SIGTERM, SIGKILL after the grace), killed
-roles' sessions included. :meth:`ProcessCluster.kill9` kills only the role's own process, the way
-a crash does, so tests can watch what happens to the rest (a vLLM engine kills itself, see
-:mod:`laminar.engines.vllm_worker`). The session helpers below serve ``laminar run`` too.
+roles' sessions included (all sessions at once: one grace period, not one each).
+:meth:`ProcessCluster.kill9` kills only the role's own process, the way a crash does, so tests can
+watch what happens to the rest (a vLLM engine kills itself, see :mod:`laminar.engines.vllm_worker`).
+The session helpers are in :mod:`laminar.procfs`, shared with ``laminar run``.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from .errors import LaminarError
+from .procfs import KEEP_ENVIRON, MARK_ENV, end_session, end_sessions
 from .service import READY_PREFIX
-
-MARK_ENV = "LAMINAR_LAUNCH"
 
 
 class ProcessCluster:
@@ -49,7 +49,13 @@ class ProcessCluster:
         # Marks every process this cluster starts (inherited by what they start): a session id
         # swept at shutdown may have been recycled by then (pid_max can be as low as 32768).
         token = uuid.uuid4().hex
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), MARK_ENV: token}
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+            **KEEP_ENVIRON,  # vLLM's setproctitle would wipe the mark from /proc: see procfs
+            MARK_ENV: token,
+        }
         self.mark = f"{MARK_ENV}={token}"
         self.cwd = cwd
         self.procs: dict[str, subprocess.Popen[str]] = {}
@@ -124,22 +130,23 @@ class ProcessCluster:
 
     def shutdown(self, grace: float = 20.0) -> None:
         """SIGTERM the members, then the manager; SIGKILL whatever outlives ``grace``. Then the
-        same for anything left in the sessions of every role started (killed ones too)."""
+        same, for all of them at once, for anything left in the sessions of every role started
+        (killed ones too)."""
         members = [p for name, p in self.procs.items() if name != "manager"]
         manager = [p for name, p in self.procs.items() if name == "manager"]
         for group in (members, manager):
             for proc in group:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
             for proc in group:
                 try:
-                    proc.wait(timeout=grace)
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(timeout=10)
         self.procs.clear()
-        for sid in sorted(self.sessions):
-            end_session(sid, grace, mark=self.mark)
+        end_sessions(self.sessions, grace, self.mark)
         self.sessions.clear()
 
     def log_tail(self, name: str, chars: int = 4000) -> str:
@@ -180,82 +187,3 @@ def _drain(src: IO[str], dst: IO[str]) -> None:
     for line in src:
         dst.write(line)
         dst.flush()
-
-
-# -- sessions: a role and everything it started ---------------------------------------------------
-
-
-def proc_stat(pid: int) -> tuple[str, int, int, int] | None:
-    """``(state, ppid, process group, session)`` of ``pid`` from ``/proc``; None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
-    return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
-
-
-def _marked(pid: int, mark: str | None) -> bool:
-    if mark is None:
-        return True
-    try:
-        return mark.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-
-
-def session_members(sid: int, mark: str | None = None) -> list[int]:
-    """The live processes (zombies excluded) of session ``sid``; with ``mark`` (``NAME=value``),
-    only those started with it in their environment.
-
-    A child started with ``start_new_session`` leads a session whose id is its pid; everything
-    it starts stays in that session unless it calls ``setsid`` itself (vLLM does not), whoever
-    its parent becomes. The id is not recycled while any process of the session remains; once it
-    is empty, it may be (which is what ``mark`` guards against)."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            stat = proc_stat(int(entry.name))
-            if stat is not None and stat[3] == sid and stat[0] != "Z":
-                if _marked(int(entry.name), mark):
-                    out.append(int(entry.name))
-    return out
-
-
-def signal_session(sid: int, sig: int, mark: str | None = None) -> list[int]:
-    """Send ``sig`` to every live process of session ``sid`` (its process group, and any group
-    made inside it; with ``mark``, only those carrying it); the pids signalled. Each is signalled
-    through a pidfd after its session is read again, so a pid recycled in between is never hit.
-    (Not ``killpg``: once the session is empty its id may name someone else's group.)"""
-    sent = []
-    for pid in session_members(sid, mark):
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue
-        try:
-            stat = proc_stat(pid)
-            if stat is not None and stat[3] == sid and stat[0] != "Z" and _marked(pid, mark):
-                signal.pidfd_send_signal(fd, sig)
-                sent.append(pid)
-        except ProcessLookupError:
-            pass
-        finally:
-            os.close(fd)
-    return sent
-
-
-def end_session(sid: int, grace: float, mark: str | None = None) -> list[int]:
-    """Stop what is left of session ``sid`` (with ``mark``: of its processes carrying it):
-    SIGTERM, then SIGKILL to whatever outlives ``grace``; waits (up to 10 s more) until none is
-    left. Returns the pids that were left."""
-    left = signal_session(sid, signal.SIGTERM, mark)
-    if not left:
-        return []
-    deadline = time.monotonic() + grace
-    while session_members(sid, mark) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    deadline = time.monotonic() + 10.0
-    while signal_session(sid, signal.SIGKILL, mark) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left

@@ -147,20 +147,18 @@ def _alive(r: dict[str, Any]) -> bool:
     return r.get("state", "alive") == "alive"
 
 
-def member_phase(name: str, r: dict[str, Any]) -> str:
-    """``rollout-0:running@v3`` for a live rollout; a dead (or departed) one shows its state
-    only: its last heartbeat's phase and version are no longer true."""
-    if not _alive(r):
-        return f"{name}:{r.get('state', '?')}"
-    return f"{name}:{r['phase']}@v{r['version']}"
-
-
 def progress_line(p: Progress) -> str:
-    """One line for logs and pipes."""
+    """One line for logs and pipes: live rollouts as ``rollout-0:running@v3``. Dead (or
+    departed) members leave it: their last heartbeat's phase and version are no longer true, and
+    the membership table printed on every change says who is down."""
     acc = _fmt(p.accuracy, ".3f")
     if p.accuracy is not None and p.accuracy_start is not None:
         acc += f" ({p.accuracy - p.accuracy_start:+.3f})"
-    phases = " ".join(member_phase(name, r) for name, r in sorted(p.rollouts.items()))
+    phases = " ".join(
+        f"{name}:{r['phase']}@v{r['version']}"
+        for name, r in sorted(p.rollouts.items())
+        if _alive(r)
+    )
     worst = p.staleness_max if p.staleness_max is not None else "-"
     return (
         f"[{p.elapsed_s:6.0f}s] version {p.version if p.version is not None else '-'}  "
@@ -172,7 +170,8 @@ def progress_line(p: Progress) -> str:
 
 
 def render_progress(p: Progress, title: str = "laminar run") -> Group:
-    """The live panel: headline numbers, then one row per rollout."""
+    """The live panel: headline numbers, then one row per rollout (a dead one marked dead, its
+    numbers blank)."""
     head = Table.grid(padding=(0, 3))
     for _ in range(6):
         head.add_column()

@@ -12,9 +12,11 @@ manager for the membership view (heartbeat stats of every member), appends one s
 
 Each sample also goes to the run's tracker (:mod:`laminar.tracking`) as the TensorBoard run
 ``cluster`` beside the trainer's (and a W&B run when configured): generated and trained tokens/s,
-rollouts by phase, KV-cache use and queue lengths, per rollout as well (:func:`cluster_scalars`).
-Step = whole seconds since the run first started (its first ``cluster.jsonl`` sample), so a run
-continued with ``--resume`` extends its curves instead of drawing over them.
+rollouts by phase, KV-cache use and queue lengths, per rollout as well
+(:func:`laminar.tracking.cluster_scalars`). Step = whole seconds since the run first started (its
+first ``cluster.jsonl`` sample), so a run continued with ``--resume`` extends its curves instead
+of drawing over them. :meth:`RunView.run` opens the tracker; the supervisor closes it with
+:meth:`RunView.close_tracking` once the roles are stopped, so stopping them never waits on it.
 
 Failures to reach the manager or its admin API are skipped, not fatal: the run's own processes
 matter more than its dashboard.
@@ -35,7 +37,6 @@ from rich.text import Text
 
 from .errors import LaminarError
 from .progress import (
-    Progress,
     TrainerLog,
     cluster_sample,
     progress_line,
@@ -43,35 +44,10 @@ from .progress import (
     summarize,
 )
 from .status import AdminClient, fetch_status, render_status
-from .tracking import NullTracker, ThreadedTracker, TrackingPlan, open_tracker
+from .tracking import NullTracker, ThreadedTracker, TrackingPlan, cluster_scalars, open_tracker
 
-PHASES = ("running", "switching", "draining")
-
-
-def cluster_scalars(p: Progress) -> dict[str, float]:
-    """The tracker's view of one sample: totals under ``cluster/``, each rollout's own numbers
-    under ``rollout/<name>/``. Rollouts that are not alive count only in ``rollouts_down``."""
-    out: dict[str, float] = {}
-    alive = {n: r for n, r in p.rollouts.items() if r.get("state", "alive") == "alive"}
-    out["cluster/generated_tokens_per_s"] = sum(p.rollout_tokens_per_s.values())
-    if p.trained_tokens_per_s is not None:
-        out["cluster/trained_tokens_per_s"] = p.trained_tokens_per_s
-    if p.version is not None:
-        out["cluster/trainer_version"] = p.version
-    for phase in PHASES:
-        out[f"cluster/rollouts_{phase}"] = sum(r["phase"] == phase for r in alive.values())
-    out["cluster/rollouts_down"] = len(p.rollouts) - len(alive)
-    if alive:
-        kv = [r["kv"] for r in alive.values()]
-        out["cluster/kv_use_mean"] = sum(kv) / len(kv)
-        out["cluster/kv_use_max"] = max(kv)
-    for key in ("running", "waiting", "in_flight"):
-        out[f"cluster/sequences_{key}"] = sum(r[key] for r in alive.values())
-    for name, r in alive.items():
-        out[f"rollout/{name}/generated_tokens_per_s"] = p.rollout_tokens_per_s.get(name, 0.0)
-        out[f"rollout/{name}/kv_use"] = r["kv"]
-        out[f"rollout/{name}/version"] = r["version"]
-    return out
+#: how long :meth:`RunView.close_tracking` waits for the tracker to write what it has and close
+TRACKER_CLOSE_S = 5.0
 
 
 class _ConsoleLog:
@@ -152,7 +128,20 @@ class RunView:
             if self.live is not None:
                 self.live.stop()
                 self.live = None
-            await asyncio.to_thread(self.tracker.close)
+            # the tracker stays open: the supervisor stops the roles first, then calls
+            # close_tracking (closing here delayed every SIGTERM by the tracker's flush)
+
+    async def close_tracking(self, timeout: float = TRACKER_CLOSE_S) -> None:
+        """Write what the tracker has queued and close it, off the event loop, within
+        ``timeout`` (a backend still busy then is left to its daemon thread, and said so).
+        The supervisor calls it once the roles are stopped; calling it again does nothing."""
+        tracker, self.tracker = self.tracker, NullTracker()
+        if isinstance(tracker, NullTracker):
+            return
+        if not await asyncio.to_thread(tracker.close, timeout):
+            _ConsoleLog(self.console).warning(
+                f"tracking did not finish within {timeout:g} s; the rest of its scalars are lost"
+            )
 
     async def _tick(self, manager: str, token: bytes, cluster: Any) -> None:
         with contextlib.suppress(LaminarError, OSError):

@@ -13,10 +13,15 @@ gathered once and the checks are pure functions of them:
 
 * :mod:`.facts` — :class:`MachineFacts`, what this machine has (cores, NUMA memory as vLLM's CPU
   worker computes it, ``/dev/shm``, disks, the environment);
-* :mod:`.probe` — whether vLLM and ucxx import, asked of a subprocess that overlaps the rest;
+* :mod:`.probe` — whether vLLM and ucxx import, asked of a subprocess that overlaps the rest
+  (``laminar doctor``), or only whether they are installed, from package metadata (the preflight
+  of ``laminar run``, which must not pay a vLLM import);
 * :mod:`.needs` — :class:`RunNeeds`, what the config asks for, resolved as the supervisor does;
 * :mod:`.checks` — ``check_*(facts, needs) -> list[Finding]`` and :data:`CHECKS`;
 * :mod:`.findings` — :class:`Finding` (blocker, warning or ok, with its fix) and the report.
+
+This package exports what ``laminar`` (cli.py) uses and the entry points; everything else is
+imported from its submodule.
 """
 
 from __future__ import annotations
@@ -24,67 +29,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..config import LaminarConfig
-from .checks import (
-    CHECKS,
-    SUITE_ONLY,
-    check_chromium,
-    check_cores,
-    check_data,
-    check_disk,
-    check_kv_cache,
-    check_memory,
-    check_models,
-    check_shm,
-    check_token,
-    check_ucxx,
-    check_vllm,
-    run_checks,
-)
-from .facts import DiskFacts, MachineFacts, NumaNode, gather_facts, parse_cpulist, read_numa_nodes
-from .findings import Finding, Mode, Severity, blockers, findings_json, summary
-from .needs import (
-    LIGHT_CONFIG_MODELS,
-    ModelDir,
-    RolloutNeed,
-    RunNeeds,
-    inspect_model_dir,
-    needs_from_config,
-)
-from .probe import ImportFacts, ImportProbe, probe_for
+from .checks import CHECKS, SUITE_ONLY, run_checks
+from .facts import gather_facts
+from .findings import Finding, Mode, blockers, findings_json, summary
+from .needs import RunNeeds, needs_from_config
+from .probe import probe_for
 
-#: what `laminar` (cli.py) and tests/unit/test_doctor.py use; the rest lives in the submodules
 __all__ = [
-    "CHECKS",
-    "LIGHT_CONFIG_MODELS",
-    "DiskFacts",
     "Finding",
-    "ImportFacts",
-    "ImportProbe",
-    "MachineFacts",
-    "Mode",
-    "ModelDir",
-    "NumaNode",
-    "RolloutNeed",
-    "RunNeeds",
-    "Severity",
     "blockers",
-    "check_chromium",
-    "check_cores",
-    "check_data",
-    "check_disk",
-    "check_kv_cache",
-    "check_memory",
-    "check_models",
-    "check_shm",
-    "check_token",
-    "check_ucxx",
-    "check_vllm",
     "doctor",
     "findings_json",
-    "inspect_model_dir",
+    "gather_facts",
     "needs_from_config",
-    "parse_cpulist",
-    "read_numa_nodes",
+    "run_checks",
     "summary",
 ]
 
@@ -97,16 +55,16 @@ def doctor(
     preflight: bool = False,
 ) -> list[Finding]:
     """Every finding for ``config`` on this machine (None: the machine-only checks).
-    ``preflight``: what ``laminar run`` checks before starting (no test-suite-only checks)."""
+    ``preflight``: what ``laminar run`` checks before starting: no test-suite-only checks, and
+    vLLM and ucxx from their package metadata, not imported (no subprocess)."""
     probe = probe_for(config, mode, full=not preflight)  # first, so it overlaps loading roles
     try:
         if config is None:
             needs = RunNeeds(mode=mode, token_env="LAMINAR_TOKEN")
         else:
             needs = needs_from_config(config, mode, serve_roles)
-    except BaseException:
-        probe.cancel()
-        raise
-    facts = gather_facts([path for path, _, _ in needs.disk_or_cwd], probe)
+        facts = gather_facts([path for path, _, _ in needs.disk_or_cwd], probe)
+    finally:
+        probe.cancel()  # nothing once its result is in; else (an error above) no probe outlives us
     checks = [c for c in CHECKS if not (preflight and c in SUITE_ONLY)]
     return run_checks(facts, needs, checks)

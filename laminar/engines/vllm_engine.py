@@ -19,17 +19,20 @@ Each request is consumed by one task of ours (vLLM's per-request ``generate`` st
 forwards deltas to the base class. vLLM's engine core runs in its own process; if it dies, the
 output stream raises :class:`EngineError` and the rollout role stops (its supervisor restarts it).
 The other way round, the engine's processes die with the rollout however it ends, kill -9
-included: :meth:`VllmEngine.start` names the rollout in ``LAMINAR_ENGINE_OWNER`` and a watch in
-:mod:`laminar.engines.vllm_worker` (loaded in vLLM's processes) kills them when it exits.
+included: :meth:`VllmEngine.start` names the rollout in ``LAMINAR_ENGINE_OWNER`` while the engine
+starts and a watch in :mod:`laminar.engines.vllm_worker` (loaded in vLLM's processes) kills them
+when it exits. It also sets ``SPT_NOENV``, so vLLM's process titles leave the environment marks
+that ``laminar run`` finds a role's processes by in place (:mod:`laminar.procfs`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +67,18 @@ def on_cpu() -> bool:
 
 def memory_args(cfg: VllmEngineConfig, cpu: bool | None = None) -> dict[str, Any]:
     """How the KV cache is sized (see :mod:`laminar.engines.kvcache`): in bytes on CPU, always;
-    on GPUs in bytes when ``kv_cache_bytes`` is set, else by ``gpu_memory_utilization``."""
+    on GPUs within ``gpu_memory_utilization`` (which vLLM checks is free at start whatever else
+    is set), in bytes when ``kv_cache_bytes`` is set."""
     from .kvcache import rollout_kv_bytes
 
     if cpu is None:
         cpu = on_cpu()
-    if cpu or cfg.kv_cache_bytes is not None:
+    if cpu:
         return {"kv_cache_memory_bytes": rollout_kv_bytes(cfg)}
-    return {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+    out: dict[str, Any] = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+    if cfg.kv_cache_bytes is not None:
+        out["kv_cache_memory_bytes"] = int(cfg.kv_cache_bytes)
+    return out
 
 
 def engine_args(cfg: VllmEngineConfig) -> Any:
@@ -99,6 +106,20 @@ def engine_args(cfg: VllmEngineConfig) -> Any:
         stream_interval=cfg.stream_interval,
         **extra,  # type: ignore[arg-type]
     )
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the duration; the previous value (or none) after."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 class VllmEngine(Engine):
@@ -134,12 +155,19 @@ class VllmEngine(Engine):
                 pass
 
         args = engine_args(cfg)
-        # Inherited by vLLM's engine core and workers, whose watch kills them when this process
-        # is gone (see vllm_worker): without it a rollout killed with -9 orphans its engine.
+        from ..procfs import KEEP_ENVIRON
         from .vllm_worker import OWNER_ENV, owner_token
 
-        os.environ[OWNER_ENV] = owner_token()
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_KeepLatest])
+        # vLLM's setproctitle would wipe its processes' /proc environ, and with it the marks
+        # the supervisor finds them by (see laminar.procfs).
+        os.environ.update(KEEP_ENVIRON)
+        # Inherited by vLLM's engine core and workers, whose watch kills them when this process
+        # is gone (see vllm_worker): without it a rollout killed with -9 orphans its engine.
+        # Only while the engine starts: from_engine_args starts the engine core before it
+        # returns, and the workers are the core's children; nothing this process starts later
+        # should think it belongs to the engine.
+        with _environ(OWNER_ENV, owner_token()):
+            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_KeepLatest])
         if cfg.warmup:
             await self._warmup()
 

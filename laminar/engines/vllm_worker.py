@@ -21,21 +21,30 @@ gigabytes, re-parented to init. A parent-death signal cannot close that gap from
 This module is the one piece of ours that vLLM loads in its processes (the worker imports it
 before it loads the model), so the watch lives here:
 
-* the rollout names itself in ``LAMINAR_ENGINE_OWNER`` (``pid:start time``) before it starts the
+* the rollout names itself in ``LAMINAR_ENGINE_OWNER`` (``pid:start time``) while it starts the
   engine (:meth:`laminar.engines.vllm_engine.VllmEngine.start`); vLLM's processes inherit it;
 * on import in a process started below that rollout, :func:`watch_owner` records which processes
-  belong to the engine (itself, and its ancestors up to the rollout that were started with the same
-  value: the engine core) and starts a daemon thread that waits on a pidfd of the rollout;
-* when the rollout exits, for any reason, the thread SIGKILLs the engine core and then its own
-  process. SIGKILL, not SIGTERM: the engine has lost its only client, so there is no work to save,
-  and the engine core's graceful shutdown would first terminate this very worker, taking the
-  escalation with it. The GPU driver frees device memory and multiprocessing's resource tracker
-  (which outlives them) unlinks their shared-memory queues.
+  belong to the engine (itself, and its ancestors strictly between it and the rollout: the engine
+  core), walking parent pids up to the process whose pid *and* start time the value names, and
+  starts a daemon thread that waits on a pidfd of the rollout (``poll``, not ``select``, which fails
+  for fd numbers from 1024 on, and a worker holding a model may well be there);
+* when the rollout exits, for any reason, the thread waits :data:`GRACE_S` (1 s): a rollout that
+  closed its engine before exiting (a clean shutdown) left it on its way out, and this process
+  ends within that second, silently. Otherwise it says so on stderr ("the rollout (pid N) is gone;
+  killing its vLLM engine (pids ...)") and SIGKILLs the engine core and then its own process.
+  SIGKILL, not SIGTERM: the engine has lost its only client, so there is no work to save, and the
+  engine core's graceful shutdown would first terminate this very worker, taking the escalation
+  with it. The GPU driver frees device memory and multiprocessing's resource tracker (which
+  outlives them) unlinks their shared-memory queues.
 
-A legitimately running engine is never hit: the rollout is named by pid *and* start time, and the
-pidfd is opened before the start time is compared, so a recycled pid reads as "gone" only if the
-rollout really is; each victim's start time is checked again right before its kill. A process
-whose own environment lacks the value (the rollout itself, any unrelated import) watches nothing.
+The engine's processes are found by parent pids, never by reading ``/proc/<pid>/environ``: vLLM
+calls ``setproctitle``, which overwrites that memory unless ``SPT_NOENV`` is set (the rollout sets
+it, but the watch must not depend on it). A legitimately running engine is never hit: the rollout
+is named by pid *and* start time, and the pidfd is opened before the start time is compared, so a
+recycled pid reads as "gone" only if the rollout really is; each victim's start time is checked
+again right before its kill. A process whose own environment lacks the value (the rollout itself,
+any unrelated import) watches nothing. The module imports only the standard library and
+:mod:`laminar.procfs` for the watch (``torch`` is vLLM's own import anyway).
 """
 
 from __future__ import annotations
@@ -48,11 +57,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
-from pathlib import Path
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+
+from .. import procfs
 
 
 class LaminarWorkerExtension:
@@ -167,54 +177,38 @@ def unpack_tensor(dtype: str, shape: list[int], raw: bytes) -> torch.Tensor:
 # -- dying with the rollout (see the module docstring) --------------------------------------------
 
 OWNER_ENV = "LAMINAR_ENGINE_OWNER"
-
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """``(state, ppid, start time in clock ticks since boot)`` of ``pid``, or None if there is
-    no such process."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
-    return fields[0], int(fields[1]), int(fields[19])  # fields 3, 4 and 22 of proc(5)
+#: Seconds between the rollout's exit and the kill: an engine closed by its rollout is gone by then.
+GRACE_S = 1.0
 
 
 def owner_token(pid: int | None = None) -> str:
     """``pid:start time``: names one process for good (a recycled pid starts later)."""
     pid = os.getpid() if pid is None else pid
-    stat = _stat(pid)
-    return f"{pid}:{stat[2] if stat else 0}"
+    stat = procfs.stat(pid)
+    return f"{pid}:{stat.start if stat else 0}"
 
 
-def _started_with(pid: int, token: str) -> bool:
-    """Whether ``pid`` was started with ``LAMINAR_ENGINE_OWNER=token`` in its environment."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-    return f"{OWNER_ENV}={token}".encode() in environ.split(b"\0")
+def engine_processes(owner: int, start: int) -> list[tuple[int, int]]:
+    """This engine's processes as ``(pid, start time)``, outermost first, this process last.
 
-
-def _alive(pid: int, start: int) -> bool:
-    stat = _stat(pid)
-    return stat is not None and stat[2] == start and stat[0] != "Z"
-
-
-def engine_processes(token: str, owner: int) -> list[tuple[int, int]]:
-    """This engine's processes as ``(pid, start time)``, outermost first, this process last: the
-    ancestors below the rollout that were started with the same owner value (the engine core,
-    when this is a worker process of its own), then this process."""
+    The ancestors strictly between this process and the owner (the rollout, ``owner`` started at
+    ``start``) are the owner's descendants: the engine core, when this is a worker process of its
+    own. Found by parent pids, not by environment: vLLM's ``setproctitle`` may have wiped
+    ``/proc/<pid>/environ`` (see :mod:`laminar.procfs`). If the owner is not among the ancestors
+    (gone already, this process re-parented), none is taken: only this process."""
+    me = procfs.stat(os.getpid())
+    mine = (os.getpid(), me.start if me else 0)
     chain: list[tuple[int, int]] = []
     pid = os.getppid()
-    while pid > 1 and pid != owner and len(chain) < 8 and _started_with(pid, token):
-        stat = _stat(pid)
+    while pid > 1 and len(chain) < 8:
+        stat = procfs.stat(pid)
         if stat is None:
             break
-        chain.append((pid, stat[2]))
-        pid = stat[1]
-    me = _stat(os.getpid())
-    return [*reversed(chain), (os.getpid(), me[2] if me else 0)]
+        if pid == owner:
+            return [*reversed(chain), mine] if stat.start == start else [mine]
+        chain.append((pid, stat.start))
+        pid = stat.ppid
+    return [mine]
 
 
 def _wait_gone(pid: int, start: int) -> None:
@@ -223,36 +217,46 @@ def _wait_gone(pid: int, start: int) -> None:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return
-    except OSError:  # no pidfds (a kernel before 5.3): poll
-        while _alive(pid, start):
+    except OSError:  # no pidfds (a kernel before 5.3, a sandbox): poll
+        while procfs.alive(pid, start):
             time.sleep(1.0)
         return
     try:
         # Compared after the pidfd is open: if the start time matches, the pidfd is the owner's.
-        if _alive(pid, start):
-            select.select([fd], [], [])  # readable once that process has exited
+        if procfs.alive(pid, start):
+            poller = select.poll()  # not select(): it fails for fd numbers >= 1024
+            poller.register(fd, select.POLLIN)
+            while not poller.poll():  # readable once that process has exited
+                pass
     finally:
         os.close(fd)
 
 
-def _die_with_owner(owner: int, start: int, victims: list[tuple[int, int]]) -> None:
+def _die_with_owner(
+    owner: int, start: int, victims: list[tuple[int, int]], grace: float = GRACE_S
+) -> None:
     _wait_gone(owner, start)
-    pids = ", ".join(str(pid) for pid, _ in victims)
-    with contextlib.suppress(OSError):
+    # A rollout that closed its engine before exiting (a clean shutdown) left it on its way out:
+    # this process is gone within the grace, and the thread with it, saying nothing. An engine
+    # still here after it lost its rollout to a crash or kill -9: said, and killed.
+    time.sleep(grace)
+    left = [(pid, t) for pid, t in victims if pid == os.getpid() or procfs.alive(pid, t)]
+    pids = ", ".join(str(pid) for pid, _ in left)
+    with contextlib.suppress(OSError, ValueError):
         print(
             f"laminar: the rollout (pid {owner}) is gone; killing its vLLM engine (pids {pids})",
             file=sys.stderr,
             flush=True,
         )
-    for pid, pid_start in victims:  # the engine core first: this process kills itself last
+    for pid, pid_start in left:  # the engine core first: this process kills itself last
         if pid == os.getpid():
             os.kill(pid, signal.SIGKILL)
-        elif _alive(pid, pid_start):
+        elif procfs.alive(pid, pid_start):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
-def watch_owner(environ: dict[str, str] | None = None) -> threading.Thread | None:
+def watch_owner(environ: Mapping[str, str] | None = None) -> threading.Thread | None:
     """Start the thread that kills this engine when its rollout exits; None where this process
     is not part of a rollout's engine (no owner value, or this process is the rollout)."""
     token = (os.environ if environ is None else environ).get(OWNER_ENV, "")
@@ -262,7 +266,7 @@ def watch_owner(environ: dict[str, str] | None = None) -> threading.Thread | Non
         return None
     if owner == os.getpid():
         return None
-    victims = engine_processes(token, owner)
+    victims = engine_processes(owner, start)
     thread = threading.Thread(
         target=_die_with_owner, args=(owner, start, victims), name="laminar-owner", daemon=True
     )

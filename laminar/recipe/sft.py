@@ -267,15 +267,19 @@ def train_sft(task: Task, model_dir: str | Path, out: str | Path, cfg: SftConfig
             elapsed = time.monotonic() - start
             by_steps = result.steps / cfg.steps if cfg.steps else 0.0
             progress = max(by_steps, elapsed / budget_s)
-            if progress >= 1.0:
-                result.stopped_by = "steps" if by_steps >= 1.0 else "minutes"
-                break
-            if validator is not None and result.steps and result.steps % cfg.eval_every == 0:
+            out_of_budget = progress >= 1.0
+            # The last step of the budget is checked too: a run that reached its target there
+            # has not missed it.
+            check = result.steps % cfg.eval_every == 0 or out_of_budget
+            if validator is not None and result.steps and check:
                 acc = validator.accuracy(model)
                 result.evals.append((result.steps, round(elapsed, 2), round(acc, 4)))
                 if acc >= cfg.stop_at:  # type: ignore[operator]
                     result.stopped_by = "stop_at"
                     break
+            if out_of_budget:
+                result.stopped_by = "steps" if by_steps >= 1.0 else "minutes"
+                break
             for group in optim.param_groups:
                 group["lr"] = cfg.lr * lr_factor(progress, cfg.warmup, cfg.min_lr_ratio)
             batch = collate(seqs, prompt_lens, pad)

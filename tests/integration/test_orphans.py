@@ -1,36 +1,50 @@
 """A role's processes die with it: kill -9 of a role under ``laminar run``, and the run's stop.
 
-The role (``tests/support/spawner.py``) starts a child that holds the supervisor's pipes and
-ignores SIGTERM, as a vLLM rollout's engine core holds them. Every process of the run carries a
-tag in its environment, so the test counts them by scanning ``/proc``, whoever their parent
-became. Checks: the supervisor notices the kill (not waiting for the pipes to close), ends the
-role's session (the child too), restarts the role by its policy and says so; after SIGTERM to the
-supervisor, no process of the run is left.
+The role (``tests/support/spawner.py``) starts a child that holds the supervisor's pipes, ignores
+SIGTERM and sets its process title, as a vLLM rollout's engine core does (``setproctitle`` wipes
+``/proc/<pid>/environ`` unless ``SPT_NOENV`` is set, and the run's mark lives there). Every
+process of the run carries a tag in its environment, so the test counts them by scanning
+``/proc``, whoever their parent became. Checks: the supervisor notices the kill (not waiting for
+the pipes to close), ends the role's session (the child too), restarts the role by its policy and
+says so; after SIGTERM to the supervisor, no process of the run is left.
 
-The second test is a vLLM rollout's process tree without vLLM or a supervisor (``laminar serve``
-on a cluster node): the engine's processes kill themselves when the rollout is killed with -9
-(``laminar.engines.vllm_worker``), and leave a live rollout's engine alone.
+Then a vLLM rollout's process tree without vLLM or a supervisor (``laminar serve`` on a cluster
+node): the engine's processes kill themselves when the rollout is killed with -9
+(``laminar.engines.vllm_worker``), even when their titles wiped their environments, leave a live
+rollout's engine alone, and say nothing when the rollout closed its engine before it exited.
 ``tests/slow/test_vllm_orphans.py`` does the same with the real engine.
+
+Last, the parts on their own: the session helpers (:mod:`laminar.procfs`) with and without
+pidfds, ``ProcessCluster.shutdown`` (all sessions in one grace period), and a child's lifecycle
+(:mod:`laminar.children`) under both event loops and every exit-detection fallback.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import errno
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
+from subprocess import PIPE
+from typing import Any
 
 import pytest
+import uvloop
 
-from laminar.config import ClusterConfig
-from laminar.launch import proc_stat
+from laminar import procfs
+from laminar.children import SETTLE_S, Child, ChildProcesses
+from laminar.config import ClusterConfig, RoleSpec, load_config
+from laminar.launch import ProcessCluster
+from laminar.procfs import KEEP_ENVIRON, MARK_ENV, end_session, session_members
 from laminar.status import fetch_status
-from tests.support.procs import ROOT, TOKEN, env, laminar
+from tests.support.devrun import kill_session, run_manager, spawn, start_run, write_run_config
+from tests.support.procs import ROOT, TOKEN, env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -40,24 +54,12 @@ TAG = "LAMINAR_TEST_ORPHANS"
 
 def tagged(tag: str) -> dict[int, int]:
     """Live processes (zombies excluded) started with ``TAG=tag``: pid -> session id."""
-    marker = f"{TAG}={tag}".encode()
     out = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes()
-        except OSError:
-            continue
-        stat = proc_stat(int(entry.name))
-        if marker in environ.split(b"\0") and stat is not None and stat[0] != "Z":
-            out[int(entry.name)] = stat[3]
+    for pid in procfs.pids():
+        stat = procfs.stat(pid)
+        if stat is not None and stat.state != "Z" and procfs.has_env(pid, f"{TAG}={tag}"):
+            out[pid] = stat.sid
     return out
-
-
-def alive(pid: int) -> bool:
-    stat = proc_stat(pid)
-    return stat is not None and stat[0] != "Z"
 
 
 def members(manager: str) -> dict:  # type: ignore[type-arg]
@@ -79,40 +81,28 @@ def until(check, timeout: float, what: str):  # type: ignore[no-untyped-def]
         time.sleep(0.1)
 
 
+def kill_all(born: dict[int, int]) -> None:
+    """SIGKILL the processes named by pid and start time that are still there."""
+    for pid, start in born.items():
+        if procfs.alive(pid, start):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the_run(
     tmp_path: Path,
 ) -> None:
     tag = uuid.uuid4().hex
     grace = 1.0
-    config = tmp_path / "cluster.yaml"
-    config.write_text(f"""
-cluster: {{heartbeat_interval_s: 0.2, heartbeat_timeout_s: 1.0}}
-manager: {{bind: "tcp://127.0.0.1:0"}}
-run:
-  run_dir: {tmp_path / "run"}
-  view_interval_s: 0.2
-  shutdown_grace_s: {grace}
-  display: lines
-  roles:
-    - role: manager
-    - role: {SPAWNER}:SpawnerService
-      restart: on-failure
-      max_restarts: 2
-      config: {{stubborn: true}}
-""")
-    sup = subprocess.Popen(
-        laminar("run", str(config)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env(**{TAG: tag}),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    spawner = {
+        "role": f"{SPAWNER}:SpawnerService",
+        "restart": "on-failure",
+        "max_restarts": 2,
+        "config": {"stubborn": True},
+    }
+    config = write_run_config(tmp_path, [spawner], shutdown_grace_s=grace, display="lines")
+    sup = start_run(config, **{TAG: tag})
     try:
-        cluster_file = tmp_path / "run" / "cluster.json"
-        until(cluster_file.is_file, 30, "cluster.json written")
-        manager = json.loads(cluster_file.read_text())["manager"]
+        manager = run_manager(tmp_path / "run")
         first = until(
             lambda: (m := members(manager).get("spawner-0")) and "child_pid" in m.stats and m,
             30,
@@ -135,18 +125,18 @@ run:
                 and "child_pid" in m.stats
                 and m
             ),
-            grace + 15,
+            SETTLE_S + grace + 20,
             "spawner-0 restarted",
         )
         took = time.monotonic() - killed
         assert again.pid != role
-        assert not alive(child), f"the killed role's child {child} survived it"
+        assert not procfs.alive(child), f"the killed role's child {child} survived it"
         assert not [pid for pid, sid in tagged(tag).items() if sid == role], "session not ended"
-        assert alive(int(again.stats["child_pid"]))
+        assert procfs.alive(int(again.stats["child_pid"]))
         print(f"restarted {took:.1f} s after kill -9")
 
         sup.send_signal(signal.SIGTERM)
-        out, _ = sup.communicate(timeout=30)
+        out, _ = sup.communicate(timeout=60)
         assert sup.returncode == 0, out
         assert "spawner-0 exited with signal 9 (SIGKILL); restarting (1/2)" in out, out
         assert f"spawner-0 left 1 process (pid {child}) behind; stopped it" in out, out
@@ -154,16 +144,14 @@ run:
         survivors = {pid: sid for pid, sid in tagged(tag).items() if pid != sup.pid}
         assert not survivors, f"processes of the run outlived it: {survivors}\n{out}"
     finally:
-        if sup.poll() is None:
-            os.killpg(sup.pid, signal.SIGKILL)
-            sup.communicate(timeout=10)
+        kill_session(sup)
         for pid in tagged(tag):
             os.kill(pid, signal.SIGKILL)
 
 
 # The shape of a vLLM rollout, without vLLM: the owner (the rollout) names itself and starts an
 # "engine core" that runs none of our code, which starts a "worker" that imports our worker
-# extension module, as vLLM's worker does.
+# extension module, as vLLM's worker does. Both set their process titles first, as vLLM's do.
 OWNER = """
 import os, subprocess, sys
 from laminar.engines import vllm_worker
@@ -174,64 +162,105 @@ import time; time.sleep(3600)
 """
 CORE = """
 import subprocess, sys, time
+try:
+    import setproctitle
+    setproctitle.setproctitle("VLLM::EngineCore")
+except ImportError:
+    pass
 subprocess.Popen([sys.executable, "-c", sys.argv[1]])
 time.sleep(3600)
 """
 WORKER = """
-import time
+import os, signal, time
+try:
+    import setproctitle
+    setproctitle.setproctitle("VLLM::Worker")
+except ImportError:
+    pass
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.1), os._exit(0)))  # a moment to stop
 from laminar.engines import vllm_worker
 print("armed" if vllm_worker.WATCHDOG is not None else "not armed", flush=True)
 time.sleep(3600)
 """
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (stat := proc_stat(int(entry.name))) and stat[1] == pid:
-            out.append(int(entry.name))
-    return out
+def start_engine(tag: str, keep_environ: bool) -> tuple[subprocess.Popen[str], int, int]:
+    """The owner, its engine core and worker, once the worker's watch is armed."""
+    extra = {TAG: tag, **(KEEP_ENVIRON if keep_environ else {})}
+    owner = spawn([sys.executable, "-c", OWNER, CORE, WORKER], **extra)
+    assert owner.stdout is not None
+    assert owner.stdout.readline().strip() == "armed"
+    (core,) = procfs.children(owner.pid)
+    (worker,) = procfs.children(core)
+    return owner, core, worker
 
 
-def test_engine_processes_die_with_their_rollout_killed_with_minus_9() -> None:
+@pytest.mark.parametrize("keep_environ", [True, False], ids=["SPT_NOENV", "environ-wiped"])
+def test_engine_processes_die_with_their_rollout_killed_with_minus_9(
+    keep_environ: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not keep_environ:
+        pytest.importorskip("setproctitle")
+    monkeypatch.delenv("SPT_NOENV", raising=False)
     tag = uuid.uuid4().hex
-    owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER, CORE, WORKER],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env(**{TAG: tag}),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    owner, core, worker = start_engine(tag, keep_environ)
+    born = {pid: procfs.stat(pid).start for pid in (core, worker)}  # type: ignore[union-attr]
     try:
-        assert owner.stdout is not None
-        assert owner.stdout.readline().strip() == "armed"
-        (core,) = children(owner.pid)
-        (worker,) = children(core)
+        # What the supervisor sees of them by their environment, as in vLLM.
+        assert procfs.has_env(core, f"{TAG}={tag}") == keep_environ
+        assert procfs.has_env(worker, f"{TAG}={tag}") == keep_environ
         time.sleep(1.0)  # a live rollout's engine is left alone
-        assert alive(core) and alive(worker)
+        assert procfs.alive(core) and procfs.alive(worker)
 
         owner.kill()
         owner.wait(timeout=10)
-        gone = until(lambda: not alive(core) and not alive(worker), 10, "engine processes gone")
-        assert gone
+        gone = lambda: not procfs.alive(core) and not procfs.alive(worker)  # noqa: E731
+        assert until(gone, 10, "engine processes gone")
         _, err = owner.communicate(timeout=10)  # the pipes close once the worker is gone
         assert f"the rollout (pid {owner.pid}) is gone; killing its vLLM engine" in err, err
         assert f"pids {core}, {worker}" in err, err
         assert not tagged(tag)
     finally:
-        for pid in tagged(tag):
-            os.kill(pid, signal.SIGKILL)
-        if owner.poll() is None:
-            owner.kill()
-            owner.communicate(timeout=10)
+        kill_all(born)
+        kill_session(owner)
 
 
-def test_session_signals_spare_processes_without_the_mark() -> None:
+def test_an_engine_closed_by_its_rollout_ends_quietly() -> None:
+    """A clean shutdown: the rollout stops its engine, then exits; the watch, woken by that exit
+    while the worker is still on its way out, says nothing and kills nothing."""
+    tag = uuid.uuid4().hex
+    owner, core, worker = start_engine(tag, keep_environ=True)
+    born = {pid: procfs.stat(pid).start for pid in (core, worker)}  # type: ignore[union-attr]
+    try:
+        os.kill(worker, signal.SIGTERM)  # what vLLM's shutdown does (the worker takes 0.1 s)
+        os.kill(core, signal.SIGTERM)
+        owner.kill()  # the rollout is gone before its worker
+        owner.wait(timeout=10)
+        gone = lambda: not procfs.alive(core) and not procfs.alive(worker)  # noqa: E731
+        assert until(gone, 10, "engine processes gone")
+        _, err = owner.communicate(timeout=10)
+        assert "is gone; killing its vLLM engine" not in err, err
+    finally:
+        kill_all(born)
+        kill_session(owner)
+
+
+def no_pidfds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a kernel before 5.3 (or gVisor, or a seccomp filter)."""
+
+    def pidfd_open(pid: int, flags: int = 0) -> int:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", pidfd_open)
+
+
+@pytest.mark.parametrize("pidfds", [True, False], ids=["pidfd", "no-pidfd"])
+def test_session_signals_spare_processes_without_the_mark(
+    pidfds: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A session id swept late may have been recycled: only marked processes are signalled."""
-    from laminar.launch import MARK_ENV, end_session, session_members
-
+    if not pidfds:
+        no_pidfds(monkeypatch)
     mine, theirs = f"{MARK_ENV}=mine-{uuid.uuid4().hex}", f"{MARK_ENV}=theirs"
     stranger = subprocess.Popen(
         ["sleep", "60"], env=env(**{MARK_ENV: "theirs"}), start_new_session=True
@@ -240,12 +269,207 @@ def test_session_signals_spare_processes_without_the_mark() -> None:
         until(lambda: session_members(stranger.pid, theirs), 5, "the stranger is up")
         assert session_members(stranger.pid) == [stranger.pid]
         assert session_members(stranger.pid, mine) == []
-        assert end_session(stranger.pid, grace=0.1, mark=mine) == []
+        assert end_session(stranger.pid, grace=0.1, mark=mine).left == []
         time.sleep(0.2)
         assert stranger.poll() is None  # spared
-        assert end_session(stranger.pid, grace=1.0, mark=theirs) == [stranger.pid]
+        assert end_session(stranger.pid, grace=1.0, mark=theirs).left == [stranger.pid]
         assert stranger.wait(timeout=5) == -signal.SIGTERM
     finally:
         if stranger.poll() is None:
             stranger.kill()
             stranger.wait(timeout=5)
+
+
+STUBBORN = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def test_cluster_shutdown_ends_every_session_in_one_grace_period(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sessions whose processes ignore SIGTERM: one grace period for both, not one each, and
+    one SIGKILL per session (not one per poll)."""
+    cluster = ProcessCluster(tmp_path / "unused.yaml", tmp_path / "logs", env=env())
+    stubborn = [
+        subprocess.Popen(
+            [sys.executable, "-c", STUBBORN],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=cluster.env,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
+    kills: Counter[int] = Counter()
+    signal_session = procfs.signal_session
+
+    def counting(sid: int, sig: int, mark: str | None = None) -> list[int]:
+        if sig == signal.SIGKILL:
+            kills[sid] += 1
+        return signal_session(sid, sig, mark)
+
+    monkeypatch.setattr(procfs, "signal_session", counting)
+    try:
+        for proc in stubborn:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+            cluster.sessions.add(proc.pid)
+        grace = 2.0
+        started = time.monotonic()
+        cluster.shutdown(grace=grace)
+        took = time.monotonic() - started
+        assert [proc.wait(timeout=5) for proc in stubborn] == [-signal.SIGKILL] * 2
+        assert took < 1.75 * grace, f"{took:.1f} s: a grace period per session"
+        assert kills == {proc.pid: 1 for proc in stubborn}, kills
+    finally:
+        for proc in stubborn:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+# -- a child's lifecycle (laminar.children), in this process -----------------------------------------
+
+# A role that fails at once, leaving behind a process that escaped its session still holding its
+# stdout and stderr; it reports the parent-death signal the supervisor armed (15: SIGTERM).
+ESCAPER = """
+import ctypes, os, subprocess, sys, time
+signum = ctypes.c_int()
+ctypes.CDLL(None).prctl(2, ctypes.byref(signum))  # PR_GET_PDEATHSIG
+print("pdeathsig", signum.value, flush=True)
+escaped = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(60)"])
+while os.getsid(escaped.pid) == os.getsid(0):
+    time.sleep(0.01)
+os._exit(3)
+"""
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def lifecycle(tmp_path: Path, tag: str, command: Any, max_restarts: int = 1) -> Any:
+    """A :class:`ChildProcesses` for one child running ``command``, and what it said."""
+    mark = f"{MARK_ENV}={uuid.uuid4().hex}"
+    said: list[str] = []
+    lines: list[str] = []
+    gave_up: list[Child] = []
+    processes = ChildProcesses(
+        env=env(**KEEP_ENVIRON, **{TAG: tag, MARK_ENV: mark.split("=", 1)[1]}),
+        mark=mark,
+        grace=1.0,
+        log_dir=tmp_path / "logs",
+        stopping=asyncio.Event(),
+        command=command,
+        echo=lambda child, line: lines.append(line),
+        say=lambda message, style="": said.append(message),
+        gave_up=gave_up.append,
+    )
+    spec = RoleSpec(role="escaper", restart="on-failure", max_restarts=max_restarts)
+    child = Child("escaper-0", "escaper", "escaper", spec, "cyan")
+    return processes, child, said, lines, gave_up
+
+
+@pytest.mark.parametrize(
+    ("loop", "exits"),
+    [
+        ("uvloop", "pidfd"),
+        ("asyncio", "pidfd"),
+        ("asyncio", "no-pidfd"),
+        ("asyncio", "no-waitid-pidfd"),
+    ],
+)
+def test_a_child_is_restarted_while_an_escaped_process_holds_its_pipes_and_leaks_none(
+    loop: str, exits: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exit is seen although the pipes stay open (a pidfd; else a thread in ``waitid``), the
+    restart policy is applied, and the supervisor keeps no end of the escaped processes' pipes."""
+    if exits == "no-pidfd":
+        no_pidfds(monkeypatch)
+    elif exits == "no-waitid-pidfd":  # as on Linux 5.3: pidfds, but not for waitid
+        waitid = os.waitid
+
+        def old_waitid(idtype: int, ident: int, options: int) -> Any:
+            if idtype == os.P_PIDFD:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return waitid(idtype, ident, options)
+
+        monkeypatch.setattr(os, "waitid", old_waitid)
+    tag = uuid.uuid4().hex
+    command = lambda child: [sys.executable, "-c", ESCAPER]  # noqa: E731
+    processes, child, said, lines, gave_up = lifecycle(tmp_path, tag, command)
+
+    async def run() -> int:
+        # What the loop opens once, on its first child process (uvloop's signal pipe, ...)
+        first = await asyncio.create_subprocess_exec("true", stdout=PIPE, stderr=PIPE)
+        await first.communicate()
+        before = open_fds()
+        await asyncio.wait_for(processes.supervise(child), 60)
+        await processes.sweep()
+        child.log.close()
+        await asyncio.sleep(0.2)  # the loop closes a transport's pipes on its next iterations
+        return open_fds() - before
+
+    try:
+        leaked = uvloop.run(run()) if loop == "uvloop" else asyncio.run(run())
+        assert said == [
+            "escaper-0 exited with code 3; restarting (1/1)",
+            "escaper-0 exited with code 3; not restarting (policy on-failure, 1 restarts)",
+        ], said
+        assert gave_up == [child]
+        assert lines == ["pdeathsig 15"] * 2, lines
+        escaped = tagged(tag)
+        assert len(escaped) == 2, escaped  # one per incarnation, out of the run's sessions
+        assert leaked <= 0, f"{leaked} fds left open (the escaped processes' pipes)"
+    finally:
+        for pid in tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_an_unknown_exit_status_is_said_and_counts_as_a_failure(tmp_path: Path) -> None:
+    processes, child, said, _, _ = lifecycle(tmp_path, "unused", lambda child: [], 3)
+    assert processes.decide(child, None) is True
+    assert processes.decide(child, 0) is False
+    assert said == [
+        "escaper-0 exited with unknown status; restarting (1/3)",
+        "escaper-0 exited with code 0; not restarting (policy on-failure, 1 restarts)",
+    ]
+
+
+def test_a_watcher_that_fails_says_so_and_gives_up(tmp_path: Path) -> None:
+    def command(child: Child) -> list[str]:
+        raise RuntimeError("no command today")
+
+    processes, child, said, _, gave_up = lifecycle(tmp_path, "unused", command)
+
+    async def run() -> None:
+        await asyncio.wait_for(processes.supervise(child), 10)
+
+    asyncio.run(run())
+    child.log.close()
+    assert said == [
+        "escaper-0: supervising it failed (RuntimeError: no command today); killing its processes"
+    ]
+    assert gave_up == [child]
+
+
+def test_a_run_that_fails_before_starting_leaves_no_signal_handlers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from laminar import supervisor
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("tracking is broken")
+
+    monkeypatch.setattr(supervisor, "plan_for_run", broken)
+    sup = supervisor.Supervisor(load_config(write_run_config(tmp_path, [])), [])
+
+    async def run() -> Any:
+        with pytest.raises(RuntimeError, match="tracking is broken"):
+            await sup.run()
+        return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+
+    assert asyncio.run(run()) == (signal.default_int_handler, signal.SIG_DFL)

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -16,7 +15,8 @@ from laminar.errors import PeerUnavailable
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import transport_options
 from laminar.status import fetch_status
-from tests.support.procs import ROOT, SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
+from tests.support.devrun import kill_session, run_manager, start_run, write_run_config
+from tests.support.procs import SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
 from tests.support.roles import Calculator, Pair, Sleep
 
 pytestmark = pytest.mark.integration
@@ -165,35 +165,13 @@ def test_status_without_token_is_refused() -> None:
 
 
 def test_laminar_run_restarts_a_killed_member_and_stops_cleanly(tmp_path) -> None:
-    config = tmp_path / "cluster.yaml"
-    config.write_text(f"""
-cluster: {{heartbeat_interval_s: 0.2, heartbeat_timeout_s: 1.0}}
-manager: {{bind: "tcp://127.0.0.1:0"}}
-run:
-  run_dir: {tmp_path / "run"}
-  view_interval_s: 0.2
-  roles:
-    - role: manager
-    - role: {SUPPORT_ROLES}:Calculator
-      count: 2
-      restart: on-failure
-      max_restarts: 2
-""")
-    sup = subprocess.Popen(
-        laminar("run", str(config)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env(),
-        cwd=ROOT,
-        start_new_session=True,
+    calculators = {"role": f"{SUPPORT_ROLES}:Calculator", "count": 2}
+    config = write_run_config(
+        tmp_path, [{**calculators, "restart": "on-failure", "max_restarts": 2}]
     )
+    sup = start_run(config)
     try:
-        cluster_file = tmp_path / "run" / "cluster.json"
-        deadline = time.monotonic() + 30
-        while not cluster_file.is_file() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        manager = json.loads(cluster_file.read_text())["manager"]
+        manager = run_manager(tmp_path / "run")
         view, _ = _status_until(
             manager, lambda v: sum(m["state"] == "alive" for m in v.values()) == 3, 30
         )
@@ -221,9 +199,7 @@ run:
             with pytest.raises(ProcessLookupError):
                 os.kill(m["pid"], 0)  # no orphan left behind
     finally:
-        if sup.poll() is None:
-            os.killpg(sup.pid, signal.SIGKILL)
-            sup.communicate(timeout=10)
+        kill_session(sup)
 
 
 def test_bad_config_names_key_value_and_expectation(tmp_path) -> None:

@@ -25,7 +25,7 @@ from ..support.models import tiny_qwen2
 from ..support.poll import until
 from ..support.scenario import process_cluster, write_config
 from ..support.task import write_prompts, write_tokenizer
-from ..unit.test_tracking import read_scalars
+from ..support.tensorboard import read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

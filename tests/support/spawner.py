@@ -1,7 +1,9 @@
 """A role that starts a process of its own and leaves it running, the way a vLLM rollout starts
 its engine core: the child inherits the role's stdout and stderr (so it holds the supervisor's
-pipes open after the role dies) and is never stopped by the role. With ``stubborn`` it ignores
-SIGTERM as well, so only SIGKILL ends it. Used by ``tests/integration/test_orphans.py``.
+pipes open after the role dies), is never stopped by the role, and sets its process title as
+vLLM's engine core does (``setproctitle``, which wipes ``/proc/<pid>/environ`` unless
+``SPT_NOENV`` is set). With ``stubborn`` it ignores SIGTERM as well, so only SIGKILL ends it.
+Used by ``tests/integration/test_orphans.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from laminar.service import Service
 
 CHILD = """
 import signal, sys, time
+try:
+    import setproctitle  # installed with vLLM
+    setproctitle.setproctitle("spawner-child")
+except ImportError:
+    pass
 if sys.argv[1] == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 print("spawner child up", flush=True)

@@ -13,14 +13,9 @@ from laminar.plots import plot_run
 from laminar.progress import TrainerLog, progress_line, summarize
 from laminar.rundir import prepare_run_dir
 
-ARITH = [
-    ("manager-0", "manager"),
-    ("data-0", "data"),
-    ("relay-0", "relay"),
-    ("trainer-0", "trainer"),
-    ("rollout-0", "rollout"),
-    ("rollout-1", "rollout"),
-]
+from ..support.processes import ARITH_PROCESSES
+
+ARITH = list(ARITH_PROCESSES)
 
 
 def test_two_cores_give_each_rollout_its_own_and_the_trainer_shares() -> None:

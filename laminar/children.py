@@ -1,0 +1,418 @@
+"""The children of ``laminar run``: each role instance's process, its session, its restarts.
+
+A :class:`Child` is one role instance (``rollout-0``) for the whole run; :class:`ChildProcesses`
+owns the life of its process, one incarnation after another:
+
+* **start**: in a session of its own (the session id is its pid), so everything it starts (a
+  rollout's vLLM engine core and workers) can be found and stopped with it; on its CPU slot; with
+  ``PR_SET_PDEATHSIG`` (SIGTERM), so it dies with the supervisor. ``prctl`` is resolved when this
+  module is imported: loading a library between fork and exec, in a process with other threads,
+  can deadlock on the loader's lock. Its output is read line by line: the ``LAMINAR_READY`` line
+  gives its address, the rest goes to the supervisor's ``echo``.
+* **exit**: noticed on a pidfd of the process, not by its output closing (what it started inherits
+  its stdout and stderr, so after a kill -9 the pipes stay open as long as they live; CPython
+  3.11's ``Process.wait()`` resolves only once they close). ``waitid(WNOWAIT)`` reads the status
+  and leaves the reaping to the event loop's child watcher. Without pidfds (``pidfd_open``
+  failing: a kernel before 5.3, gVisor, seccomp) or without ``waitid(P_PIDFD)`` (a kernel before
+  5.4), a thread blocks in ``waitid(P_PID, WNOWAIT)`` instead. If the loop reaped the process
+  first, its return code is the loop's. A status that cannot be known is said as such and counts
+  as a failure.
+* **end of session**: what the process left in its session gets a moment to end by itself
+  (:data:`SETTLE_S`: a vLLM engine kills itself once its rollout is gone), then SIGTERM, SIGKILL
+  after ``run.shutdown_grace_s``, and the supervisor says so
+  (:func:`laminar.procfs.end_session`, in a thread: ``/proc`` is polled, never on the event loop).
+  Only processes carrying the run's mark are signalled (see :mod:`laminar.procfs`). Then the
+  process's pipes are closed, so one that escaped the session still holding them costs no file
+  descriptors per restart.
+* **restart**: by the role's ``restart`` policy (``on-failure``: any non-zero exit or a signal,
+  kill -9 included; ``max_restarts`` times, with a growing pause), decided and said once, as soon
+  as the exit status is known. A child given up on is reported to the supervisor (the manager's
+  end stops the run).
+* **stop** (:meth:`ChildProcesses.stop`): SIGTERM to each child's own process (it stops what it
+  started); its watcher sees it exit and ends its session as above; a child still running after
+  the grace period gets SIGKILL to its whole session. **sweep**: last, whatever is left in a
+  session not yet seen empty is killed, so no process of the run outlives it.
+
+A watcher never dies silently: an unexpected error is said, the child's session killed, and the
+child given up on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import RoleSpec
+from .cpus import CpuSlot
+from .procfs import end_session, signal_session
+from .service import READY_PREFIX
+
+#: Seconds what a child left behind gets to end by itself before SIGTERM (a vLLM engine's watch
+#: kills it 1 s after its rollout is gone, see :mod:`laminar.engines.vllm_worker`).
+SETTLE_S = 2.0
+
+try:  # resolved now, never between fork and exec (see the module docstring)
+    _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
+_PR_SET_PDEATHSIG = 1
+_SIGTERM = int(signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    section: str
+    spec: RoleSpec
+    colour: str
+    process: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    pinned_bind: str | None = None
+    cpu: CpuSlot | None = None
+    log: Any = None  # the open log file
+    pidfd: int | None = None  # of the current process, until its exit is seen
+    exit: asyncio.Future[int | None] | None = None  # the current process's exit status
+    watcher: asyncio.Task[None] | None = None  # owns the child for the whole run
+
+
+def _child_setup(cpus: tuple[int, ...], parent: int) -> Callable[[], None]:
+    def setup() -> None:  # in the child between fork and exec: no imports, no library loading
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, _SIGTERM)
+            if os.getppid() != parent:  # the supervisor died before the signal was armed
+                os._exit(1)
+        if cpus:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+def describe(code: int | None) -> str:
+    if code is None:
+        return "unknown status"
+    if code >= 0:
+        return f"code {code}"
+    with contextlib.suppress(ValueError):
+        return f"signal {-code} ({signal.Signals(-code).name})"
+    return f"signal {-code}"
+
+
+def processes(pids: list[int]) -> str:
+    return f"{len(pids)} process{'es' if len(pids) != 1 else ''} (pid {', '.join(map(str, pids))})"
+
+
+# -- noticing an exit ------------------------------------------------------------------------------
+
+
+def open_pidfd(proc: asyncio.subprocess.Process) -> int | None:
+    """A pidfd of a child just started; None without pidfds, or if the loop reaped it already
+    (then its returncode is set). Unless reaped, the pid still names this very process: we are
+    its parent."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except OSError:
+        return None
+    if proc.returncode is not None:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _status(info: Any) -> int | None:
+    if info is None or info.si_pid == 0:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+async def _readable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _returncode(proc: asyncio.subprocess.Process, timeout: float = 5.0) -> int | None:
+    """The status the event loop's child watcher read (it reaped the process, or is about to).
+    Polled: ``proc.wait()`` would also wait for the pipes to close (CPython 3.11)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while proc.returncode is None and loop.time() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    return proc.returncode
+
+
+async def _waitid_thread(proc: asyncio.subprocess.Process) -> int | None:
+    """Wait for the exit in a thread (``waitid(P_PID, WNOWAIT)``: the loop still reaps it)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int | None] = loop.create_future()
+
+    def settle(code: int | None) -> None:
+        if not done.done():
+            done.set_result(code)
+
+    def wait() -> None:
+        try:
+            code = _status(os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT))
+        except OSError:  # ECHILD: the loop reaped it first
+            code = None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, code)
+
+    # A daemon thread, not the loop's executor: it must not hold up the loop's shutdown.
+    threading.Thread(target=wait, name=f"waitid-{proc.pid}", daemon=True).start()
+    code = await done
+    return code if code is not None else await _returncode(proc)
+
+
+async def exit_status(child: Child) -> int | None:
+    """Wait until the child's current process has exited, whatever holds its pipes; its exit
+    status (negative: the signal), or None if it cannot be known. Closes the child's pidfd."""
+    proc = child.process
+    assert proc is not None
+    fd = child.pidfd
+    if fd is None:
+        return await _waitid_thread(proc)
+    try:
+        await _readable(fd)  # readable once it has exited
+        # It has exited, so this does not block (WNOHANG all the same).
+        info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOWAIT | os.WNOHANG)  # noqa: ASYNC222
+    except ChildProcessError:  # the loop reaped it first: it has the status
+        info = None
+    except (OSError, AttributeError):  # EINVAL: no waitid(P_PIDFD) before Linux 5.4
+        return await _waitid_thread(proc)
+    finally:
+        os.close(fd)
+        child.pidfd = None
+    code = _status(info)
+    return code if code is not None else await _returncode(proc)
+
+
+# -- the children's processes ----------------------------------------------------------------------
+
+
+class ChildProcesses:
+    """Starts, watches, restarts and stops the processes of a run's children (see the module
+    docstring). ``command`` gives a child's command line; ``echo`` gets each line it prints
+    (but its ready line); ``say`` speaks for the supervisor; ``gave_up`` learns of a child that
+    will not be restarted although the run goes on."""
+
+    def __init__(
+        self,
+        *,
+        env: dict[str, str],
+        mark: str,
+        grace: float,
+        log_dir: Path,
+        stopping: asyncio.Event,
+        command: Callable[[Child], list[str]],
+        echo: Callable[[Child, str], None],
+        say: Callable[[str, str], None],
+        gave_up: Callable[[Child], None],
+    ) -> None:
+        self.env = env
+        self.mark = mark
+        self.grace = grace
+        self.log_dir = log_dir
+        self.stopping = stopping
+        self.command = command
+        self.echo = echo
+        self.say = say
+        self.gave_up = gave_up
+        # Session ids (a child's pid) not yet seen empty: swept before the supervisor returns.
+        self.sessions: set[int] = set()
+
+    def supervise(self, child: Child) -> asyncio.Task[None]:
+        """Start the task that owns ``child`` for the whole run (``child.watcher``)."""
+        child.watcher = asyncio.create_task(self._watch(child), name=f"watch:{child.name}")
+        return child.watcher
+
+    # -- one incarnation --
+
+    async def _start(self, child: Child) -> asyncio.subprocess.Process:
+        child.ready.clear()
+        env = self.env if child.cpu is None else {**self.env, **child.cpu.env(child.section)}
+        if child.log is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            child.log = (self.log_dir / f"{child.name}.log").open("a")
+        proc = await asyncio.create_subprocess_exec(
+            *self.command(child),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # the session id is its pid
+            preexec_fn=_child_setup(child.cpu.cpus if child.cpu else (), os.getpid()),
+        )
+        child.process = proc
+        child.exit = asyncio.get_running_loop().create_future()
+        self.sessions.add(proc.pid)
+        child.pidfd = open_pidfd(proc)
+        return proc
+
+    async def _pump(self, child: Child, stream: asyncio.StreamReader) -> None:
+        while line := await stream.readline():
+            text = line.decode(errors="replace").rstrip()
+            if text.startswith(READY_PREFIX):
+                with contextlib.suppress(ValueError):
+                    child.info = json.loads(text[len(READY_PREFIX) :])
+                    child.ready.set()
+                continue
+            self.echo(child, text)
+
+    async def _end_session(self, child: Child, sid: int) -> None:
+        grace = self.grace
+        end = await asyncio.to_thread(end_session, sid, grace, self.mark, settle=SETTLE_S)
+        if end.left:
+            how = f"{len(end.killed)} needed SIGKILL after {grace:g} s" if end.killed else "SIGTERM"
+            them = "it" if len(end.left) == 1 else "them"
+            message = f"{child.name} left {processes(end.left)} behind; stopped {them} ({how})"
+            self.say(message, "yellow")
+        if end.remaining:  # unkillable for now (stuck in the kernel): the sweep tries again
+            self.say(f"{child.name}: {processes(end.remaining)} survived SIGKILL", "bold red")
+        else:
+            self.sessions.discard(sid)
+
+    async def _close(self, proc: asyncio.subprocess.Process) -> None:
+        """Release the process's pipes once the loop has reaped it (closing the transport of a
+        process not yet reaped would kill it or reap it behind the loop's back)."""
+        if proc.returncode is None:
+            await _returncode(proc)
+        if proc.returncode is not None:
+            transport = getattr(proc, "_transport", None)
+            with contextlib.suppress(Exception):
+                if transport is not None:
+                    transport.close()
+
+    async def _life(self, child: Child) -> bool:
+        """One incarnation: start, relay output, see it exit, end its session. Whether to start
+        it again (decided and said as soon as its exit status is known)."""
+        proc = await self._start(child)
+        assert child.exit is not None and proc.stdout is not None and proc.stderr is not None
+        if self.stopping.is_set():  # started while the run stops: stop it at once
+            self._signal(child, signal.SIGTERM)
+        pumps = [asyncio.create_task(self._pump(child, s)) for s in (proc.stdout, proc.stderr)]
+        try:
+            code = await exit_status(child)
+            child.exit.set_result(code)
+            restart = not self.stopping.is_set() and self.decide(child, code)
+            await self._end_session(child, proc.pid)
+            # The session is gone, so are the pipes' writers (bar one that left the session)
+            await asyncio.wait(pumps, timeout=2.0)
+            return restart
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            exited = child.exit.done()
+            if not exited:  # cancelled, or failed: nobody waits for an exit any more
+                child.exit.set_result(None)
+            if child.pidfd is not None:
+                os.close(child.pidfd)
+                child.pidfd = None
+            if exited:
+                await self._close(proc)
+
+    async def _watch(self, child: Child) -> None:
+        """Own one child for the whole run: its incarnations, the pause between them."""
+        try:
+            while await self._life(child):
+                pause = min(0.5 * 2 ** (child.restarts - 1), 5.0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), pause)
+                if self.stopping.is_set():
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never die silently: say it, stop its processes, give up
+            self.say(
+                f"{child.name}: supervising it failed ({type(exc).__name__}: {exc}); "
+                "killing its processes",
+                "bold red",
+            )
+            if child.process is not None:
+                await asyncio.to_thread(
+                    signal_session, child.process.pid, signal.SIGKILL, self.mark
+                )
+        if not self.stopping.is_set():
+            self.gave_up(child)
+
+    def decide(self, child: Child, code: int | None) -> bool:
+        """Whether the child is started again, by its restart policy; says which. An unknown
+        status counts as a failure."""
+        how = describe(code)
+        policy = child.spec.restart
+        wanted = policy == "always" or (policy == "on-failure" and code != 0)
+        if not wanted or child.restarts >= child.spec.max_restarts:
+            self.say(
+                f"{child.name} exited with {how}; not restarting "
+                f"(policy {policy}, {child.restarts} restarts)",
+                "bold red",
+            )
+            return False
+        child.restarts += 1
+        self.say(
+            f"{child.name} exited with {how}; restarting "
+            f"({child.restarts}/{child.spec.max_restarts})",
+            "bold yellow",
+        )
+        return True
+
+    # -- stopping --
+
+    def _signal(self, child: Child, sig: int) -> None:
+        """Signal the child's own process, if it is still running (through its pidfd while it
+        has one: its pid cannot be someone else's then)."""
+        if child.exit is None or child.exit.done() or child.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            if child.pidfd is not None:
+                signal.pidfd_send_signal(child.pidfd, sig)
+            elif child.process.returncode is None:
+                child.process.send_signal(sig)
+
+    async def stop(self, children: list[Child]) -> None:
+        """SIGTERM each child's own process (it stops what it started); its watcher sees it exit
+        and ends its session. A child not gone after the grace period: SIGKILL to its session.
+        Returns once their watchers are done (or a second grace period and 15 s have passed)."""
+        grace = self.grace
+        live = [c for c in children if c.watcher is not None and not c.watcher.done()]
+        for child in live:
+            self._signal(child, signal.SIGTERM)
+        running = [c.exit for c in live if c.exit is not None and not c.exit.done()]
+        if running:
+            await asyncio.wait(running, timeout=grace)
+        for child in live:
+            if child.exit is not None and not child.exit.done() and child.process is not None:
+                pid = child.process.pid
+                self.say(
+                    f"{child.name} (pid {pid}) did not stop {grace:g} s after SIGTERM; "
+                    "killing its processes",
+                    "bold red",
+                )
+                await asyncio.to_thread(signal_session, pid, signal.SIGKILL, self.mark)
+        watchers = [c.watcher for c in live if c.watcher is not None]
+        if watchers:  # they end what the sessions still hold (with a grace period of their own)
+            await asyncio.wait(watchers, timeout=grace + SETTLE_S + 15.0)
+
+    async def sweep(self) -> None:
+        """Kill whatever is left in the run's sessions (a child started while the run stopped, a
+        watcher cancelled before its child's session was empty): nothing outlives the run."""
+        for sid in sorted(self.sessions):
+            left = await asyncio.to_thread(signal_session, sid, signal.SIGKILL, self.mark)
+            if left:
+                self.say(f"killed {processes(left)} left at the end of the run", "bold red")
+        self.sessions.clear()

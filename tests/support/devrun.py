@@ -1,0 +1,73 @@
+"""``laminar run`` from a test: a config of test roles beside the manager, the supervisor (or any
+process tree under test) started in a session of its own so the test can always kill all of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .procs import ROOT, env, laminar
+
+
+def write_run_config(tmp_path: Path, roles: list[dict[str, Any]], **run: Any) -> Path:
+    """A ``laminar run`` config: fast heartbeats, the manager on a free port, ``roles`` after it;
+    ``run`` keys override (``run_dir`` is ``tmp_path/run``)."""
+    config = {
+        "cluster": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0},
+        "manager": {"bind": "tcp://127.0.0.1:0"},
+        "run": {
+            "run_dir": str(tmp_path / "run"),
+            "view_interval_s": 0.2,
+            **run,
+            "roles": [{"role": "manager"}, *roles],
+        },
+    }
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def spawn(
+    args: list[str], *, merge_stderr: bool = False, **extra_env: str
+) -> subprocess.Popen[str]:
+    """Start ``args`` from the repository root in a new session, output piped as text (stderr
+    into stdout with ``merge_stderr``), with the test environment plus ``extra_env``."""
+    return subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        text=True,
+        env=env(**extra_env),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+
+
+def start_run(config: Path, **extra_env: str) -> subprocess.Popen[str]:
+    """``laminar run CONFIG``, its console output (stdout and stderr) in ``.stdout``."""
+    return spawn(laminar("run", str(config)), merge_stderr=True, **extra_env)
+
+
+def run_manager(run_dir: Path, timeout: float = 30.0) -> str:
+    """The manager's address, once the supervisor has written ``cluster.json``."""
+    cluster_file = run_dir / "cluster.json"
+    deadline = time.monotonic() + timeout
+    while not cluster_file.is_file():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{cluster_file} not written within {timeout} s")
+        time.sleep(0.1)
+    return str(json.loads(cluster_file.read_text())["manager"])
+
+
+def kill_session(proc: subprocess.Popen[str]) -> None:
+    """If ``proc`` (started by :func:`spawn`) still runs, SIGKILL its process group; reap it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
