@@ -238,19 +238,21 @@ class Supervisor:
             if not self.stopping.is_set():
                 self.say(f"run budget of {duration:g} s reached; stopping")
         finally:
-            self.stopping.set()
-            await self._stop_all()
-            for task in watchers:
-                task.cancel()
-            await asyncio.gather(*watchers, return_exceptions=True)
-            await self.processes.sweep()
-            if view is not None and hasattr(view, "close_tracking"):
-                await view.close_tracking()  # after the roles: stopping them never waits on it
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-            for child in self.children:
-                if child.log is not None:
-                    child.log.close()
+            try:
+                self.stopping.set()
+                await self._stop_all()
+                for task in watchers:
+                    task.cancel()
+                await asyncio.gather(*watchers, return_exceptions=True)
+                await self.processes.sweep()
+                if view is not None and hasattr(view, "close_tracking"):
+                    await view.close_tracking()  # after the roles: stopping them never waits
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+                for child in self.children:
+                    if child.log is not None:
+                        child.log.close()
         assert view is not None
         view.final()
         self.say("all roles stopped")

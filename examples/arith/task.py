@@ -164,31 +164,6 @@ def reward(record: dict[str, Any], response: str) -> float:
         return 0.0
 
 
-def reward_steps(record: dict[str, Any], response: str) -> float:
-    """:func:`reward` plus partial credit for the correct leading steps of the worked solution.
-
-    ``0.5 x (correct leading lines / k) + 0.5 x reward``: a response that gets the answer right is
-    worth 1.0, exactly as with :func:`reward`; a wrong one earns up to 0.5 for how far its lines
-    agree with the demonstration before the first mistake. Why: on long chains a small model's
-    samples are almost never right at the end, so every reward of a group is 0, the group has no
-    advantage to learn from (and ``drop_constant_groups`` drops it); per-step credit gives those
-    groups a gradient toward being right for longer. Held-out accuracy is still measured with
-    :func:`reward`, so shaping cannot inflate the figure that counts. Never raises.
-    """
-    try:
-        right = reward(record, response)
-        target = demonstration(record).split("\n")[:-1]  # the step lines, without "#answer"
-        got = response.split("\n")
-        prefix = 0
-        for want, line in zip(target, got, strict=False):
-            if line != want:
-                break
-            prefix += 1
-        return 0.5 * prefix / max(1, len(target)) + 0.5 * right
-    except Exception:
-        return 0.0
-
-
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 

@@ -188,10 +188,14 @@ def start_engine(tag: str, keep_environ: bool) -> tuple[subprocess.Popen[str], i
     """The owner, its engine core and worker, once the worker's watch is armed."""
     extra = {TAG: tag, **(KEEP_ENVIRON if keep_environ else {})}
     owner = spawn([sys.executable, "-c", OWNER, CORE, WORKER], **extra)
-    assert owner.stdout is not None
-    assert owner.stdout.readline().strip() == "armed"
-    (core,) = procfs.children(owner.pid)
-    (worker,) = procfs.children(core)
+    try:
+        assert owner.stdout is not None
+        assert owner.stdout.readline().strip() == "armed"
+        (core,) = procfs.children(owner.pid)
+        (worker,) = procfs.children(core)
+    except BaseException:  # a timeout included: the whole tree is in the owner's group
+        kill_session(owner)
+        raise
     return owner, core, worker
 
 

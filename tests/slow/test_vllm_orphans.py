@@ -3,18 +3,25 @@
 ``laminar serve --role rollout`` with the real engine (a tiny model), no supervisor around: the
 processes the rollout started (vLLM's engine core, its worker, multiprocessing's resource tracker)
 are recorded, the rollout alone is killed with -9 (``ProcessCluster.kill9``), and every recorded
-process must be gone within a bound (``laminar.engines.vllm_worker``'s watch). Before it, they
-were re-parented to init and lived on, holding gigabytes.
+process must be gone within a bound (``laminar.engines.vllm_worker``'s watch), the engine core
+among those the watch names as killed. Before it, they were re-parented to init and lived on,
+holding gigabytes. Also: the engine's processes keep the cluster's mark in ``/proc`` although
+vLLM sets their titles (``SPT_NOENV``), and the rollout holds the owner value only while its engine
+starts.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from laminar.launch import proc_stat
+from laminar import procfs
 from tests.support.models import tiny_qwen2
 from tests.support.scenario import process_cluster, write_config
 
@@ -29,9 +36,9 @@ def descendants(root: int) -> dict[int, str]:
     """Every live process below ``root``: pid -> its command line (vLLM's processes set it to
     their title, e.g. ``VLLM::EngineCore``)."""
     parent: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (stat := proc_stat(int(entry.name))) and stat[0] != "Z":
-            parent[int(entry.name)] = stat[1]
+    for pid in procfs.pids():
+        if (stat := procfs.stat(pid)) and stat.state != "Z":
+            parent[pid] = stat.ppid
     out: dict[int, str] = {}
     frontier = {root}
     while frontier:
@@ -43,14 +50,6 @@ def descendants(root: int) -> dict[int, str]:
                 out[pid] = "?"
             out[pid] = out[pid].strip()[:80]
     return out
-
-
-def started(pid: int) -> int | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(text[text.rindex(")") + 2 :].split()[19])
 
 
 def test_vllm_engine_dies_with_its_rollout_killed_with_minus_9(tmp_path: Path) -> None:
@@ -76,23 +75,55 @@ def test_vllm_engine_dies_with_its_rollout_killed_with_minus_9(tmp_path: Path) -
         cluster.serve("rollout", "rollout-0", timeout=240)  # a loaded machine is slow
         rollout = cluster.procs["rollout-0"].pid
         engine = descendants(rollout)
-        assert any("EngineCore" in name for name in engine.values()), engine
-        born = {pid: started(pid) for pid in engine}
+        cores = [pid for pid, name in engine.items() if "EngineCore" in name]
+        assert len(cores) == 1, engine
+        core = cores[0]
+        # vLLM set their titles, and the cluster's mark is still readable (SPT_NOENV)
+        assert all(procfs.has_env(pid, cluster.mark) for pid in engine), engine
+        born = {pid: procfs.stat(pid).start for pid in engine}  # type: ignore[union-attr]
 
         cluster.kill9("rollout-0")
         killed = time.monotonic()
 
         def survivors() -> dict[int, str]:  # the same processes (pid and start time), not zombies
-            return {
-                pid: name
-                for pid, name in engine.items()
-                if (stat := proc_stat(pid)) and stat[0] != "Z" and started(pid) == born[pid]
-            }
+            return {pid: name for pid, name in engine.items() if procfs.alive(pid, born[pid])}
 
         while survivors() and time.monotonic() - killed < BOUND_S:
             time.sleep(0.1)
         took = time.monotonic() - killed
         assert not survivors(), f"outlived their rollout by {BOUND_S} s: {survivors()}"
         log = cluster.log_tail("rollout-0")
-        assert f"the rollout (pid {rollout}) is gone; killing its vLLM engine" in log, log
+        said = re.search(rf"the rollout \(pid {rollout}\) is gone; killing its vLLM engine "
+                         r"\(pids ([\d, ]+)\)", log)  # fmt: skip
+        assert said, log
+        assert core in [int(pid) for pid in said.group(1).split(", ")], (core, said.group(0))
         print(f"{len(engine)} processes ({', '.join(sorted(engine.values()))}) gone {took:.1f} s")
+
+
+async def test_the_owner_value_is_set_only_while_the_engine_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``LAMINAR_ENGINE_OWNER`` is there while ``AsyncLLM.from_engine_args`` starts the engine
+    core (which the workers inherit from), then the previous value (or none) is back: nothing
+    the rollout starts later takes it for its engine's owner. ``SPT_NOENV`` is set for vLLM."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from laminar.engines.configs import VllmEngineConfig
+    from laminar.engines.vllm_engine import VllmEngine
+    from laminar.engines.vllm_worker import OWNER_ENV, owner_token
+
+    seen: list[tuple[str | None, str | None]] = []
+
+    def from_engine_args(*args: Any, **kwargs: Any) -> Any:
+        seen.append((os.environ.get(OWNER_ENV), os.environ.get("SPT_NOENV")))
+        return SimpleNamespace(shutdown=lambda: None)
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", from_engine_args)
+    config = VllmEngineConfig(model=str(tmp_path), warmup=False, kv_cache_bytes="32MiB")
+    monkeypatch.delenv(OWNER_ENV, raising=False)
+    await VllmEngine(config).start()
+    assert OWNER_ENV not in os.environ
+    monkeypatch.setenv(OWNER_ENV, "an outer engine's")
+    await VllmEngine(config).start()
+    assert os.environ[OWNER_ENV] == "an outer engine's"
+    assert seen == [(owner_token(), "1")] * 2

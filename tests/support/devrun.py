@@ -55,7 +55,7 @@ def start_run(config: Path, **extra_env: str) -> subprocess.Popen[str]:
     return spawn(laminar("run", str(config)), merge_stderr=True, **extra_env)
 
 
-def run_manager(run_dir: Path, timeout: float = 30.0) -> str:
+def run_manager(run_dir: Path, timeout: float = 60.0) -> str:
     """The manager's address, once the supervisor has written ``cluster.json``."""
     cluster_file = run_dir / "cluster.json"
     deadline = time.monotonic() + timeout
