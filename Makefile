@@ -38,7 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/transport.py --json runs/bench/transport.json
 	$(PY) benchmarks/generation.py --json runs/bench/generation.json
 	$(PY) benchmarks/schedules.py --json runs/bench/schedules.json
-	$(PY) benchmarks/learning.py --json runs/bench/learning.json
+	$(PY) benchmarks/learning.py --json runs/bench/learning.json  # 3 seeds x ~17 min
 
 # The example task's data, a model, and its warm start. `laminar sft` exits non-zero (and writes
 # nothing to runs/models/arith-sft) when the warm start misses its accuracy target, so `make run`

