@@ -366,13 +366,19 @@ def test_parse_cpulist() -> None:
     assert parse_cpulist("0-2,5,7-8\n") == frozenset({0, 1, 2, 5, 7, 8})
 
 
+def importable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, text: str) -> Path:
+    """A module ``name`` the probe's fresh interpreters (and this one) can import."""
+    module = tmp_path / f"{name}.py"
+    module.write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return module
+
+
 def test_import_probe_asks_a_fresh_interpreter_every_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    module = tmp_path / "laminar_probe_me.py"
-    module.write_text("__version__ = '1.0'\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    module = importable(tmp_path, monkeypatch, "laminar_probe_me", "__version__ = '1.0'\n")
     first = ImportProbe(["laminar_probe_me", "no_such_module_laminar"])
     facts = first.result()
     assert facts["laminar_probe_me"] == ImportFacts("laminar_probe_me", True, "1.0")
@@ -483,10 +489,7 @@ def test_the_preflight_reads_metadata_and_starts_no_subprocess(
 def test_doctor_kills_its_probe_when_gathering_the_facts_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    module = tmp_path / "laminar_probe_slow.py"
-    module.write_text("import time\ntime.sleep(120)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    importable(tmp_path, monkeypatch, "laminar_probe_slow", "import time\ntime.sleep(120)\n")
     probes: list[ImportProbe] = []
 
     def slow_probe(*args: object, **kw: object) -> ImportProbe:
