@@ -179,7 +179,8 @@ async def run_role(
     path.write_text(yaml.safe_dump(config))
     total = len(read_records(prompts)) * args.samples
     logs = work / f"role-{run}" / "logs"
-    with ProcessCluster(path, logs, env={"LAMINAR_TOKEN": token}) as cluster:
+    # unpinned, as the bare engine it is compared with
+    with ProcessCluster(path, logs, env={"LAMINAR_TOKEN": token}, pin_rollouts=False) as cluster:
         cluster.serve("manager", "manager")
         data_info = cluster.serve("data", "data-0")
         cluster.serve("rollout", "rollout-0", timeout=300)

@@ -7,8 +7,11 @@ owns the life of its process, one incarnation after another:
   rollout's vLLM engine core and workers) can be found and stopped with it; on its CPU slot; with
   ``PR_SET_PDEATHSIG`` (SIGTERM), so it dies with the supervisor. ``prctl`` is resolved when this
   module is imported: loading a library between fork and exec, in a process with other threads,
-  can deadlock on the loader's lock. Its output is read line by line: the ``LAMINAR_READY`` line
-  gives its address, the rest goes to the supervisor's ``echo``.
+  can deadlock on the loader's lock. With umask 077, so what it writes (the data role's SQLite
+  file, checkpoints, logs) is readable by this user only. Its output is read in chunks and split
+  into lines of at most 64 KiB (:mod:`laminar.linesplit`: a longer one is cut, with a marker, and
+  never stops the reading, so the child never blocks on a full pipe): the ``LAMINAR_READY`` line
+  gives its address, the rest goes to the supervisor's ``echo``; its log file is 0600.
 * **exit**: noticed on a pidfd of the process, not by its output closing (what it started inherits
   its stdout and stderr, so after a kill -9 the pipes stay open as long as they live; CPython
   3.11's ``Process.wait()`` resolves only once they close). ``waitid(WNOWAIT)`` reads the status
@@ -49,10 +52,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .config import RoleSpec
 from .cpus import CpuSlot
+from .linesplit import LineSplitter
 from .procfs import end_session, signal_session
 from .service import READY_PREFIX
 
@@ -89,6 +93,7 @@ class Child:
 
 def _child_setup(cpus: tuple[int, ...], parent: int) -> Callable[[], None]:
     def setup() -> None:  # in the child between fork and exec: no imports, no library loading
+        os.umask(0o077)  # what the run writes is this user's only
         if _PRCTL is not None:
             _PRCTL(_PR_SET_PDEATHSIG, _SIGTERM)
             if os.getppid() != parent:  # the supervisor died before the signal was armed
@@ -98,6 +103,16 @@ def _child_setup(cpus: tuple[int, ...], parent: int) -> Callable[[], None]:
                 os.sched_setaffinity(0, cpus)
 
     return setup
+
+
+def open_log(path: Path) -> IO[str]:
+    """Open a child's log for appending, readable by this user only (its directory 0700, the file
+    0600), whatever the umask and whatever mode a resumed run's log had."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.chmod(0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)
+    return open(fd, "a")  # closed by the supervisor at the end of the run
 
 
 def describe(code: int | None) -> str:
@@ -248,8 +263,7 @@ class ChildProcesses:
         child.ready.clear()
         env = self.env if child.cpu is None else {**self.env, **child.cpu.env(child.section)}
         if child.log is None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            child.log = (self.log_dir / f"{child.name}.log").open("a")
+            child.log = open_log(self.log_dir / f"{child.name}.log")
         proc = await asyncio.create_subprocess_exec(
             *self.command(child),
             stdout=asyncio.subprocess.PIPE,
@@ -265,14 +279,22 @@ class ChildProcesses:
         return proc
 
     async def _pump(self, child: Child, stream: asyncio.StreamReader) -> None:
-        while line := await stream.readline():
-            text = line.decode(errors="replace").rstrip()
-            if text.startswith(READY_PREFIX):
-                with contextlib.suppress(ValueError):
-                    child.info = json.loads(text[len(READY_PREFIX) :])
-                    child.ready.set()
-                continue
-            self.echo(child, text)
+        """Relay the child's output, line by line; in chunks, not ``readline``, which gives up on
+        a line over 64 KiB and would leave the child blocked on a full pipe."""
+        lines = LineSplitter()
+        while chunk := await stream.read(1 << 16):
+            for text in lines.feed(chunk):
+                self._line(child, text)
+        for text in lines.close():
+            self._line(child, text)
+
+    def _line(self, child: Child, text: str) -> None:
+        if text.startswith(READY_PREFIX):
+            with contextlib.suppress(ValueError):
+                child.info = json.loads(text[len(READY_PREFIX) :])
+                child.ready.set()
+            return
+        self.echo(child, text)
 
     async def _end_session(self, child: Child, sid: int) -> None:
         grace = self.grace

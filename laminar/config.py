@@ -16,7 +16,10 @@ the dotted key, the value found and what was expected.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -42,7 +45,9 @@ class ClusterConfig(Strict):
         None, description="Address of the manager to join (tcp://host:port); set by `--join`."
     )
     token_env: str = Field(
-        "LAMINAR_TOKEN", description="Environment variable holding the cluster token (>= 16 chars)."
+        "LAMINAR_TOKEN",
+        description="Environment variable holding the cluster token: >= 16 random characters "
+        "(a placeholder, a repeat or a run is refused; `secrets.token_hex(16)` makes a good one).",
     )
     heartbeat_interval_s: PositiveFloat = Field(
         0.5, description="How often each member heartbeats to the manager."
@@ -57,7 +62,23 @@ class ClusterConfig(Strict):
         5.0, description="A new connection must finish the token handshake within this."
     )
     max_frame_mib: Annotated[int, Field(gt=0, le=16384)] = Field(
-        2048, description="Largest message frame accepted; a bigger one closes that connection."
+        2048,
+        description="Largest message frame accepted (fields, token arrays and tensors together); "
+        "a sender refuses to send a bigger one (MessageTooLarge), a receiver closes that "
+        "connection. The trainer asks for a batch in pieces when it would not fit.",
+    )
+    max_payload_mib: Annotated[int, Field(gt=0, le=4095)] = Field(
+        64,
+        description="Largest msgpack part of a frame: the message fields a receiver decodes in "
+        "one piece. Token ids, logprobs and tensors travel beside it as raw buffers and count "
+        "only against max_frame_mib.",
+    )
+    peer_timeout_s: PositiveFloat | None = Field(
+        None,
+        description="A connection whose peer stays silent this long is closed and re-dialled: "
+        "unanswered pings, unacknowledged data (TCP_USER_TIMEOUT), failed keepalive probes. "
+        "Bounds how long a crashed host or a cut link goes unnoticed. null = 3 x "
+        "heartbeat_timeout_s, at least 5 s.",
     )
     log_format: Literal["console", "json"] = Field(
         "console", description="console: readable (dev); json: one object per line (production)."
@@ -80,17 +101,40 @@ class ClusterConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _payload_fits_frame(self) -> ClusterConfig:
+        if self.max_payload_mib > self.max_frame_mib:
+            raise ValueError(
+                f"max_payload_mib ({self.max_payload_mib}) must not exceed max_frame_mib "
+                f"({self.max_frame_mib}): the payload is part of a frame"
+            )
+        return self
+
+    @property
+    def peer_timeout(self) -> float:
+        """``peer_timeout_s``, or its default from the heartbeat timeout."""
+        if self.peer_timeout_s is not None:
+            return self.peer_timeout_s
+        # the floor: a test cluster's sub-second heartbeats must not make a busy 2-core machine's
+        # scheduling hiccups look like dead peers
+        return max(3 * self.heartbeat_timeout_s, 5.0)
+
     def token(self) -> bytes:
-        """The cluster token from the environment; a clear error if it is missing or short."""
+        """The cluster token from the environment; a clear error if it is missing, short, a
+        placeholder or guessable (:func:`token_problem`)."""
         value = os.environ.get(self.token_env)
+        make = (
+            f"`export {self.token_env}=$(python -c 'import secrets; print(secrets.token_hex(16))')`"
+        )
         if not value:
             raise ConfigError(
-                f"no cluster token: set the environment variable {self.token_env} "
-                f"(e.g. `export {self.token_env}=$(python -c 'import secrets; "
-                f"print(secrets.token_hex(16))')`)"
+                f"no cluster token: set the environment variable {self.token_env} (e.g. {make})"
             )
-        if len(value) < 16:
-            raise ConfigError(f"the cluster token in {self.token_env} must be >= 16 characters")
+        problem = token_problem(value)
+        if problem is not None:
+            raise ConfigError(
+                f"the cluster token in {self.token_env} {problem}; make a random one, e.g. {make}"
+            )
         return value.encode()
 
 
@@ -157,6 +201,14 @@ class RunConfig(Strict):
     plots: bool = Field(True, description="Draw <run_dir>/plots/*.png when the run ends.")
 
 
+# (section, key) -> where its default comes from when the section leaves it unset: the data role
+# checks prompt lengths at load against the rollouts' context length (issue 15: one over-long
+# prompt used to kill every rollout in turn).
+DERIVED: dict[tuple[str, str], tuple[str, ...]] = {
+    ("data", "max_model_len"): ("rollout", "engine", "max_model_len"),
+}
+
+
 class LaminarConfig(BaseModel):
     """A whole cluster's configuration. Role sections are kept raw and validated per role."""
 
@@ -180,8 +232,18 @@ class LaminarConfig(BaseModel):
     def role_config(
         self, name: str, model: type[Strict], overrides: dict[str, Any] | None = None
     ) -> Any:
-        """Validate section ``name`` (plus ``overrides``) against a role's config model."""
+        """Validate section ``name`` (plus ``overrides``) against a role's config model.
+
+        A key listed in :data:`DERIVED` that the section leaves unset takes its value from
+        another section, so one fact (the rollouts' context length) is written once."""
         data = _deep_merge(self.section(name), overrides or {})
+        for (section, key), path in DERIVED.items():
+            if section == name and key not in data:
+                value: Any = self.section(path[0])
+                for part in path[1:]:
+                    value = value.get(part) if isinstance(value, dict) else None
+                if value is not None:
+                    data[key] = value
         try:
             return model.model_validate(data)
         except ValidationError as exc:
@@ -273,3 +335,73 @@ def load_config(
 
 def new_token() -> str:
     return secrets.token_hex(16)
+
+
+# -- token quality ---------------------------------------------------------------------------------
+
+#: Below this many estimated bits a token is refused. Far under what a random token scores
+#: (``secrets.token_hex(16)``: ~115; ``token_hex(8)``, 16 characters: ~50, and not one in a
+#: million draws under 30), far over what a pattern does ("0123456789abcdef": 5, "abcd" * 4: 8).
+MIN_TOKEN_BITS = 30.0
+
+#: Words that mark a value as a placeholder someone forgot to replace (compared lower-cased,
+#: separators removed). All have >= 7 letters, so a random token holds one by chance less than
+#: once in 10^9 (a hex one never: none is spelt in 0-9a-f).
+PLACEHOLDERS = (
+    "changeme",
+    "replace",
+    "example",
+    "placeholder",
+    "password",
+    "yourtoken",
+    "tokenhere",
+    "goeshere",
+)
+
+#: "xxxx" (or longer, or "XXXX") standing as a group of its own: "sk-xxxx", "token-XXXX-XXXX" (a
+#: random url-safe token has one by chance about once in 4 million).
+_XS = re.compile(r"(?:^|[^A-Za-z0-9])(?:x{4,}|X{4,})(?:[^A-Za-z0-9]|$)")
+
+
+def _shannon_bits(items: list[int]) -> float:
+    """Total Shannon information of ``items`` under their own frequencies (bits)."""
+    n = len(items)
+    counts: dict[int, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return -sum(c * math.log2(c / n) for c in counts.values())
+
+
+def token_bits(value: str) -> float:
+    """A conservative estimate of a token's entropy in bits, made to catch what people type.
+
+    Taken on the shortest unit the token repeats ("k3J9k3J9k3J9": "k3J9"), it is the smaller of
+    the Shannon information of its characters and of the steps between neighbouring characters,
+    so repeats ("aaaa"), few symbols ("abab") and runs ("0123456789", "abcdefgh") all score low.
+    It cannot see dictionary words: that is what :data:`PLACEHOLDERS` and the length are for."""
+    codes = [ord(c) for c in value]
+    n = len(codes)
+    unit = next((p for p in range(1, n) if n % p == 0 and codes == codes[:p] * (n // p)), n)
+    codes = codes[:unit]
+    steps = [b - a for a, b in itertools.pairwise(codes)]
+    return min(_shannon_bits(codes), _shannon_bits(steps)) if steps else 0.0
+
+
+def token_problem(value: str) -> str | None:
+    """Why ``value`` is not fit to be the cluster token (ending a sentence "the token ..."), or
+    None. Shared by every role (:meth:`ClusterConfig.token`), ``laminar run`` and the doctor."""
+    if len(value) < 16:
+        return f"must be >= 16 characters (it has {len(value)})"
+    folded = "".join(c for c in value.lower() if c.isalnum())
+    for word in PLACEHOLDERS:
+        if word in folded:
+            return f"is a placeholder (it contains {word!r}), not a secret"
+    if _XS.search(value):
+        return "is a placeholder (it contains 'xxxx'), not a secret"
+    bits = token_bits(value)
+    if bits < MIN_TOKEN_BITS:
+        return (
+            f"is too easy to guess (a repeat, a run or too few distinct characters: about "
+            f"{bits:.0f} bits estimated, {MIN_TOKEN_BITS:.0f} needed)"
+        )
+    return None

@@ -363,7 +363,8 @@ Conventions:
   ```
 
 * **Secrets are not configuration.** The cluster token comes from the environment variable named
-  by `cluster.token_env` (default `LAMINAR_TOKEN`, at least 16 characters), never from the file.
+  by `cluster.token_env` (default `LAMINAR_TOKEN`, at least 16 random characters; placeholders
+  and patterns are refused), never from the file.
 * **Per-role service keys.** Every role section has `bind`, `metrics` and `instance` (from
   `ServiceConfig`); `laminar serve --bind` overrides `bind`.
 * **Tables.** Keys are dotted paths from the top of the file; `key[].x` is a key of each item of

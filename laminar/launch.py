@@ -12,6 +12,11 @@ roles' sessions included (all sessions at once: one grace period, not one each).
 :meth:`ProcessCluster.kill9` kills only the role's own process, the way a crash does, so tests can
 watch what happens to the rest (a vLLM engine kills itself, see :mod:`laminar.engines.vllm_worker`).
 The session helpers are in :mod:`laminar.procfs`, shared with ``laminar run``.
+
+Rollouts are pinned one core each, round robin (``pin_rollouts``), the way ``laminar run``'s CPU
+plan pins them (:mod:`laminar.cpus`): left alone, every vLLM CPU engine binds its OpenMP threads
+to the same cores, and two engines' spinning threads starved each other so badly that a second
+engine took over 180 s to start on a 2-core machine (issue 15's CI failure). Sim engines ignore it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from .cpus import CpuSlot, available_cores
 from .errors import LaminarError
 from .procfs import KEEP_ENVIRON, MARK_ENV, end_session, end_sessions
 from .service import READY_PREFIX
@@ -42,8 +48,12 @@ class ProcessCluster:
         *,
         env: dict[str, str] | None = None,
         cwd: str | Path | None = None,
+        pin_rollouts: bool = True,
     ) -> None:
         self.config = Path(config)
+        self.pin_rollouts = pin_rollouts
+        self._cores = available_cores()
+        self._rollout_core: dict[str, int] = {}  # kept across restarts of the same name
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # Marks every process this cluster starts (inherited by what they start): a session id
@@ -77,6 +87,40 @@ class ProcessCluster:
         ``prefix`` wraps the command, e.g. ``("ip", "netns", "exec", NS)`` to start it on another
         (emulated) host; it must exec the command, so signals reach the role's own process.
         """
+        log, proc = self._spawn(role, name, args, prefix)
+        info = self._wait_ready(name, proc, log, timeout)
+        self.info[name] = info
+        if role == "manager":
+            self.manager = info["address"]
+        return info
+
+    def serve_many(
+        self,
+        roles: list[tuple[str, str]],
+        *,
+        timeout: float = 120.0,
+        args: dict[str, tuple[str, ...]] | None = None,
+    ) -> dict[str, dict[str, Any]]:
+        """Start several members (``(role, name)`` pairs, ``args[name]`` added to a command) at
+        once; wait until each is ready.
+
+        Their start-ups overlap: a vLLM rollout spends ~20 s importing and loading, and started
+        one after another two of them took twice that, while a started one was already busy
+        generating on the cores the next one needed. The manager must be up already.
+        """
+        extra = args or {}
+        spawned = [
+            (name, *self._spawn(role, name, extra.get(name, ()), ())) for role, name in roles
+        ]
+        deadline = time.monotonic() + timeout
+        for name, log, proc in spawned:
+            left = max(1.0, deadline - time.monotonic())
+            self.info[name] = self._wait_ready(name, proc, log, left)
+        return {name: self.info[name] for name, _, _ in spawned}
+
+    def _spawn(
+        self, role: str, name: str, args: tuple[str, ...], prefix: tuple[str, ...]
+    ) -> tuple[IO[str], subprocess.Popen[str]]:
         cmd = [*prefix, sys.executable, "-m", "laminar", "serve", "--role", role]
         cmd += ["--config", str(self.config), "--instance", name, *args]
         if role != "manager":
@@ -89,17 +133,22 @@ class ProcessCluster:
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
-            env=self.env,
+            env=self._env_for(role, name),
             cwd=self.cwd,
             start_new_session=True,  # its session id is its pid: see ``session_members``
         )
         self.procs[name] = proc
         self.sessions.add(proc.pid)
-        info = self._wait_ready(name, proc, log, timeout)
-        self.info[name] = info
-        if role == "manager":
-            self.manager = info["address"]
-        return info
+        return log, proc
+
+    def _env_for(self, role: str, name: str) -> dict[str, str]:
+        if role != "rollout" or not self.pin_rollouts:
+            return self.env
+        core = self._rollout_core.setdefault(
+            name, self._cores[len(self._rollout_core) % len(self._cores)]
+        )
+        slot = CpuSlot((core,), 1)
+        return {**self.env, **slot.env(role)}
 
     def _wait_ready(
         self, name: str, proc: subprocess.Popen[str], log: IO[str], timeout: float

@@ -84,6 +84,21 @@ class ClusterStatus(BaseModel):
     now: float
     heartbeat_timeout_s: float
     members: list[Member]
+    heartbeat_interval_s: float = 0.0
+    incarnation: str = ""  # the manager's: a new random id at each start
+    started_at: float = 0.0  # the manager's wall clock at its start
+
+    def unsettled_s(self) -> float:
+        """How much longer ``members`` may lack members that are alive (0: it is complete).
+
+        A restarted manager knows nobody: each member is told to rejoin by its next heartbeat and
+        joins one interval later. A member that has not rejoined a heartbeat timeout (plus that
+        interval) after the manager's start is as silent as one the manager would have declared
+        dead, so from then on a member missing from the list can be treated as not alive. Before
+        then, releasing what a missing member holds would take work from a live one.
+        """
+        settle = self.heartbeat_timeout_s + self.heartbeat_interval_s
+        return max(0.0, settle - (self.now - self.started_at))
 
 
 class WatchRequest(BaseModel):

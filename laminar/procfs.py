@@ -2,7 +2,8 @@
 
 Standard library only, on purpose: :mod:`laminar.engines.vllm_worker` imports this inside vLLM's
 worker processes. Used by ``laminar run`` (:mod:`laminar.children`), :class:`laminar.launch.
-ProcessCluster`, the vLLM engine's owner watch, and tests.
+ProcessCluster`, the vLLM engine's owner watch, the reward pool (:func:`signal_marked`: what a
+reward worker left behind), and tests.
 
 A process is named for good by its pid *and* start time (a recycled pid starts later).
 
@@ -141,6 +142,36 @@ def signal_session(sid: int, sig: int, mark: str | None = None) -> list[int]:
             os.kill(pid, sig)
             sent.append(pid)
         except ProcessLookupError:
+            pass
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return sent
+
+
+def signal_marked(mark: str, sig: int) -> list[int]:
+    """Send ``sig`` to every live process started with ``mark`` (``NAME=value``) in its
+    environment, whatever its session or group (a process that called ``setsid`` included); the
+    pids signalled. Through a pidfd opened before the mark is read again, as above."""
+    sent = []
+    for pid in pids():
+        if not has_env(pid, mark):
+            continue
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        except OSError:  # no pidfds: kill right after the check below
+            fd = None
+        try:
+            if not alive(pid) or not has_env(pid, mark):
+                continue
+            if fd is not None:
+                signal.pidfd_send_signal(fd, sig)
+            else:
+                os.kill(pid, sig)
+            sent.append(pid)
+        except (ProcessLookupError, PermissionError):
             pass
         finally:
             if fd is not None:

@@ -7,6 +7,7 @@ Frame kinds (meta ``k``), all other meta keys short: ``i`` call id, ``m`` method
     NOTIFY    m  payload=request      ->  (nothing; failures are logged on the server)
     STREAM  i m  payload=request      ->  ITEM i payload=item ... END i | ERROR i e
     CANCEL  i                         ->  the server cancels the handler task of call i
+    PING                              ->  PONG (liveness of an otherwise quiet connection)
 
 Guarantees, and why:
 
@@ -19,6 +20,14 @@ Guarantees, and why:
 * A handler's exception comes back as :class:`RemoteError` naming role, instance, method and
   cause; a request that fails validation is a :class:`BadRequest` and the handler never runs.
 * Handler tasks belong to their connection: when it closes they are cancelled and awaited.
+* A connection that goes silent (peer host crashed, link cut, process stopped) is closed by the
+  client once its pings go unanswered for the transport's ``peer_timeout``; pending calls then
+  fail with :class:`PeerUnavailable` and the next call reconnects. Without that, a dead peer that
+  sent no reset would keep calls, heartbeats and idle streams waiting for many minutes.
+* A message over the cluster's size limits fails at its sender with ``MessageTooLarge`` (a reply
+  or stream item: as a :class:`RemoteError` of that type), never by a dropped connection.
+* Token ids and logprobs (fields annotated with ``wire_array``) travel as raw typed arrays beside
+  the msgpack payload (:mod:`laminar.transport.arrays`).
 """
 
 from __future__ import annotations
@@ -37,11 +46,13 @@ import structlog
 from pydantic import BaseModel, ValidationError
 
 from laminar.transport import (
+    WIRE_CONTEXT,
     Connection,
     ConnectionClosed,
     Frame,
     FrameError,
     Listener,
+    MessageTooLarge,
     TransportOptions,
     decode_payload,
     encode_payload,
@@ -53,6 +64,7 @@ from .endpoint import EndpointSpec, endpoints_of
 log = structlog.get_logger("laminar.rpc")
 
 K_CALL, K_REPLY, K_ERROR, K_NOTIFY, K_STREAM, K_ITEM, K_END, K_CANCEL = range(16, 24)
+K_PING, K_PONG = 24, 25
 
 
 @dataclass(frozen=True)
@@ -69,7 +81,8 @@ _connection_ids = itertools.count(1)
 
 
 def encode_model(model: BaseModel | None) -> tuple[bytes, list[memoryview]]:
-    return encode_payload(model.model_dump() if model is not None else None)
+    # WIRE_CONTEXT: ``wire_array`` fields come out as typed arrays, sent as one raw buffer
+    return encode_payload(model.model_dump(context=WIRE_CONTEXT) if model is not None else None)
 
 
 def decode_model(cls: type[BaseModel] | None, frame: Frame) -> Any:
@@ -127,6 +140,12 @@ class RpcServer:
                     task = tasks.get(call_id)  # type: ignore[arg-type]
                     if task is not None:
                         task.cancel()
+                    continue
+                if kind == K_PING:
+                    # answered from a task: a full send buffer must not stop this loop reading
+                    task = asyncio.create_task(self._pong(conn))
+                    oneway.add(task)
+                    task.add_done_callback(oneway.discard)
                     continue
                 method = frame.meta.get("m")
                 if kind not in (K_CALL, K_NOTIFY, K_STREAM) or not isinstance(method, str):
@@ -214,6 +233,14 @@ class RpcServer:
             raise
         except ConnectionClosed:
             outcome = "disconnected"
+        except MessageTooLarge as exc:
+            outcome = "too_large"
+            log.warning(
+                "reply not sent: too large", method=ctx.method, peer=ctx.peer, error=str(exc)
+            )
+            await self._error(
+                conn, kind, call_id, ctx.method, "remote", "MessageTooLarge", str(exc)
+            )
         except Exception as exc:
             outcome = "error"
             if kind == K_NOTIFY:
@@ -250,6 +277,11 @@ class RpcServer:
         finally:
             await items.aclose()  # type: ignore[attr-defined]
         await conn.send(Frame({"k": K_END, "i": call_id}))
+
+    @staticmethod
+    async def _pong(conn: Connection) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await conn.send(Frame({"k": K_PONG}))
 
     @staticmethod
     def _checked(spec: EndpointSpec, value: Any) -> BaseModel | None:

@@ -22,13 +22,25 @@ from laminar.transport import (
     Connection,
     ConnectionClosed,
     Frame,
+    MessageTooLarge,
     TransportOptions,
     connect,
 )
+from laminar.transport.frames import check_outgoing
 
 from .endpoint import EndpointSpec, endpoints_of
 from .errors import REMOTE_ERROR_KINDS, CallTimeout, PeerUnavailable
-from .rpc import K_CALL, K_CANCEL, K_END, K_ERROR, K_NOTIFY, K_STREAM, decode_model, encode_model
+from .rpc import (
+    K_CALL,
+    K_CANCEL,
+    K_END,
+    K_ERROR,
+    K_NOTIFY,
+    K_PING,
+    K_STREAM,
+    decode_model,
+    encode_model,
+)
 
 log = structlog.get_logger("laminar.rpc")
 
@@ -50,8 +62,13 @@ class Backoff:
 
 #: Per-item timeout for subscriptions that may stay silent indefinitely (a chain that does not
 #: change, no new weight version). Liveness comes from the connection itself: a dead peer ends the
-#: stream with an error at once, so the subscriber never relies on this timeout.
+#: stream with an error (at once when its kernel resets the connection, within the transport's
+#: ``peer_timeout`` when it went silent), so the subscriber never relies on this timeout.
 QUIET_STREAM_TIMEOUT_S = 365 * 24 * 3600.0
+
+#: Quiet checks per ``peer_timeout``: a ping goes out at each of the first ones, the connection is
+#: closed at the last, so a healthy peer has two pings' worth of round trips to answer.
+PING_CHECKS = 3
 
 
 class RpcClient:
@@ -98,6 +115,13 @@ class RpcClient:
                     conn = await connect(self.address, self.options)
                 except AuthenticationError as exc:
                     raise PeerUnavailable(self.address, str(exc)) from exc
+                except ConnectionRefusedError as exc:
+                    # Nothing listens there: the peer is gone, or restarted on another port.
+                    # Retrying this address until the call's timeout (30 s) kept rollouts paused
+                    # and the trainer idle after a relay or data role restart (issue 15's chaos
+                    # benchmark); failing now lets the caller look the peer up again.
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    raise PeerUnavailable(self.address, self.last_error) from exc
                 except (OSError, TimeoutError, ConnectionClosed) as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     await asyncio.sleep(self.backoff.delay(self._failures))
@@ -106,7 +130,45 @@ class RpcClient:
                 self._failures = 0
                 self._conn = conn
                 self._reader = asyncio.create_task(self._read(conn))
+                if conn.can_stall and self.options.peer_timeout is not None:
+                    self._spawn(self._watch(conn, self.options.peer_timeout))
                 return conn
+
+    async def _watch(self, conn: Connection, peer_timeout: float) -> None:
+        """Close ``conn`` once the peer has been silent for ``peer_timeout`` despite pings.
+
+        Progress is any byte received, or our send backlog shrinking (the peer is reading a long
+        upload and has nothing to say). Counting quiet *checks* rather than elapsed time keeps a
+        stall of this process's own event loop from looking like a silent peer.
+        """
+        interval = peer_timeout / PING_CHECKS
+        received, flushed, backlog = _progress(conn)
+        quiet = 0
+        ping: asyncio.Task[None] | None = None
+        while True:
+            await asyncio.sleep(interval)
+            if conn.closed:
+                return
+            was_received, was_flushed, had_backlog = received, flushed, backlog
+            received, flushed, backlog = _progress(conn)
+            if received != was_received or (had_backlog and flushed > was_flushed):
+                quiet = 0
+                continue
+            quiet += 1
+            if quiet >= PING_CHECKS:
+                reason = f"peer silent for {peer_timeout:g} s (pings unanswered)"
+                log.warning("closing a silent connection", address=self.address, reason=reason)
+                conn.close(reason)
+                return
+            if ping is None or ping.done():  # one at a time: a send may wait on a full buffer
+                ping = asyncio.create_task(self._ping(conn))
+                self._background.add(ping)
+                ping.add_done_callback(self._background.discard)
+
+    @staticmethod
+    async def _ping(conn: Connection) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await conn.send(Frame({"k": K_PING}))
 
     async def _read(self, conn: Connection) -> None:
         reason = "connection closed"
@@ -176,12 +238,18 @@ class RpcClient:
             raise
         except ConnectionClosed as exc:
             raise PeerUnavailable(self.address, exc.reason) from None
+        except MessageTooLarge as exc:
+            raise MessageTooLarge(f"{method} request to {self.address}: {exc}") from None
         finally:
             self._pending.pop(call_id, None)
         return self._result(frame, reply_type)
 
     def notify(self, method: str, request: BaseModel | None) -> None:
         payload, buffers = encode_model(request)
+        try:  # here, not in the background send, so the caller gets the error
+            check_outgoing(0, len(payload), [b.nbytes for b in buffers], self.options.limits)
+        except MessageTooLarge as exc:
+            raise MessageTooLarge(f"{method} notification to {self.address}: {exc}") from None
 
         async def send() -> None:
             try:
@@ -221,6 +289,8 @@ class RpcClient:
                 raise PeerUnavailable(self.address, self.last_error) from None
             except ConnectionClosed as exc:
                 raise PeerUnavailable(self.address, exc.reason) from None
+            except MessageTooLarge as exc:
+                raise MessageTooLarge(f"{method} request to {self.address}: {exc}") from None
             while True:
                 try:
                     async with asyncio.timeout(timeout):
@@ -274,6 +344,12 @@ class RpcClient:
                 e.get("tb"),
             )
         return decode_model(reply_type, frame)
+
+
+def _progress(conn: Connection) -> tuple[int, int, int]:
+    """(bytes received, bytes handed to the OS, bytes still queued to send) of ``conn``."""
+    backlog = conn.backlog
+    return conn.bytes_received, conn.bytes_sent - backlog, backlog
 
 
 # ----------------------------------------------------------------------------------------------

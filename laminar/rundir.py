@@ -11,6 +11,9 @@ consumption cursor and the data role from its durable store.
 A ``run_dir`` that is a real directory rather than a link was made by hand (or by an older
 version); a new run refuses to reuse it silently: ``--resume`` continues it, anything else is an
 error that says so.
+
+A run directory holds the cluster token, the logs and the data store, so it is made (and, on
+``--resume``, made again) readable by this user only: mode 0700, whatever the umask.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ def prepare_run_dir(
             raise ConfigError(f"--resume: {target} is not a directory")
         if target != link:
             _point(link, real)
+        real.chmod(0o700)  # a run made by an older version, or by hand, may be world-readable
         return real, True
     if link.exists() and not link.is_symlink():
-        if not any(link.iterdir()):
-            return link.resolve(), False  # an empty directory made for this run: use it
+        if not any(link.iterdir()):  # an empty directory made for this run: use it
+            link.chmod(0o700)
+            return link.resolve(), False
         raise ConfigError(
             f"{link} is a directory with files from an earlier run, not a link to a run; "
             f"pass --resume to continue it, or move it away to start a new run"
@@ -51,7 +56,8 @@ def prepare_run_dir(
     while real.exists():
         n += 1
         real = parent / f"{name}-{stamp}-{n}"
-    real.mkdir()
+    real.mkdir(mode=0o700)
+    real.chmod(0o700)  # mkdir's mode is masked by the umask; this one is not
     _point(link, real.resolve())
     return real.resolve(), False
 

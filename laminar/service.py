@@ -49,8 +49,12 @@ READY_PREFIX = "LAMINAR_READY "
 def transport_options(cluster: ClusterConfig, token: bytes) -> TransportOptions:
     return TransportOptions(
         token=token,
-        limits=Limits(max_frame_bytes=cluster.max_frame_mib * 1024 * 1024),
+        limits=Limits(
+            max_frame_bytes=cluster.max_frame_mib * 1024 * 1024,
+            max_payload_bytes=cluster.max_payload_mib * 1024 * 1024,
+        ),
         handshake_timeout=cluster.handshake_timeout_s,
+        peer_timeout=cluster.peer_timeout,
     )
 
 

@@ -25,6 +25,11 @@ child gets ``SPT_NOENV=1`` so that vLLM's process titles do not wipe that value 
 SIGTERM, and each then stops what it started; a vLLM engine also kills itself when its rollout is
 gone, see :mod:`laminar.engines.vllm_worker`).
 
+**Private files.** The run directory is 0700; the token file, ``cluster.json`` and the logs are
+0600; the supervisor and every child run with umask 077, so what the roles write (the data role's
+SQLite file and its WAL, checkpoints) is this user's only. A token given in the environment is
+checked before anything starts (:func:`laminar.config.token_problem`).
+
 Each run gets its own directory (:mod:`laminar.rundir`; ``--resume`` continues one), the cores are
 divided between the processes that compute (:mod:`laminar.cpus`), progress is displayed and
 recorded while the run lasts (:mod:`laminar.runview`), and the plots are drawn when it ends
@@ -118,6 +123,8 @@ class Supervisor:
         token_env = config.cluster.token_env
         if not self.env.get(token_env):
             self.env[token_env] = new_token()
+        else:  # the user's own: refused here, not by each role in turn (restarts and all)
+            config.cluster.token()
         self.env["PYTHONUNBUFFERED"] = "1"
         # Marks every process of this run, whoever its parent becomes: only those are signalled
         # by session (a session id can be recycled once the session is empty). SPT_NOENV keeps
@@ -203,6 +210,7 @@ class Supervisor:
             loop.add_signal_handler(sig, self.stopping.set)
         view: RunView | None = None
         watchers: list[asyncio.Task[None]] = []
+        umask = os.umask(0o077)  # what the run writes here is this user's only (children: too)
         try:
             real, resumed = prepare_run_dir(self.run_dir, self.config.cluster.name, self.resume)
             how = "resuming" if resumed else "new"
@@ -248,6 +256,7 @@ class Supervisor:
                 if view is not None and hasattr(view, "close_tracking"):
                     await view.close_tracking()  # after the roles: stopping them never waits
             finally:
+                os.umask(umask)
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
                 for child in self.children:
@@ -299,16 +308,20 @@ class Supervisor:
     def _write_cluster_file(self) -> None:
         token_env = self.config.cluster.token_env
         token_file = self.run_dir / "token"
-        token_file.touch(mode=0o600)
-        token_file.write_text(self.env[token_env])
-        (self.run_dir / "cluster.json").write_text(
-            json.dumps(
-                {
-                    "manager": self.manager_address,
-                    "token_file": str(token_file.resolve()),
-                    "token_env": token_env,
-                    "config": self.config.source,
-                },
-                indent=2,
-            )
-        )
+        _write_private(token_file, self.env[token_env])
+        info = {
+            "manager": self.manager_address,
+            "token_file": str(token_file.resolve()),
+            "token_env": token_env,
+            "config": self.config.source,
+        }
+        _write_private(self.run_dir / "cluster.json", json.dumps(info, indent=2))
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``path`` readable by this user only (0600), whatever the umask, and whatever mode a
+    file already there (a resumed run's) had: it is never readable by others, not even briefly."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w") as f:
+        os.fchmod(fd, 0o600)
+        f.write(text)

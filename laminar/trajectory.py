@@ -8,6 +8,10 @@ Identity: a *trajectory id* is ``"{prompt_id}/{sample_index}"``: group sampling 
 one prompt, and each sample is one trajectory. Every message about a trajectory names it, and the
 data role treats repeated messages (a retry after a lost reply) as the same message: appends are
 keyed by token offset, completions by trajectory id.
+
+Token ids and logprobs are declared :data:`TokenIds` / :data:`Logprobs`: plain lists in Python,
+int32 / float32 raw buffers on the wire (so a batch of millions of tokens neither bloats msgpack
+nor hits its payload limit; behaviour logprobs are float32 in every engine anyway).
 """
 
 from __future__ import annotations
@@ -16,7 +20,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from laminar.transport import wire_array
+
 FinishReason = Literal["stop", "length", "abort"]
+
+
+TokenIds = Annotated[list[int], wire_array("int32")]
+Logprobs = Annotated[list[float], wire_array("float32")]
 
 
 def trajectory_id(prompt_id: str, sample_index: int) -> str:
@@ -47,12 +57,12 @@ class Assignment(BaseModel):
     trajectory_id: str
     prompt_id: str
     sample_index: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: TokenIds
     params: SamplingParams
     queued_at: float  # wall clock when the data role queued it
     version: int | None = None  # required weight version (set for resumes)
-    resume_token_ids: list[int] = Field(default_factory=list)
-    resume_logprobs: list[float] = Field(default_factory=list)
+    resume_token_ids: TokenIds = Field(default_factory=list)
+    resume_logprobs: Logprobs = Field(default_factory=list)
     started_at: float | None = None  # wall clock of the first start, kept across resumes
 
 
@@ -62,8 +72,8 @@ class PartialChunk(BaseModel):
     trajectory_id: str
     version: int
     offset: Annotated[int, Field(ge=0)]
-    token_ids: list[int]
-    logprobs: list[float]
+    token_ids: TokenIds
+    logprobs: Logprobs
 
     @model_validator(mode="after")
     def _same_length(self) -> PartialChunk:
@@ -78,9 +88,9 @@ class Trajectory(BaseModel):
     trajectory_id: str
     prompt_id: str
     sample_index: int
-    prompt_token_ids: list[int]
-    response_token_ids: list[int]
-    logprobs: list[float]  # behaviour logprob of each response token
+    prompt_token_ids: TokenIds
+    response_token_ids: TokenIds
+    logprobs: Logprobs  # behaviour logprob of each response token
     version: int
     finish_reason: FinishReason
     queued_at: float

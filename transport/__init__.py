@@ -5,6 +5,7 @@ used, and needs the ``ucx`` extra.
 """
 
 from . import inproc, shm, tcp, ucx  # noqa: F401  (register schemes; ucxx loads lazily)
+from .arrays import WIRE_CONTEXT, wire_array
 from .base import (
     AuthenticationError,
     Connection,
@@ -16,9 +17,18 @@ from .base import (
     listen,
     split_address,
 )
-from .frames import Blob, Frame, FrameError, Limits, decode_payload, encode_payload
+from .frames import (
+    Blob,
+    Frame,
+    FrameError,
+    Limits,
+    MessageTooLarge,
+    decode_payload,
+    encode_payload,
+)
 
 __all__ = [
+    "WIRE_CONTEXT",
     "AuthenticationError",
     "Blob",
     "Connection",
@@ -27,6 +37,7 @@ __all__ = [
     "FrameError",
     "Limits",
     "Listener",
+    "MessageTooLarge",
     "TransportError",
     "TransportOptions",
     "connect",
@@ -34,4 +45,5 @@ __all__ = [
     "encode_payload",
     "listen",
     "split_address",
+    "wire_array",
 ]

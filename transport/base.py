@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from .frames import Frame, FrameError, Limits
+from .gate import HandshakeGate
 from .reader import Allocator, default_allocator
 
 
@@ -38,17 +39,30 @@ class AuthenticationError(TransportError):
 
 @dataclass(frozen=True)
 class TransportOptions:
-    """What every connection needs to know; shared by client and server sides."""
+    """What every connection needs to know; shared by client and server sides.
+
+    ``peer_timeout``: how long a connection may hear nothing from a peer that owes it an answer
+    before it is given up (kernel: ``TCP_USER_TIMEOUT`` and keepalive; RPC clients: unanswered
+    pings). A crashed host or a cut link otherwise goes unnoticed for the kernel's ~15 minutes of
+    retransmissions, or for hours on an idle connection. None: kernel defaults, no pings.
+
+    ``max_pending_handshakes`` / ``max_pending_per_peer``: see :mod:`.gate`.
+    """
 
     token: bytes
     limits: Limits = field(default_factory=Limits)
     handshake_timeout: float = 5.0
     connect_timeout: float = 5.0
     allocator: Allocator = default_allocator
+    peer_timeout: float | None = 10.0
+    max_pending_handshakes: int = 256
+    max_pending_per_peer: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, bytes) or len(self.token) < 16:
             raise ValueError("the cluster token must be at least 16 bytes")
+        if self.peer_timeout is not None and self.peer_timeout <= 0:
+            raise ValueError(f"peer_timeout must be positive or None, got {self.peer_timeout}")
 
     def with_allocator(self, allocator: Allocator) -> TransportOptions:
         return replace(self, allocator=allocator)
@@ -59,11 +73,17 @@ class Connection(abc.ABC):
 
     ``send`` waits for flow control (so a fast sender cannot grow memory without bound), ``recv``
     raises :class:`ConnectionClosed` once the peer is gone or the stream is broken. ``close`` is
-    idempotent and never raises.
+    idempotent and never raises. ``send`` raises :class:`~.frames.MessageTooLarge` (and sends
+    nothing) for a frame over ``limits``.
     """
+
+    #: False where a peer cannot go silent without the connection closing (in-process peers), so
+    #: liveness pings would be pure overhead.
+    can_stall = True
 
     def __init__(self, peer: str, limits: Limits, allocator: Allocator) -> None:
         self.peer = peer
+        self.peer_host: str | None = None  # the peer's network address, where there is one
         self.limits = limits
         self.allocator = allocator
         self.close_reason: str | None = None
@@ -73,6 +93,19 @@ class Connection(abc.ABC):
     @property
     def closed(self) -> bool:
         return self.close_reason is not None
+
+    @property
+    def backlog(self) -> int:
+        """Bytes accepted by ``send`` that the peer has not taken yet (still in user space).
+
+        A backlog that shrinks proves the peer is reading even while it sends nothing back.
+        """
+        return 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Receive memory the connection holds between frames."""
+        return 0
 
     @abc.abstractmethod
     async def send(self, frame: Frame) -> None: ...
@@ -97,6 +130,7 @@ class Listener(abc.ABC):
     def __init__(self, address: str) -> None:
         self.address = address
         self._handlers: set[asyncio.Task[None]] = set()
+        self.handshakes: HandshakeGate | None = None  # set by listen()
 
     def track(self, task: asyncio.Task[None]) -> None:
         self._handlers.add(task)
@@ -230,22 +264,29 @@ async def listen(address: str, options: TransportOptions, handler: Handler) -> L
     """Serve ``address``; ``handler`` gets each connection after it passed the handshake.
 
     The handler owns the connection; when it returns the connection is closed. Connections that
-    fail the handshake are closed here and never reach the handler.
+    fail the handshake are closed here and never reach the handler. Connections still in their
+    handshake are capped per listener and per peer address (:class:`~.gate.HandshakeGate`).
     """
     transport, rest = get_transport(address)
+    gate = HandshakeGate(options.max_pending_handshakes, options.max_pending_per_peer)
 
     async def on_connection(conn: Connection) -> None:
+        gate.admit(conn)
         try:
             await asyncio.wait_for(server_handshake(conn, options), options.handshake_timeout)
         except (TransportError, FrameError, TimeoutError) as exc:
             conn.close(f"handshake failed: {exc}")
             return
+        finally:
+            gate.release(conn)
         try:
             await handler(conn)
         finally:
             conn.close("handler finished")
 
-    return await transport.listen(rest, options, on_connection)
+    listener = await transport.listen(rest, options, on_connection)
+    listener.handshakes = gate
+    return listener
 
 
 __all__ = [

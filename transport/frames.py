@@ -16,10 +16,15 @@ Why three sections rather than one msgpack document:
   shared-memory segment) and receive them straight into that memory with ``recv_into``.
 * ``payload`` stays encoded until the buffers have landed: it refers to them by index through a
   msgpack extension type, so decoding it yields zero-copy views of the received memory.
-* Buffers never pass through msgpack (or pickle, which never appears on the wire at all).
+* Buffers never pass through msgpack (or pickle, which never appears on the wire at all); neither
+  do long number lists such as token ids and logprobs (:mod:`.arrays`): they travel as typed arrays
+  in one extra buffer, so ``max_payload_bytes`` bounds only the small structured part.
 
 Every length is checked against :class:`Limits` before anything is allocated, so a peer cannot make
 us reserve memory it did not earn (the handshake runs under much tighter limits than a session).
+The sender checks the same limits before writing (:func:`encode_head`): a message too large for the
+cluster's limits fails where it was made, with :class:`MessageTooLarge` naming sizes and limits,
+instead of reaching the receiver only to have the connection dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+
+from .arrays import EXT_ARRAY, ArrayPool, PackedArray, decode_array
 
 MAGIC = b"LMNR"
 PROTOCOL_VERSION = 1
@@ -41,6 +48,15 @@ EXT_BUFFER = 1
 
 class FrameError(ValueError):
     """The bytes on a connection are not a valid frame; the connection must be closed."""
+
+
+class MessageTooLarge(ValueError):
+    """A frame about to be sent exceeds the limits its receiver enforces; nothing was sent.
+
+    Raised by the sender, so the message names the problem where it can be fixed (send less per
+    message, or raise ``cluster.max_payload_mib`` / ``cluster.max_frame_mib``) and the connection
+    stays usable.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,26 +158,39 @@ class Frame:
 
 
 def encode_payload(obj: Any) -> tuple[bytes, list[memoryview]]:
-    """msgpack-encode ``obj``; every :class:`Blob` inside becomes an out-of-band buffer."""
+    """msgpack-encode ``obj``; every :class:`Blob` inside becomes an out-of-band buffer, and every
+    :class:`~.arrays.PackedArray` goes into one pool buffer appended last."""
     buffers: list[memoryview] = []
+    pool = ArrayPool()
 
     def default(value: Any) -> Any:
         if isinstance(value, Blob):
             buffers.append(value.view)
             return msgpack.ExtType(EXT_BUFFER, struct.pack("!I", len(buffers) - 1))
+        if isinstance(value, PackedArray):
+            return pool.reference(value)
         if isinstance(value, (tuple, set, frozenset)):
             return list(value)
         raise TypeError(f"cannot send a {type(value).__name__} on the wire")
 
-    return msgpack.packb(obj, default=default, use_bin_type=True), buffers
+    payload = msgpack.packb(obj, default=default, use_bin_type=True)
+    if pool:
+        buffers.append(pool.build())
+    return payload, buffers
 
 
 def decode_payload(payload: bytes | memoryview, buffers: list[memoryview]) -> Any:
-    """Inverse of :func:`encode_payload`; extension references resolve to Blobs over ``buffers``."""
+    """Inverse of :func:`encode_payload`; extension references resolve to Blobs over ``buffers``
+    and to lists read from the array pool (the last buffer)."""
     if not payload:
         return None
 
     def ext_hook(code: int, data: bytes) -> Any:
+        if code == EXT_ARRAY:
+            try:
+                return decode_array(data, buffers[-1] if buffers else None)
+            except ValueError as exc:
+                raise FrameError(f"bad array reference: {exc}") from exc
         if code != EXT_BUFFER or len(data) != 4:
             raise FrameError(f"unknown msgpack extension type {code}")
         (index,) = struct.unpack("!I", data)
@@ -181,8 +210,12 @@ def decode_payload(payload: bytes | memoryview, buffers: list[memoryview]) -> An
 # frame header encoding
 
 
-def encode_head(frame: Frame) -> bytes:
-    """Prefix + meta + payload as one bytes object; the buffers follow it on the wire."""
+def encode_head(frame: Frame, limits: Limits | None = None) -> bytes:
+    """Prefix + meta + payload as one bytes object; the buffers follow it on the wire.
+
+    With ``limits`` (every transport passes its connection's), a frame the receiver would refuse
+    raises :class:`MessageTooLarge` here instead.
+    """
     meta = dict(frame.meta)
     sizes = [b.nbytes for b in frame.buffers]
     if sizes:
@@ -190,8 +223,35 @@ def encode_head(frame: Frame) -> bytes:
     else:
         meta.pop("b", None)
     meta_bytes = msgpack.packb(meta, use_bin_type=True)
+    if limits is not None:
+        check_outgoing(len(meta_bytes), len(frame.payload), sizes, limits)
     prefix = PREFIX.pack(MAGIC, PROTOCOL_VERSION, len(meta_bytes), len(frame.payload), sum(sizes))
     return b"".join((prefix, meta_bytes, frame.payload))
+
+
+def check_outgoing(meta_len: int, payload_len: int, sizes: list[int], limits: Limits) -> None:
+    """Raise :class:`MessageTooLarge` for a frame that ``limits`` would make its receiver refuse."""
+    total = PREFIX_SIZE + meta_len + payload_len + sum(sizes)
+    if payload_len > limits.max_payload_bytes:
+        raise MessageTooLarge(
+            f"message fields of {payload_len} bytes are over the payload limit of "
+            f"{limits.max_payload_bytes} bytes (cluster.max_payload_mib): send fewer items per "
+            "message, or raise the limit on every member"
+        )
+    if total > limits.max_frame_bytes:
+        raise MessageTooLarge(
+            f"message of {total} bytes is over the frame limit of {limits.max_frame_bytes} bytes "
+            "(cluster.max_frame_mib): send fewer items per message, or raise the limit on every "
+            "member"
+        )
+    if len(sizes) > limits.max_buffers:
+        raise MessageTooLarge(
+            f"message has {len(sizes)} raw buffers, over the limit of {limits.max_buffers}"
+        )
+    if meta_len > limits.max_meta_bytes:
+        raise MessageTooLarge(
+            f"frame meta of {meta_len} bytes is over the limit of {limits.max_meta_bytes}"
+        )
 
 
 @dataclass(frozen=True, slots=True)

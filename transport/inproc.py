@@ -22,7 +22,7 @@ from .base import (
     TransportOptions,
     register_transport,
 )
-from .frames import PREFIX_SIZE, Frame, FrameError, Limits
+from .frames import PREFIX_SIZE, Frame, FrameError, Limits, check_outgoing
 from .reader import Allocator
 
 _QUEUE_FRAMES = 64  # a sender waits when its peer has this many frames unread
@@ -30,6 +30,8 @@ _ids = itertools.count(1)
 
 
 class InprocConnection(Connection):
+    can_stall = False  # a peer in this loop cannot go silent without closing
+
     def __init__(self, peer: str, limits: Limits, allocator: Allocator) -> None:
         super().__init__(peer, limits, allocator)
         self.remote: InprocConnection | None = None
@@ -55,6 +57,8 @@ class InprocConnection(Connection):
         remote = self.remote
         if self.close_reason is not None or remote is None:
             raise ConnectionClosed(self.close_reason or "not connected")
+        # what a socket's encode_head checks (the meta is not encoded here; it is routing-only)
+        check_outgoing(0, len(frame.payload), [b.nbytes for b in frame.buffers], self.limits)
         while len(remote._inbox) >= _QUEUE_FRAMES:
             remote._writable.clear()
             await remote._writable.wait()

@@ -9,6 +9,10 @@ tensor therefore goes from the kernel into its final place in one pass, never th
 
 The parser has no I/O and no event loop, so it is unit-tested by feeding it bytes in arbitrary
 chunkings.
+
+The staging buffer is sized from the limits: a connection still in its handshake (a few KiB
+allowed) holds :data:`_HANDSHAKE_STAGING`, and gets the full :data:`_STAGING` only once the
+handshake raised its limits, so hundreds of unauthenticated connections cost little memory.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from .frames import PREFIX_SIZE, Frame, FrameError, Limits, Prefix, decode_meta,
 Allocator = Callable[[dict[str, Any], list[int]], list[memoryview]]
 
 _STAGING = 256 * 1024
+_HANDSHAKE_STAGING = 4 * 1024
 _NO_ZERO_FILL = 1 << 20  # above this, allocate with np.empty: zero-filling would cost a memcpy
 
 
@@ -34,11 +39,16 @@ def default_allocator(meta: dict[str, Any], sizes: list[int]) -> list[memoryview
     ]
 
 
+def _staging_size(limits: Limits) -> int:
+    return max(_HANDSHAKE_STAGING, min(_STAGING, limits.max_frame_bytes))
+
+
 class FrameReader:
     def __init__(self, limits: Limits, allocator: Allocator = default_allocator) -> None:
-        self.limits = limits
+        self._limits = limits
         self.allocator = allocator
-        self._buf = bytearray(_STAGING)
+        self._staging = _staging_size(limits)
+        self._buf = bytearray(self._staging)
         self._view = memoryview(self._buf)
         self._start = 0  # first unconsumed byte in the staging buffer
         self._end = 0  # one past the last received byte
@@ -49,6 +59,23 @@ class FrameReader:
         self._index = 0
         self._offset = 0
         self._direct = False  # last get_buffer() handed out destination memory
+
+    @property
+    def limits(self) -> Limits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, value: Limits) -> None:
+        """New limits (raised after the handshake): the staging buffer grows with them."""
+        self._limits = value
+        self._staging = _staging_size(value)
+        if self._staging > len(self._buf):
+            self._move_pending(bytearray(self._staging))
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Memory this reader holds between frames (the staging buffer)."""
+        return len(self._buf)
 
     @property
     def idle(self) -> bool:
@@ -103,8 +130,8 @@ class FrameReader:
     def _shrink(self) -> None:
         """Give back a staging buffer that grew to hold one large payload."""
         pending = self._end - self._start
-        if len(self._buf) > _STAGING and pending < _STAGING:
-            small = bytearray(_STAGING)
+        if len(self._buf) > self._staging and pending < self._staging:
+            small = bytearray(self._staging)
             small[:pending] = self._view[self._start : self._end]
             self._buf, self._view = small, memoryview(small)
             self._start, self._end = 0, pending

@@ -5,14 +5,23 @@ straight into their destination memory (``recv_into``), several times faster tha
 ``StreamReader``. Sending hands the head and each buffer to the transport without joining them:
 uvloop writes a memoryview without copying it, so a sender must not modify a buffer until ``send``
 has returned *and* the peer has acknowledged it (the RPC reply does that).
+
+Dead peers: a host that crashed or a link that was cut sends no reset. With the kernel's defaults,
+data written to such a peer is retransmitted for ~15 minutes and an idle connection is probed
+after 2 hours. Each TCP connection therefore sets ``TCP_USER_TIMEOUT`` (unacknowledged data for
+longer than ``peer_timeout`` aborts the connection) and keepalive probes that give up within about
+``peer_timeout`` too; the RPC client's pings cover a peer whose kernel still answers but whose
+process does not (stopped, or its event loop wedged).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -39,8 +48,11 @@ _MAX_QUEUED_FRAMES = 256  # frames parsed but not yet taken by recv(); beyond th
 class StreamConnection(Connection, asyncio.BufferedProtocol):
     """A Connection that is also the asyncio protocol of its socket."""
 
-    def __init__(self, peer: str, limits: Limits, allocator: Allocator) -> None:
+    def __init__(
+        self, peer: str, limits: Limits, allocator: Allocator, peer_timeout: float | None = None
+    ) -> None:
         Connection.__init__(self, peer, limits, allocator)
+        self.peer_timeout = peer_timeout
         self._reader = FrameReader(limits, allocator)
         self._transport: asyncio.Transport | None = None
         self._frames: deque[Frame] = deque()
@@ -48,13 +60,14 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         self._drain_waiter: asyncio.Future[None] | None = None
         self._closed = asyncio.get_running_loop().create_future()
         self._reading_paused = False
+        self.on_made: Callable[[], None] | None = None  # server side: starts the handler
 
     # -- Connection --
 
     async def send(self, frame: Frame) -> None:
         if self.close_reason is not None or self._transport is None:
             raise ConnectionClosed(self.close_reason or "not connected")
-        head = encode_head(frame)
+        head = encode_head(frame, self.limits)
         self._transport.write(head)
         for buf in frame.buffers:
             if buf.nbytes:
@@ -93,6 +106,15 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
     async def wait_closed(self) -> None:
         await asyncio.shield(self._closed)
 
+    @property
+    def backlog(self) -> int:
+        transport = self._transport
+        return transport.get_write_buffer_size() if transport is not None else 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reader.reserved_bytes
+
     # -- limits can be raised after the handshake --
 
     @property  # type: ignore[override]
@@ -111,14 +133,20 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         # uvloop's transports implement asyncio.Transport without subclassing it
         self._transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
-        if isinstance(peer, tuple) and self.peer == "tcp":  # server side: name the client
-            self.peer = f"tcp://{peer[0]}:{peer[1]}"
+        if isinstance(peer, tuple):
+            self.peer_host = str(peer[0])
+            if self.peer == "tcp":  # server side: name the client
+                self.peer = f"tcp://{peer[0]}:{peer[1]}"
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            if self.peer_timeout is not None:
+                set_dead_peer_timeouts(sock, self.peer_timeout)
+        if self.on_made is not None:
+            self.on_made()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._reader.get_buffer(sizehint)
@@ -179,6 +207,27 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         self.resume_writing()
 
 
+def set_dead_peer_timeouts(sock: socket.socket, timeout: float) -> None:
+    """Make the kernel give up on a silent peer within about ``timeout`` seconds.
+
+    Keepalive: first probe after a third of it, then every third, three probes. User timeout:
+    data unacknowledged for ``timeout`` aborts the connection (it also bounds keepalive on Linux).
+    Options the platform lacks are skipped; the RPC client's pings still apply.
+    """
+    step = max(1, math.ceil(timeout / 3))
+    options = [
+        ("TCP_KEEPIDLE", step),
+        ("TCP_KEEPINTVL", step),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", max(1, int(timeout * 1000))),
+    ]
+    for name, value in options:
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+
+
 class StreamListener(Listener):
     def __init__(self, server: asyncio.Server, address: str) -> None:
         super().__init__(address)
@@ -200,7 +249,7 @@ def protocol_factory(
     """Server-side factory: each accepted connection gets a handler task on the listener."""
 
     def factory() -> StreamConnection:
-        conn = cls(label, Limits.handshake(), options.allocator)
+        conn = cls(label, Limits.handshake(), options.allocator, options.peer_timeout)
         listener = listener_box[0]
 
         async def serve() -> None:
@@ -209,7 +258,9 @@ def protocol_factory(
             finally:
                 conn.close("server side finished")
 
-        listener.track(asyncio.get_running_loop().create_task(serve()))
+        # started from connection_made, so the handler sees the peer's address (the handshake
+        # gate caps pending connections per address)
+        conn.on_made = lambda: listener.track(asyncio.get_running_loop().create_task(serve()))
         return conn
 
     return factory
@@ -222,7 +273,9 @@ class TcpTransport(Transport):
         host, port = parse_host_port("tcp", rest)
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(
-            lambda: StreamConnection(f"tcp://{host}:{port}", Limits.handshake(), options.allocator),
+            lambda: StreamConnection(
+                f"tcp://{host}:{port}", Limits.handshake(), options.allocator, options.peer_timeout
+            ),
             host,
             port,
         )

@@ -237,6 +237,11 @@ def _endpoint_closed(ref: weakref.ref[UcxConnection], loop: asyncio.AbstractEven
 
 
 class UcxConnection(Connection):
+    # No RPC liveness pings: a UCX message arrives whole, so progress inside a large one cannot be
+    # seen and a ping would give up on a peer that is busy moving it; UCX's own endpoint
+    # keepalive and error handling report a dead peer (the close callback).
+    can_stall = False
+
     def __init__(
         self, raw: Any, tags: tuple[Any, Any], driver: _Progress, peer: str, allocator: Allocator
     ) -> None:
@@ -254,7 +259,7 @@ class UcxConnection(Connection):
     async def send(self, frame: Frame) -> None:
         if self.close_reason is not None:
             raise ConnectionClosed(self.close_reason)
-        head = encode_head(frame)
+        head = encode_head(frame, self.limits)
         buffers = [_flat(b) for b in frame.buffers if b.nbytes]
         post, array, tag_send = self._driver.post, self._driver.array, self._raw.tag_send
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..config import token_problem
 from ..cpus import CpuSlot, plan_cpus
 from ..engines.kvcache import format_bytes
 from .facts import MachineFacts
@@ -291,9 +292,8 @@ def check_token(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     var = needs.token_env
     value = facts.env.get(var, "")
     export = f"export {var}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
-    if value and len(value) < 16:
-        return [Finding("blocker", "token", f"{var} holds {len(value)} characters: every role "
-                        "refuses a token shorter than 16", export)]  # fmt: skip
+    if value and (problem := token_problem(value)):
+        return [Finding("blocker", "token", f"{var} {problem}: every role refuses it", export)]
     if value:
         return [Finding("ok", "token", f"{var} is set")]
     if needs.mode == "serve":

@@ -11,6 +11,13 @@ What the base class owns, so that every backend behaves the same:
   exactly what the output stream already delivered — never a token the caller did not see.
 * the one-version rule: ``load_weights`` refuses while any request is in flight, and
   ``import_sequences`` refuses sequences of another version. A trajectory never mixes versions.
+* refusing a request the model cannot take (an empty prompt, one of ``max_model_len`` tokens or
+  more, token ids outside ``[0, vocab_size)``): one bad request must fail alone, never take the
+  engine (and every other request in it) down. ``add_request`` does not raise for these: the
+  request finishes at once on the output stream with ``error`` saying why and no tokens. A
+  backend that learns of a refusal only after submitting (vLLM validates inside ``generate``)
+  reports it the same way through :meth:`Engine._refuse`. An imported sequence that already fills
+  the context finishes with ``"length"``, as it would have where it came from.
 * resumption: an imported sequence continues under its own request id; the backend sees a new
   request whose prompt is the original prompt plus the tokens so far, with the remaining token
   budget. Without KV state the backend recomputes that prefix (re-prefill). With a
@@ -59,6 +66,7 @@ class EngineOutput:
     logprobs: list[float]
     finished: bool = False
     finish_reason: FinishReason | None = None
+    error: str | None = None  # set (with ``finished``, no tokens): the engine refused the request
 
 
 class EngineStats(BaseModel):
@@ -119,6 +127,10 @@ class Engine(abc.ABC):
     def __init__(self) -> None:
         self.version = 0
         self.generated_tokens = 0
+        self.refused = 0  # requests refused (see the module docstring), since start
+        # The model's limits, set by the backend (None: not checked here).
+        self.max_model_len: int | None = None  # prompt + response tokens
+        self.vocab_size: int | None = None  # prompt token ids must lie in [0, vocab_size)
         self._submissions = 0
         self._records: dict[str, _Record] = {}  # by request id
         self._by_backend_id: dict[str, _Record] = {}
@@ -135,12 +147,31 @@ class Engine(abc.ABC):
     # -- requests ----------------------------------------------------------------------------
 
     async def add_request(self, request: EngineRequest) -> None:
+        """Start a request. One the model cannot take finishes at once with ``error`` set."""
         if request.request_id in self._records:
             raise EngineError(f"request {request.request_id!r} is already running")
-        if not request.prompt_token_ids:
-            raise EngineError(f"request {request.request_id!r} has an empty prompt")
+        why = self.refusal(request.prompt_token_ids)
+        if why is not None:
+            self._refused(request.request_id, why)
+            return
         record = _Record(request.request_id, list(request.prompt_token_ids), request.params)
         await self._start_record(record)
+
+    def refusal(self, prompt: list[int]) -> str | None:
+        """Why this engine cannot take ``prompt`` (None: it can)."""
+        if not prompt:
+            return "the prompt is empty"
+        if self.max_model_len is not None and len(prompt) >= self.max_model_len:
+            return (
+                f"the prompt has {len(prompt)} tokens: no room for a response within "
+                f"max_model_len {self.max_model_len}"
+            )
+        if self.vocab_size is not None:
+            low, high = min(prompt), max(prompt)
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                return f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+        return None
 
     async def abort(self, request_id: str) -> InflightSequence | None:
         """Stop a request; return what it produced so far (None if it is not running)."""
@@ -300,11 +331,27 @@ class Engine(abc.ABC):
         """Called by the backend when it cannot go on: the output stream raises ``error``."""
         self._queue.put_nowait(error)
 
+    def _refuse(self, backend_id: str, why: str) -> None:
+        """Called by the backend when it refused one submitted request: it fails alone."""
+        record = self._by_backend_id.get(backend_id)
+        if record is None:  # aborted or exported meanwhile
+            return
+        self._forget(record)
+        self._refused(record.request_id, why)
+
+    def _refused(self, request_id: str, why: str) -> None:
+        self.refused += 1
+        self._queue.put_nowait(
+            [EngineOutput(request_id, [], [], finished=True, finish_reason=None, error=why)]
+        )
+
     # -- internals ---------------------------------------------------------------------------
 
     async def _start_record(self, record: _Record, kv: KvState | None = None) -> None:
         remaining = record.params.max_tokens - len(record.tokens)
-        if remaining <= 0:  # an imported sequence that had already used its budget
+        held = len(record.prompt) + len(record.tokens)
+        full = self.max_model_len is not None and held >= self.max_model_len
+        if remaining <= 0 or full:  # an imported sequence that had used its budget or context
             self._queue.put_nowait(
                 [EngineOutput(record.request_id, [], [], finished=True, finish_reason="length")]
             )

@@ -92,7 +92,9 @@ class SimEngineConfig(Strict):
         "while others run; a request is always admitted into an empty engine.",
     )
     vocab_size: Annotated[int, Field(ge=2)] = Field(
-        32_000, description="Generated token ids lie in [0, vocab_size)."
+        32_000,
+        description="Generated token ids lie in [0, vocab_size); a prompt holding an id outside "
+        "it is refused.",
     )
     load_time_s: Annotated[float, Field(ge=0)] = Field(
         0.0, description="Simulated seconds that load_weights takes."

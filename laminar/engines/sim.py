@@ -14,6 +14,8 @@ What a request gets:
   ``max_tokens`` (finish reason ``"length"`` when the drawn length reaches the budget, ``"stop"``
   otherwise) and to what the KV cache could ever hold (``kv_capacity_tokens - prompt``, also
   ``"length"``, like vLLM's ``max_model_len``). A sequence always produces at least one token.
+* the same refusals as vLLM (:class:`Engine`): a prompt that fills the context, or holds a token
+  id outside ``[0, vocab_size)``, finishes at once with ``error`` set; the engine goes on.
 * token ids and logprobs from a 64-bit hash of (seed, request id, position): deterministic,
   identical after a migration, ids in ``[0, vocab_size)``, logprobs ``log(u)`` with u uniform in
   (0, 1) (mean -1).
@@ -108,6 +110,8 @@ class SimEngine(Engine):
         self.steps = 0
         self.preemptions = 0
         self.prefill_tokens = 0  # prompt tokens prefilled, re-prefills after preemption included
+        self.max_model_len = config.kv_capacity_tokens  # what the KV cache could ever hold
+        self.vocab_size = config.vocab_size
 
     @property
     def clock(self) -> Clock:
@@ -143,7 +147,7 @@ class SimEngine(Engine):
     async def _submit(self, backend_id: str, prompt: list[int], params: SamplingParams) -> None:
         cfg = self.config
         room = cfg.kv_capacity_tokens - len(prompt)
-        if room < 1:
+        if room < 1:  # never: add_request refuses these, and an import that fills it finishes
             raise EngineError(
                 f"a prompt of {len(prompt)} tokens leaves no room in a KV cache of "
                 f"{cfg.kv_capacity_tokens} tokens"

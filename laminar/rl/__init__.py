@@ -8,14 +8,18 @@ from .advantages import grpo_advantages
 from .batch import PackedBatch, pack
 from .logprobs import token_logprobs
 from .losses import LossStats, PolicyLossConfig, k3, policy_loss
+from .screen import ExcludeScope, Screened, screen_batch
 
 __all__ = [
+    "ExcludeScope",
     "LossStats",
     "PackedBatch",
     "PolicyLossConfig",
+    "Screened",
     "grpo_advantages",
     "k3",
     "pack",
     "policy_loss",
+    "screen_batch",
     "token_logprobs",
 ]

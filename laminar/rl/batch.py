@@ -23,6 +23,8 @@ import torch
 
 from laminar.trajectory import Trajectory
 
+from .screen import finite32
+
 
 @dataclass
 class PackedBatch:
@@ -74,6 +76,10 @@ def _check(trajectory: Trajectory) -> None:
         )
     if not trajectory.prompt_token_ids:
         raise ValueError(f"trajectory {trajectory.trajectory_id}: empty prompt")
+    if not finite32(trajectory.logprobs):
+        raise ValueError(  # one NaN token makes the whole gradient NaN (laminar.rl.screen)
+            f"trajectory {trajectory.trajectory_id}: non-finite behaviour logprobs"
+        )
 
 
 def pack(

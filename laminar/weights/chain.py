@@ -12,6 +12,13 @@ rule is pure and deliberately boring, because it runs exactly when something jus
 
 A relay that was partway through receiving keeps its chunks: its new upstream resumes at the first
 missing chunk (see ``transfer.py``).
+
+Epochs count from 1 in each *incarnation* of the manager (a random id it picks at start), and a
+view is newer than another when it comes from another incarnation or has a higher epoch. Why not
+the epoch alone: a restarted manager counts from 1 again, and followers comparing epochs only
+would ignore every view of the new manager until its count passed the old one, never routing
+around a relay that died meanwhile. An incarnation has no order; the manager a follower can reach
+is the one whose views count, so any view of a new incarnation is taken.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ class RelayInfo(BaseModel):
 class ChainView(BaseModel):
     """One epoch of the chain; ``relays[0]`` is the master."""
 
-    epoch: int = 0
+    incarnation: str = ""  # the manager's, picked at its start ("": none yet)
+    epoch: int = 0  # counts from 1 within one incarnation; 0: never planned
     relays: list[RelayInfo] = Field(default_factory=list)
     reason: str = ""
     changed_at: float = 0.0  # manager's wall clock
@@ -58,6 +66,10 @@ class ChainView(BaseModel):
             return None
         return self.relays[pos + 1]
 
+    def supersedes(self, seen: ChainView) -> bool:
+        """Whether a follower that applied ``seen`` should apply this view."""
+        return self.incarnation != seen.incarnation or self.epoch > seen.epoch
+
 
 def plan_chain(previous: Sequence[RelayInfo], alive: Sequence[RelayInfo]) -> list[RelayInfo]:
     """The new order: survivors of ``previous`` in their order, then newcomers in given order."""
@@ -68,7 +80,10 @@ def plan_chain(previous: Sequence[RelayInfo], alive: Sequence[RelayInfo]) -> lis
 
 
 class ChainWatch(BaseModel):
-    since_epoch: int = -1  # yield the current view at once if its epoch is newer than this
+    """Yield the current view at once if it supersedes (``incarnation``, ``since_epoch``)."""
+
+    since_epoch: int = -1
+    incarnation: str = ""  # of the view ``since_epoch`` counts in ("": none seen yet)
 
 
 class RelayChainApi:
@@ -95,17 +110,19 @@ async def follow_chain(
     """Call ``apply`` with every new chain view, until cancelled (relays and the trainer).
 
     A broken watch (the manager restarted, a network blip) is reported to ``on_error`` and
-    re-subscribed after ``retry_s``, from the last epoch applied, so no view is applied twice.
+    re-subscribed after ``retry_s``, from the last view applied, so no view is applied twice; a
+    restarted manager's views are taken whatever their epochs (:meth:`ChainView.supersedes`).
     """
     chain = remote(RelayChainApi, manager)
-    epoch = 0
+    seen = ChainView()
     while True:
         try:
             async for view in chain.watch_chain.options(timeout=QUIET_STREAM_TIMEOUT_S).stream(
-                ChainWatch(since_epoch=epoch)
+                ChainWatch(since_epoch=seen.epoch, incarnation=seen.incarnation)
             ):
-                epoch = view.epoch
-                apply(view)
+                if view.supersedes(seen):
+                    seen = view
+                    apply(view)
         except (PeerUnavailable, CallTimeout, RemoteError, transport.TransportError) as exc:
             on_error(exc)
         await sleep(retry_s)

@@ -10,6 +10,11 @@ replaced and the new master gets (the rest of) the newest version.
 Versions are never queued: if the trainer stages v+1 while v is still on its way, v+1 replaces any
 version not yet started, and rollouts only ever want the newest anyway. Two or three staging
 buffers are reused (one being sent, one being filled), so the steady state allocates nothing.
+
+Version numbers are never reused: a push offers its version with ``refuse_older``, and a master
+relay that already holds a newer one (published before the trainer restarted from an older
+checkpoint) refuses it before any chunk moves. The version is dropped, not retried, and
+``master_newest`` tells the trainer where to continue (it numbers its next version after it).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from laminar.rpc_client import RpcClient
 from .chain import ChainView, follow_chain
 from .manifest import chunk_bounds, optimal_chunks, with_checksums
 from .tensors import copy_into, plan_tensors
-from .transfer import TransferError, VersionBuffer, push_version
+from .transfer import TransferError, VersionBuffer, VersionConflict, push_version
 
 
 class PublishConfig(Strict):
@@ -87,6 +92,8 @@ class WeightPublisher:
         self._pending: VersionBuffer | None = None
         self._wake = asyncio.Event()
         self.acked = -1  # newest version the master verified
+        self.master_newest = -1  # newest version a master refused ours for (VersionConflict)
+        self.conflicts = 0  # versions dropped because the master held a newer one
         self._sending = -1
         self.acked_at: dict[int, float] = {}
         self.stalls: list[float] = []
@@ -217,10 +224,22 @@ class WeightPublisher:
         self._sending = vb.version
         try:
             conn = await transport.connect(master, self.options)
-            await push_version(conn, vb, timeout=self.config.transfer_timeout_s)
+            await push_version(conn, vb, timeout=self.config.transfer_timeout_s, refuse_older=True)
             self.acked = vb.version
             self.acked_at[vb.version] = time.time()
             self._note("version delivered to the master", version=vb.version, master=master)
+        except VersionConflict as exc:
+            self.master_newest = max(self.master_newest, exc.newest)
+            self.conflicts += 1
+            if self._pending is vb:  # retrying could never succeed: wait for a newer version
+                self._pending = None
+            if self.log is not None:
+                self.log.error(
+                    "version number already published: dropped, the trainer continues after",
+                    version=vb.version,
+                    master_newest=exc.newest,
+                    master=master,
+                )
         except (transport.TransportError, TransferError, TimeoutError, OSError) as exc:
             self._note("push to the master failed", master=master, error=str(exc))
         finally:

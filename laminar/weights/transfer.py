@@ -4,7 +4,8 @@ One protocol serves every hop (trainer -> master relay, relay -> next relay), on
 
     sender                                   receiver
     offer {manifest, chunks} ------------->  create (or find) the version's buffer
-                             <-------------  have {n}: chunks it already holds (resume)
+                             <-------------  have {n, newest}: chunks it already holds (resume),
+                                             and its newest verified version
     chunk i (raw buffer)     ------------->  lands directly in the buffer (the allocator)
     ...                                      a forwarder may already send chunk i onwards
                              <-------------  done {ok, bad}: every tensor's CRC checked
@@ -12,7 +13,10 @@ One protocol serves every hop (trainer -> master relay, relay -> next relay), on
 Why chunks and not one frame: a relay forwards chunk i to the next relay while chunk i+1 is still
 arriving (pipelining), so a chain of p relays takes about one transfer time instead of p. Why
 ``have``: a relay whose upstream died mid-transfer keeps what it got; the new upstream resumes at
-the first missing chunk instead of starting over.
+the first missing chunk instead of starting over. Why ``newest``: a trainer that restarted from an
+older checkpoint must not publish a version number the relays already hold for other weights
+(they would keep theirs, as newer); the publisher asks to be refused (``refuse_older``) and
+continues after the number it is told (:class:`VersionConflict`).
 
 Received bytes are never copied: the receiving connection's allocator hands the reader the
 version's (shared-memory) buffer slice for each chunk, so the kernel writes into the memory local
@@ -36,6 +40,15 @@ from .manifest import WeightManifest, verify
 
 class TransferError(RuntimeError):
     """The peer broke the weight-transfer protocol or the bytes did not verify."""
+
+
+class VersionConflict(TransferError):
+    """The peer already holds a newer verified version than the one offered: the offered number
+    was reused (a restarted trainer), so sending it is pointless and its number is wrong."""
+
+    def __init__(self, offered: int, newest: int) -> None:
+        super().__init__(f"peer holds v{newest}, newer than the offered v{offered}")
+        self.offered, self.newest = offered, newest
 
 
 class VersionBuffer:
@@ -207,18 +220,23 @@ async def push_version(
     *,
     timeout: float = 60.0,
     on_chunk: Callable[[int], None] | None = None,
+    refuse_older: bool = False,
 ) -> None:
     """Send ``vb`` over ``conn``, each chunk as soon as it is here; return once the peer verified.
 
-    Raises :class:`TransferError` if the peer reports corrupt tensors; transport errors propagate
-    (the caller reconnects, and the peer's ``have`` resumes the transfer).
+    Raises :class:`TransferError` if the peer reports corrupt tensors, and (``refuse_older``)
+    :class:`VersionConflict` before any chunk when the peer holds a newer verified version;
+    transport errors propagate (the caller reconnects, and the peer's ``have`` resumes).
     """
     await conn.send(
         _control("offer", manifest=vb.manifest.model_dump(), chunks=[list(c) for c in vb.chunks])
     )
-    have = (await _expect(conn, "have", timeout)).get("n", 0)
+    reply = await _expect(conn, "have", timeout)
+    have, newest = reply.get("n", 0), reply.get("newest", -1)
     if not isinstance(have, int) or not 0 <= have <= len(vb.chunks):
         raise TransferError(f"peer {conn.peer} claims {have!r} chunks")
+    if refuse_older and isinstance(newest, int) and newest > vb.version:
+        raise VersionConflict(vb.version, newest)
     for index in range(have, len(vb.chunks)):
         await vb.wait_chunk(index)
         await conn.send(
@@ -252,7 +270,14 @@ async def receive_versions(
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(f"malformed offer from {conn.peer}: {exc}") from exc
         vb = store.begin(manifest, chunks)
-        await conn.send(_control("have", n=len(chunks) if vb.verified else vb.received))
+        latest = store.latest()
+        await conn.send(
+            _control(
+                "have",
+                n=len(chunks) if vb.verified else vb.received,
+                newest=latest.version if latest is not None else -1,
+            )
+        )
         while not vb.complete:
             chunk = await conn.recv()
             if chunk.meta.get("k") != "chunk" or chunk.meta.get("v") != vb.version:

@@ -4,11 +4,16 @@ Declaration only: :class:`DataApi` has the signatures, ``DataService`` serves th
 that acknowledges something is answered only after it is durable (see ``store``), and every one
 can be repeated safely: ``take`` re-delivers leases whose reply was lost, ``report`` keys tokens
 by offset and completions by trajectory id.
+
+A report is judged item by item: one bad item (a gap in a trajectory's tokens, a completion of an
+unknown trajectory, a non-finite logprob) is refused alone, named in ``ReportReply.rejected`` with
+its reason, while the rest of the report is stored. The rollout drops what was refused and never
+sends it again, so a bad item cannot make a report fail forever.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -24,17 +29,38 @@ class TakeRequest(BaseModel):
     wait_s: Annotated[float, Field(ge=0, le=60)] = 0.0  # long-poll: wait this long for work
 
 
+class FailedItem(BaseModel):
+    """A trajectory its rollout could not generate (its engine refused the request), and why.
+
+    The data role records it as failed for good: never handed out again (a bad prompt must fail
+    alone, not take every rollout down in turn)."""
+
+    trajectory_id: str
+    reason: str
+
+
 class Report(BaseModel):
-    """What a rollout sends every flush interval: new tokens, and trajectories that finished."""
+    """What a rollout sends every flush interval: new tokens, trajectories that finished, and
+    trajectories that failed."""
 
     rollout: str
     partials: list[PartialChunk] = Field(default_factory=list)
     completed: list[Trajectory] = Field(default_factory=list)
+    failed: list[FailedItem] = Field(default_factory=list)
+
+
+class RejectedItem(BaseModel):
+    """One item of a report the data role refused (the rest of the report was stored)."""
+
+    trajectory_id: str
+    item: Literal["partial", "completed", "failed"]
+    reason: str
 
 
 class ReportReply(BaseModel):
     drop: list[str] = Field(default_factory=list)  # ids no longer leased to this rollout
     duplicates: int = 0  # completions that had already arrived (ignored)
+    rejected: list[RejectedItem] = Field(default_factory=list)  # refused items: never resend
 
 
 class LeaseTransfer(BaseModel):
@@ -111,6 +137,9 @@ class DataStatus(BaseModel):
     stale_dropped: int = 0  # evicted because staler than the bound (staleness action ``drop``)
     filtered: int = 0  # evicted as uninformative groups (``drop_constant_groups``)
     held: int = 0  # skipped for staleness by the last sample (action ``hold``), still buffered
+    failed: int = 0  # trajectories recorded as failed (never handed out again), quarantined incl.
+    quarantined: int = 0  # failed because their rollouts kept dying while holding them
+    orphaned: int = 0  # evicted: members of a group another member of which failed
     cursor: int = 0  # the highest consume seq handed out so far
     reward_errors: int
     tokens: int

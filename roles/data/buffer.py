@@ -110,7 +110,9 @@ class ExperienceBuffer:
       group the sampler does not pick at all is not taken). Members stay adjacent, ordered by
       sample index. A group one of whose members was evicted (or consumed by a request without
       ``whole_groups``) can never complete: its other members stay in the buffer until eviction
-      drops them.
+      drops them. A group one of whose members *failed* (``failures``: never generated) can never
+      complete either; its other members are evicted as soon as a whole-group sample sees them
+      (counted in ``orphaned``), so they neither wait forever nor count as lost.
     * **Staleness** (``bound`` set): staleness = ``trainer_version - version``. Over the bound,
       ``drop`` evicts durably (counted in ``stale_dropped``); ``hold`` skips them and keeps them
       (``held`` counts those skipped by the last call). With whole groups a group with any member
@@ -182,6 +184,7 @@ class ExperienceBuffer:
                 ready = [e for e in ready if e.trajectory_id not in gone]
             ready = self._apply_staleness(ready, trainer_version, whole_groups)
             if whole_groups:
+                ready = self._evict_orphans(ready)
                 fresh = self._select_groups(ready, want // self.group_size, trainer_version)
             else:
                 fresh = self.sampler.select(ready, want, trainer_version)[:want]
@@ -216,6 +219,15 @@ class ExperienceBuffer:
         else:
             self.held = len(stale)
         return [e for e in ready if e.trajectory_id not in stale]
+
+    def _evict_orphans(self, ready: list[BufferEntry]) -> list[BufferEntry]:
+        """Evict members of groups with a failed member (they can never be whole)."""
+        broken = self.store.failed_prompt_ids()
+        orphans = [e.trajectory_id for e in ready if e.prompt_id in broken]
+        if not orphans:
+            return ready
+        self.store.evict(orphans, orphaned=True)
+        return [e for e in ready if e.prompt_id not in broken]
 
     def _select_groups(
         self, ready: Sequence[BufferEntry], groups: int, trainer_version: int

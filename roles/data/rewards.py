@@ -1,30 +1,90 @@
-"""Reward functions as plug-ins, run in worker processes with a hard timeout.
+"""Reward functions as plug-ins, run in worker processes with a hard timeout and cut-down rights.
 
 A task's reward is a plain function ``reward(record: dict, response: str) -> float`` named as
-``module:function`` (importable) or ``path/to/file.py:function``. It is user code: it may be slow,
-raise, loop forever, or leak memory. So it never runs on the data role's event loop or even in its
-process. Each :class:`RewardPool` worker is a spawned process serving one job at a time over a
-pipe; the parent waits with ``loop.add_reader`` (no thread per job). A job that overruns
-``timeout_s`` gets its worker killed and replaced, which a ``concurrent.futures`` pool cannot do.
+``module:function`` (importable) or ``path/to/file.py:function``. It is user code, and it may run
+code the model wrote: it may be slow, raise, loop forever, leak memory, fork, or go looking for
+the cluster token. So it never runs on the data role's event loop or even in its process. Each
+:class:`RewardPool` worker is an exec'd process (:mod:`laminar.reward_worker`) serving one job at a
+time over a pair of pipes; the parent waits with ``loop.add_reader`` (no thread per job).
+
+What a worker gets (:class:`RewardSandbox`): an environment without the cluster token, without any
+other ``LAMINAR_*`` variable (the run's process mark aside), without any variable holding the
+token's value and without those named in ``drop_env``; a process group of its own; resource
+limits (address space, CPU time, optionally processes) that what it starts inherits. A job that
+overruns ``timeout_s`` gets its worker's whole process group killed, then every process still
+carrying the worker's mark (one that called ``setsid`` too), and the worker replaced: a reward
+that forks leaves nothing behind. Replies are JSON read without blocking, at most 64 KiB; one
+that is not a well-formed reply retires the worker (never unpickled: a worker's bytes are not
+code the role runs).
 
 Outcomes are values, never exceptions: :class:`RewardResult` has either a reward or the reason
 there is none ("raised ValueError: ...", "timed out after 5.0s", "returned 'abc', not a number",
-"worker died (exit -9)"). The data role records the reason beside the trajectory.
+"worker died (exit -9)"). The data role records the reason beside the trajectory. Rewards may be
+NumPy (or 0-d tensor) scalars; bools are refused (see :func:`laminar.reward_worker.as_reward`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
-import multiprocessing as mp
+import os
+import secrets
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from typing import Any
+from fnmatch import fnmatchcase
+from typing import Annotated, Any
 
+from pydantic import Field
+
+from laminar import procfs
+from laminar.config import Strict
 from laminar.errors import ConfigError
 from laminar.plugins import load_object
+from laminar.reward_worker import WORKER_MARK
+
+MAX_REPLY_BYTES = 64 * 1024
+MALFORMED = "worker sent a malformed reply"
+#: Seconds a new worker may take to start and load the reward (not counted in ``timeout_s``).
+STARTUP_S = 60.0
+
+#: Thread pools a worker starts with one thread unless the environment says otherwise: a worker
+#: runs one call at a time (``reward_workers`` is the parallelism), and every idle thread's
+#: arena counts against ``memory_mib``.
+ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+class RewardSandbox(Strict):
+    """What a reward worker may use. Limits are per process, inherited by what it starts."""
+
+    memory_mib: Annotated[int, Field(ge=64)] | None = Field(
+        8192,
+        description="Address-space limit (RLIMIT_AS) of each reward worker process, MiB: an "
+        "allocation beyond it raises MemoryError in the reward (no reward, the worker lives on). "
+        "Virtual memory, so a reward importing torch or CUDA libraries needs more; null: none.",
+    )
+    cpu_s: Annotated[int, Field(ge=1)] | None = Field(
+        600,
+        description="CPU seconds any reward worker process may use (RLIMIT_CPU). A worker past "
+        "half of it is replaced after its call, so every call has at least half; a call over it "
+        "is killed (SIGXCPU, no reward). Bounds what a reward leaves running too; null: none.",
+    )
+    max_processes: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="RLIMIT_NPROC of the workers (a fork-bomb guard). The kernel counts every "
+        "process and thread of the user, not only the worker's, and not at all for root: set it "
+        "only when the data role runs as a user of its own. null: none.",
+    )
+    drop_env: list[str] = Field(
+        default_factory=list,
+        description="More environment variables kept from reward workers: names or fnmatch "
+        "patterns (e.g. `AWS_*`, `WANDB_API_KEY`). The cluster token's variable, any variable "
+        "holding its value and every `LAMINAR_*` (but the run's process mark) are always dropped.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,104 +101,242 @@ def load_function(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def _worker_main(conn: Connection, spec: str) -> None:
-    fn = load_function(spec)
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        record, response = job
-        try:
-            value = fn(record, response)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                conn.send((None, f"returned {value!r}, not a number"))
-            elif not math.isfinite(value):
-                conn.send((None, f"returned {value!r}, not a finite number"))
-            else:
-                conn.send((float(value), None))
-        except Exception as exc:
-            conn.send((None, f"raised {type(exc).__name__}: {exc}"))
+def worker_env(token_env: str, drop: list[str], mark: str) -> dict[str, str]:
+    """The data role's environment, less what a reward must not see (see :class:`RewardSandbox`)."""
+    token = os.environ.get(token_env) or None
+    env = {}
+    for name, value in os.environ.items():
+        secret = name == token_env or (name.startswith("LAMINAR_") and name != procfs.MARK_ENV)
+        if secret or (token and token in value) or any(fnmatchcase(name, p) for p in drop):
+            continue
+        env[name] = value
+    for name in ONE_THREAD:
+        env.setdefault(name, "1")
+    name, _, value = mark.partition("=")
+    env[name] = value
+    return env
+
+
+class WorkerFailed(Exception):
+    """The worker cannot answer: it died (``died``: the message comes from its exit status), or
+    broke the protocol, or did not start."""
+
+    def __init__(self, message: str = "", *, died: bool = False) -> None:
+        super().__init__(message)
+        self.died = died
+
+
+def _exit_text(code: int | None) -> str:
+    if code == -signal.SIGXCPU:
+        return f"worker died (exit {code}: SIGXCPU, over its CPU limit cpu_s)"
+    return f"worker died (exit {code})" if code is not None else "worker died"
+
+
+async def _ready(fd: int, *, write: bool) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    if write:
+        add, remove = loop.add_writer, loop.remove_writer
+    else:
+        add, remove = loop.add_reader, loop.remove_reader
+    add(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        remove(fd)
 
 
 class _Worker:
-    def __init__(self, spec: str) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
-        self.process.start()
-        child.close()
+    def __init__(self, spec: str, sandbox: RewardSandbox, token_env: str) -> None:
+        self.mark = f"{WORKER_MARK}={secrets.token_hex(8)}"
+        jobs_r, self.jobs = os.pipe()
+        self.results, results_w = os.pipe()
+        args = {
+            "parent": os.getpid(),
+            "jobs": jobs_r,
+            "results": results_w,
+            "spec": spec,
+            "path": sys.path,
+            "limits": sandbox.model_dump(include={"memory_mib", "cpu_s", "max_processes"}),
+        }
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "laminar.reward_worker", json.dumps(args)],
+                env=worker_env(token_env, sandbox.drop_env, self.mark),
+                stdin=subprocess.DEVNULL,
+                stdout=2,  # a reward's print() goes to the role's stderr, never its stdout
+                pass_fds=(jobs_r, results_w),
+                process_group=0,  # its own group: killed whole on a timeout
+            )
+        except BaseException:
+            for fd in (self.jobs, self.results):
+                os.close(fd)
+            raise
+        finally:
+            os.close(jobs_r)
+            os.close(results_w)
+        os.set_blocking(self.jobs, False)
+        os.set_blocking(self.results, False)
+        self.ready = False  # its ready line is read before its first job is sent
+        self.ending: asyncio.Future[int | None] | None = None  # once it is being ended
 
-    def kill(self) -> None:
-        with contextlib.suppress(Exception):
-            self.process.kill()
-            self.process.join(timeout=5)
-        self.conn.close()
+    async def start(self) -> None:
+        """Wait for its ready line (the reward function loaded), at most ``STARTUP_S``: a call's
+        timeout counts the call, not the interpreter starting on a busy machine."""
+        if self.ready:
+            return
+        try:
+            async with asyncio.timeout(STARTUP_S):
+                line = await self._line()
+        except TimeoutError:
+            raise WorkerFailed(f"worker did not start within {STARTUP_S:g}s") from None
+        try:
+            self.ready = json.loads(line) == {"ready": True}
+        except ValueError:
+            pass
+        if not self.ready:
+            raise WorkerFailed(MALFORMED)
+
+    async def call(self, payload: bytes) -> tuple[float | None, str | None, float]:
+        """Send one job, read its reply: ``(reward, error, cpu_s used)``."""
+        view = memoryview(payload)
+        while view:
+            try:
+                view = view[os.write(self.jobs, view) :]
+            except BlockingIOError:
+                await _ready(self.jobs, write=True)
+            except OSError:  # EPIPE: it is gone
+                raise WorkerFailed(died=True) from None
+        line = await self._line()
+        try:
+            reply = json.loads(line)
+            reward, error, cpu = reply["reward"], reply["error"], float(reply["cpu_s"])
+        except (ValueError, TypeError, KeyError):
+            raise WorkerFailed(MALFORMED) from None
+        number = isinstance(reward, (int, float)) and not isinstance(reward, bool)
+        if (
+            not (reward is None or (number and math.isfinite(reward)))
+            or not (error is None or isinstance(error, str))
+            or (reward is None) == (error is None)
+        ):
+            raise WorkerFailed(MALFORMED)
+        return (None if reward is None else float(reward)), error, cpu
+
+    async def _line(self) -> bytes:
+        """One line from the results pipe, without blocking the loop; nothing may follow it (the
+        worker waits for its next job), and it is at most ``MAX_REPLY_BYTES``."""
+        buffer = bytearray()
+        while (end := buffer.find(b"\n")) < 0:
+            try:
+                chunk = os.read(self.results, MAX_REPLY_BYTES)
+            except BlockingIOError:
+                await _ready(self.results, write=False)
+                continue
+            if not chunk:
+                raise WorkerFailed(died=True)
+            buffer += chunk
+            if len(buffer) > MAX_REPLY_BYTES:
+                raise WorkerFailed(f"worker sent a reply over {MAX_REPLY_BYTES} bytes")
+        if end != len(buffer) - 1:
+            raise WorkerFailed(MALFORMED)
+        return bytes(buffer[:end])
+
+    def kill_group(self) -> None:
+        """SIGKILL its process group, at once. Only while it is not reaped: until then its pid,
+        which names the group, cannot be anyone else's."""
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+    def finish(self, died: bool = False) -> int | None:
+        """End it and everything it started; its exit status. Blocks (reaps, reads ``/proc``):
+        run it in a thread. A worker that died gets a moment to report its own status first."""
+        if died:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=1.0)
+        self.kill_group()
+        procfs.signal_marked(self.mark, signal.SIGKILL)  # what left the group or outlived it
+        code = self.process.wait()
+        os.close(self.jobs)
+        os.close(self.results)
+        return code
+
+    def end(self, died: bool = False) -> asyncio.Future[int | None]:
+        """End it (once, however many ask): its group killed at once unless it died by itself,
+        the rest (:meth:`finish`) in a thread. Await the result for its exit status."""
+        if self.ending is None:
+            if not died:
+                self.kill_group()
+            self.ending = asyncio.ensure_future(asyncio.to_thread(self.finish, died))
+        return self.ending
 
 
 class RewardPool:
-    def __init__(self, spec: str, *, workers: int = 1, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        spec: str,
+        *,
+        workers: int = 1,
+        timeout_s: float = 10.0,
+        sandbox: RewardSandbox | None = None,
+        token_env: str = "LAMINAR_TOKEN",
+    ) -> None:
         load_function(spec)  # fail fast, in the parent, with a clear error
         self.spec = spec
         self.timeout_s = timeout_s
+        self.sandbox = sandbox or RewardSandbox()
+        self.token_env = token_env
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: set[_Worker] = set()
+        self._ending: set[asyncio.Future[int | None]] = set()  # workers being finished
+        self._closed = False
         for _ in range(workers):
             self._add_worker()
 
     def _add_worker(self) -> None:
-        worker = _Worker(self.spec)
+        if self._closed:  # a call that ends after close() replaces nothing
+            return
+        worker = _Worker(self.spec, self.sandbox, self.token_env)
         self._all.add(worker)
         self._idle.put_nowait(worker)
 
-    def _retire(self, worker: _Worker) -> None:
+    def _retire(self, worker: _Worker, died: bool = False) -> asyncio.Future[int | None]:
+        """Replace ``worker`` now and end it (:meth:`_Worker.end`)."""
         self._all.discard(worker)
-        worker.kill()
+        ending = worker.end(died)
+        self._ending.add(ending)
+        ending.add_done_callback(self._ending.discard)
         self._add_worker()
+        return ending
 
     async def score(self, record: dict[str, Any], response: str) -> RewardResult:
+        try:
+            payload = json.dumps([record, response], allow_nan=False).encode() + b"\n"
+        except (TypeError, ValueError) as exc:
+            return RewardResult(None, f"the record cannot be sent to the reward (not JSON: {exc})")
         worker = await self._idle.get()
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[RewardResult] = loop.create_future()
-
-        def readable() -> None:
-            try:
-                reward, error = worker.conn.recv()
-                result = RewardResult(reward, error)
-            except (EOFError, OSError):
-                worker.process.join(timeout=1)
-                result = RewardResult(None, f"worker died (exit {worker.process.exitcode})")
-            if not done.done():
-                done.set_result(result)
-
         try:
-            worker.conn.send((record, response))
-        except (BrokenPipeError, OSError):
-            self._retire(worker)
-            return RewardResult(None, "worker died before the job was sent")
-        loop.add_reader(worker.conn.fileno(), readable)
-        try:
-            result = await asyncio.wait_for(done, self.timeout_s)
+            await worker.start()
+            async with asyncio.timeout(self.timeout_s):
+                reward, error, cpu = await worker.call(payload)
         except TimeoutError:
-            result = RewardResult(None, f"timed out after {self.timeout_s}s")
-        except asyncio.CancelledError:  # the job may still run: this worker is not reusable
-            loop.remove_reader(worker.conn.fileno())
+            await self._retire(worker)  # returns once nothing of it is left
+            return RewardResult(None, f"timed out after {self.timeout_s}s")
+        except WorkerFailed as exc:
+            code = await self._retire(worker, died=exc.died)
+            return RewardResult(None, _exit_text(code) if exc.died else str(exc))
+        except BaseException:  # cancelled: the job may still run, this worker is not reusable
             self._retire(worker)
             raise
-        loop.remove_reader(worker.conn.fileno())
-        if result.error is not None and (
-            result.error.startswith(("timed out", "worker died")) or not worker.process.is_alive()
-        ):
+        limit = self.sandbox.cpu_s
+        if limit is not None and cpu >= limit / 2:  # so the next call has at least half of it
             self._retire(worker)
         else:
             self._idle.put_nowait(worker)
-        return result
+        return RewardResult(reward, error)
 
     async def close(self) -> None:
-        for worker in list(self._all):
-            with contextlib.suppress(Exception):
-                worker.conn.send(None)
-            worker.kill()
-        self._all.clear()
+        self._closed = True
+        workers, self._all = list(self._all), set()
+        ends = [w.end() for w in workers]  # stateless: nothing to finish first
+        await asyncio.gather(*ends, *self._ending, return_exceptions=True)

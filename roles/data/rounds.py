@@ -9,6 +9,9 @@ round state below and the store change together.
   empty between rounds); a long round puts deferred groups back in the queue.
 * **Leasing**: only while a round is open and only to a rollout at the round's version; the queue
   holds nothing but the open round's samples, so the store's ordinary ``lease`` applies.
+* **Failures**: a group that loses a member for good (``failures``) can never be complete, so a
+  round waiting for it would never end. It leaves the round (neither kept nor deferred) and a
+  fresh group takes its place; with no fresh prompts left, the round keeps fewer groups.
 * **Ending**: after each report, complete groups are counted; at :func:`round_over` the groups
   :func:`split_round` defers are *parked*: their partial tokens and any finished members are
   withdrawn (a deferred prompt restarts from scratch, on the version of a later long round, so
@@ -22,6 +25,7 @@ samples of the old one are released to the queue at start-up like any dead rollo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -127,6 +131,34 @@ class RoundGate:
             self.groups[group] += 1
             if self.groups[group] == self.samples:
                 self.completed.append(group)
+        self._maybe_end(store)
+
+    def note_failed(self, store: Store, failed_ids: Iterable[str]) -> None:
+        """Replace the open round's groups that lost a member for good (module docstring)."""
+        if not self.open or self.plan is None:
+            return
+        broken = {tid.rpartition("/")[0] for tid in failed_ids} & set(self.groups)
+        if not broken:
+            return
+        fresh = 0
+        for group in sorted(broken):
+            del self.groups[group]
+            queued = store.queued_count()
+            if store.refill(queued + self.samples, self.samples, self.seed, self.epochs):
+                (pid,) = store.db.execute(
+                    "SELECT prompt_id FROM samples WHERE state = 'queued' ORDER BY seq DESC LIMIT 1"
+                ).fetchone()
+                self.groups[pid] = 0
+                fresh += 1
+        plan = self.plan
+        self.plan = dataclasses.replace(
+            plan, fresh=plan.fresh + fresh, keep=min(plan.keep, len(self.groups))
+        )
+        self._maybe_end(store)
+
+    def _maybe_end(self, store: Store) -> None:
+        if self.plan is None or not self.open:
+            return
         if round_over(self.plan, len(self.completed)):
             kept, deferred = split_round(self.plan, self.completed, list(self.groups))
             self._park(store, deferred)

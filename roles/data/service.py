@@ -13,24 +13,35 @@ Flow of one trajectory:
    with a consume seq (the trainer's cursor: it re-asks from its last committed cursor after a
    crash), optionally as whole groups and within a staleness bound (``buffer.ExperienceBuffer``).
 
-Durability: all state is in :class:`Store` (SQLite, WAL); every acknowledgement follows a commit.
+Durability: all state is in :class:`Store` (SQLite, WAL); every acknowledgement follows a commit
+(what a commit survives, kill -9 or power loss, is ``store_synchronous``: see ``store``).
 Database calls run on one dedicated thread, so the event loop never blocks on disk.
+
+Bad input fails alone: a report is stored item by item (a bad item is refused and named in the
+reply), and a trajectory that cannot be generated (its engine refused it, its completion is
+invalid, or rollouts keep dying while holding it) is recorded as failed for good, counted and
+never handed out again (``failures``).
 
 Failures: the role watches the manager's membership stream; when a rollout dies its leases return
 to the front of the queue with their partial tokens, for another rollout of the same version to
 resume. After a restart of this role, leases of rollouts that are not alive are released the same
-way; rollouts that are alive keep theirs (they will report them).
+way; rollouts that are alive keep theirs (they will report them). After a restart of the manager,
+a rollout missing from its member list is released only once it has had a heartbeat timeout to
+rejoin (``_watch_rollouts``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
+from prometheus_client import Counter, Gauge
 from pydantic import Field
 
 from laminar.config import ServiceConfig, Strict
@@ -38,7 +49,7 @@ from laminar.endpoint import endpoint
 from laminar.errors import CallTimeout, ConfigError, PeerUnavailable, RemoteError
 from laminar.membership import MembershipApi, WatchRequest
 from laminar.service import Service, ServiceContext
-from laminar.trajectory import Assignment, SamplingParams
+from laminar.trajectory import Assignment, SamplingParams, Trajectory
 
 from .api import (
     Assignments,
@@ -47,6 +58,7 @@ from .api import (
     DataStatus,
     LeaseTransfer,
     PartialLengths,
+    RejectedItem,
     Report,
     ReportReply,
     SampleRequest,
@@ -56,11 +68,19 @@ from .api import (
 )
 from .buffer import EVICTIONS, SAMPLERS, Batch, ExperienceBuffer, make_policy
 from .prompts import fingerprint, load_tokenizer, read_records, tokenize_records
-from .rewards import RewardPool
+from .rewards import RewardPool, RewardSandbox
 from .rounds import RoundGate
 from .store import Store
 
 T = TypeVar("T")
+
+
+def _invalid(t: Trajectory) -> str | None:
+    """Why a completion cannot be trained on (None: it can)."""
+    bad = next((i for i, lp in enumerate(t.logprobs) if not math.isfinite(lp)), None)
+    if bad is not None:
+        return f"behaviour logprob of response token {bad} is {t.logprobs[bad]}"
+    return None
 
 
 class PolicySpec(Strict):
@@ -103,7 +123,18 @@ class DataConfig(ServiceConfig):
     max_prompt_tokens: Annotated[int, Field(ge=1)] | None = Field(
         None,
         description="Leave out prompts longer than this many tokens (a curriculum, or a bound on "
-        "the prompt part of the context); null: keep all.",
+        "the prompt part of the context); null: keep all. Those left out are counted "
+        "(`prompts_left_out` in the stats).",
+    )
+    max_model_len: Annotated[int, Field(ge=2)] | None = Field(
+        None,
+        description="The rollouts' context length; unset, it is taken from the same file's "
+        "rollout.engine.max_model_len (laminar.config.DERIVED). Set: a prompt "
+        "that leaves no room for a response (tokens >= this) is an error at load naming the "
+        "record (to leave such prompts out instead, set max_prompt_tokens below it); a prompt "
+        "that fits but leaves less than sampling.max_tokens gets a response cut at the limit "
+        "(finish reason length, counted in the log). null in both: not checked at load; a "
+        "rollout's engine refuses such a prompt and its trajectories are recorded as failed.",
     )
     id_key: str = Field("id", description="Record field holding the prompt's unique id.")
     prompt_key: str = Field("prompt", description="Record field holding the prompt text.")
@@ -116,6 +147,19 @@ class DataConfig(ServiceConfig):
     store: str = Field(
         "runs/latest/data.sqlite",
         description="SQLite file of the prompt, partial-response and experience pools (durable).",
+    )
+    store_synchronous: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL",
+        description="SQLite synchronous setting of the store. NORMAL: an acknowledged report, "
+        "take or sample survives the data role being killed (kill -9, a crash), but an OS crash "
+        "or power loss can drop the last ones acknowledged. FULL: each is fsynced before it is "
+        "acknowledged, so it also survives an OS crash or power loss (one fsync per call).",
+    )
+    quarantine_after: Annotated[int, Field(ge=1)] = Field(
+        2,
+        description="A trajectory whose rollouts died this many times in a row while holding it "
+        "(no token acknowledged in between) is recorded as failed (quarantined) instead of "
+        "being handed to the next rollout: a poison prompt cannot take down every rollout.",
     )
     queue_ahead: Annotated[int, Field(ge=1)] = Field(
         256, description="Samples kept queued ahead of demand (whole prompt groups)."
@@ -132,6 +176,11 @@ class DataConfig(ServiceConfig):
     )
     reward_timeout_s: Annotated[float, Field(gt=0)] = Field(
         10.0, description="A reward call running longer is killed (the trajectory gets no reward)."
+    )
+    reward_sandbox: RewardSandbox = Field(
+        default_factory=RewardSandbox,
+        description="What a reward worker may use: memory, CPU seconds, processes, environment "
+        "(roles/data/rewards.py).",
     )
     drop_constant_groups: bool = Field(
         False,
@@ -171,6 +220,19 @@ class DataService(Service, DataApi):
         self._counts: dict[str, int] = {}
         self._scored = (0, 0.0)  # trajectories scored since the last sample, their reward sum
         self._rollout_versions: dict[str, int] = {}  # weight version each live rollout last took at
+        self._left_out = 0  # prompts left out at load (max_prompt_tokens)
+        self._m_failed = Gauge(
+            "laminar_data_failed_trajectories",
+            "Trajectories recorded as failed (never handed out again), by kind",
+            ["kind"],
+            registry=ctx.registry,
+        )
+        self._m_rejected = Counter(
+            "laminar_data_report_items_rejected",
+            "Report items refused (the rest of their report was stored), by item",
+            ["item"],
+            registry=ctx.registry,
+        )
         # Leases repack moved to a rollout whose handoff may still be on its way: its takes must
         # not re-deliver them meanwhile (rollout -> trajectory id -> deadline, loop time).
         self._handoffs: dict[str, dict[str, float]] = {}
@@ -207,15 +269,26 @@ class DataService(Service, DataApi):
             prompt_key=c.prompt_key,
             source=c.prompts,
             max_prompt_tokens=c.max_prompt_tokens,
+            max_model_len=c.max_model_len,
         )
-        if len(rows) < len(records):
+        self._left_out = len(records) - len(rows)
+        if self._left_out:
             self.log.info("prompts left out", longer_than=c.max_prompt_tokens,
-                          left_out=len(records) - len(rows), kept=len(rows))  # fmt: skip
+                          left_out=self._left_out, kept=len(rows))  # fmt: skip
+        if c.max_model_len is not None:
+            room = c.max_model_len - c.sampling.max_tokens
+            cut = sum(len(ids) > room for _, _, ids in rows)
+            if cut:
+                self.log.info("responses of some prompts will stop at the context limit",
+                              prompts=cut, max_model_len=c.max_model_len,
+                              max_tokens=c.sampling.max_tokens)  # fmt: skip
         extra = f"{c.samples_per_prompt}/{c.seed}"
         if c.max_prompt_tokens is not None:  # another prompt set: another dataset
             extra += f"/{c.max_prompt_tokens}"
         print_ = fingerprint(c.prompts, c.tokenizer, extra=extra)
-        self.store = await self._db(Store, c.store)
+        self.store = await self._db(
+            functools.partial(Store, c.store, synchronous=c.store_synchronous)
+        )
         self.buffer = ExperienceBuffer(
             self.store,
             self.sampler,
@@ -229,7 +302,13 @@ class DataService(Service, DataApi):
             await self._db(self.store.load_prompts, rows, print_)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        self.rewards = RewardPool(c.reward, workers=c.reward_workers, timeout_s=c.reward_timeout_s)
+        self.rewards = RewardPool(
+            c.reward,
+            workers=c.reward_workers,
+            timeout_s=c.reward_timeout_s,
+            sandbox=c.reward_sandbox,
+            token_env=self.ctx.cluster.token_env,
+        )
         for tid in await self._db(self.store.unscored):  # completed before a crash, not scored
             self._to_score.put_nowait(tid)
         await self._refresh_counts()
@@ -254,7 +333,8 @@ class DataService(Service, DataApi):
 
     def stats(self) -> dict[str, float]:
         rounds = self.rounds.stats() if self.rounds is not None else {}
-        return {**{k: float(v) for k, v in self._counts.items()}, **rounds}
+        counts = {k: float(v) for k, v in self._counts.items()}
+        return {**counts, "prompts_left_out": float(self._left_out), **rounds}
 
     # -- endpoints ---------------------------------------------------------------------------
 
@@ -318,28 +398,82 @@ class DataService(Service, DataApi):
 
     @endpoint
     async def report(self, req: Report) -> ReportReply:
+        """Store what a report carries, item by item (``api``: a bad item is refused alone)."""
         store = self._need_store()
         reply = ReportReply()
         if req.partials:
-            reply.drop = await self._db(store.append_partials, req.rollout, req.partials)
-        if req.completed:
-            for t in req.completed:
-                if t.version is None or len(t.logprobs) != len(t.response_token_ids):
-                    raise ValueError(f"trajectory {t.trajectory_id} lacks version or logprobs")
-            new, reply.duplicates = await self._db(self._complete, store, req)
-            if self.rounds is not None and not self.rounds.open:
-                self._work.set()  # a round ended: waiting takes re-check for the next one
+            reply.drop, refused = await self._db(store.append_partials, req.rollout, req.partials)
+            self._refuse_items(reply, req.rollout, "partial", refused)
+        failed = [(f.trajectory_id, f.reason) for f in req.failed]
+        invalid = [(t.trajectory_id, why) for t in req.completed if (why := _invalid(t))]
+        if failed or invalid:
+            refused = await self._db(self._fail, store, req.rollout, failed, invalid)
+            self._refuse_items(reply, req.rollout, "failed", refused)
+        bad = {tid for tid, _ in invalid}
+        completed = [t for t in req.completed if t.trajectory_id not in bad]
+        self._refuse_items(reply, req.rollout, "completed", invalid)
+        if completed:
+            new, reply.duplicates, refused = await self._db(
+                self._complete, store, req.rollout, completed
+            )
+            self._refuse_items(reply, req.rollout, "completed", refused)
             for tid in new:
                 self._to_score.put_nowait(tid)
+        if self.rounds is not None and not self.rounds.open:
+            self._work.set()  # a round ended: waiting takes re-check for the next one
         return reply
 
-    def _complete(self, store: Store, req: Report) -> tuple[list[str], int]:
+    def _refuse_items(
+        self,
+        reply: ReportReply,
+        rollout: str,
+        item: Literal["partial", "completed", "failed"],
+        refused: list[tuple[str, str]],
+    ) -> None:
+        for tid, reason in refused:
+            self.log.warning("report item refused", rollout=rollout, item=item,
+                             trajectory=tid, reason=reason)  # fmt: skip
+            reply.rejected.append(RejectedItem(trajectory_id=tid, item=item, reason=reason))
+            self._m_rejected.labels(item).inc()
+
+    def _fail(
+        self,
+        store: Store,
+        rollout: str,
+        failed: list[tuple[str, str]],
+        invalid: list[tuple[str, str]],
+    ) -> list[tuple[str, str]]:
+        """Record failures (the engine's refusals, invalid completions); returns refused ones."""
+        recorded, refused = store.fail(rollout, failed, "refused")
+        recorded += store.fail(rollout, invalid, "invalid")[0]  # unknown ones: refused later
+        for tid, reason in [*failed, *invalid]:
+            if tid in recorded:
+                self.log.error("trajectory failed", trajectory=tid, rollout=rollout, reason=reason)
+        if recorded and self.rounds is not None:
+            self.rounds.note_failed(store, recorded)
+        return refused
+
+    def _release_dead(self, rollout: str) -> list[str]:
+        """Release a dead rollout's leases with a strike each; returns the ids it held."""
+        store = self._need_store()
+        released, quarantined = store.release_dead(rollout, self.config.quarantine_after)
+        for tid, reason in quarantined:
+            self.log.error("trajectory quarantined", trajectory=tid, rollout=rollout, reason=reason)
+        if quarantined and self.rounds is not None:
+            self.rounds.note_failed(store, [tid for tid, _ in quarantined])
+        return released + [tid for tid, _ in quarantined]
+
+    def _complete(
+        self, store: Store, rollout: str, completed: list[Trajectory]
+    ) -> tuple[list[str], int, list[tuple[str, str]]]:
         if self.rounds is None:
-            return store.complete(req.rollout, req.completed)
+            return store.complete(rollout, completed)
         # round schedules: completions of deferred samples are ignored; a round may end here
-        new, dupes = store.complete(req.rollout, self.rounds.filter_completed(store, req.completed))
+        new, dupes, refused = store.complete(
+            rollout, self.rounds.filter_completed(store, completed)
+        )
         self.rounds.note_completed(store, new)
-        return new, dupes
+        return new, dupes, refused
 
     @endpoint
     async def transfer(self, req: LeaseTransfer) -> Transferred:
@@ -430,7 +564,9 @@ class DataService(Service, DataApi):
         return self.store
 
     async def _refresh_counts(self) -> None:
-        self._counts = await self._db(self._need_store().counts)
+        self._counts = counts = await self._db(self._need_store().counts)
+        self._m_failed.labels("quarantined").set(counts["quarantined"])
+        self._m_failed.labels("other").set(counts["failed"] - counts["quarantined"])
 
     async def _counts_loop(self) -> None:
         """Keep the heartbeat's numbers fresh. ``counts`` aggregates whole tables, so it runs once
@@ -459,28 +595,64 @@ class DataService(Service, DataApi):
             self._ready.set()
 
     async def _watch_rollouts(self) -> None:
-        """Release the leases of rollouts that die (and of those dead while we were down)."""
+        """Release the leases of rollouts that die (and of those that died while we, or the
+        manager, were down).
+
+        Subscribe, then read the member list: the watch's first item (a snapshot event) says the
+        manager has registered it, so every change after that arrives as an event and none falls
+        between the list and the stream. The list is acted on only once it is settled
+        (``ClusterStatus.unsettled_s``): a restarted manager lists live rollouts only as they
+        rejoin, and releasing the leases of one not back yet would take work from a live rollout.
+        """
         assert self.ctx.manager is not None
-        store = self._need_store()
         mgr = self.ctx.connect(MembershipApi, self.ctx.manager)
         while True:
+            sweep: asyncio.Task[None] | None = None
             try:
-                events = mgr.watch.options(timeout=3600).stream(WatchRequest(snapshot=False))
-                alive = {m.instance for m in await self.ctx.members()}
-                for rollout in await self._db(lambda: list(store.leases())):
-                    if rollout not in alive:
-                        await self._release(rollout, "not alive at data-role start")
-                async for event in events:
+                watch = mgr.watch.options(timeout=3600).stream(WatchRequest(snapshot=True))
+                async for event in watch:
+                    if sweep is None:  # registered with the manager: the list may be read now
+                        sweep = asyncio.create_task(self._release_absent(mgr))
                     if event.event in ("dead", "left"):
                         await self._release(event.member.instance, event.event)
             except (PeerUnavailable, CallTimeout, RemoteError) as exc:
                 self.log.warning("membership watch lost; retrying", error=str(exc))
+            finally:
+                if sweep is not None:
+                    sweep.cancel()
+                    (failed,) = await asyncio.gather(sweep, return_exceptions=True)
+                    if isinstance(failed, Exception):
+                        self.log.error("lease sweep failed", error=repr(failed))
             await self.ctx.clock.sleep(1.0)
+
+    async def _release_absent(self, mgr: MembershipApi) -> None:
+        """Release the leases of rollouts the manager's settled member list has not alive."""
+        store = self._need_store()
+        try:
+            while (wait := (status := await mgr.status.call()).unsettled_s()) > 0:
+                self.log.info("manager (re)started: waiting for members to rejoin before "
+                              "releasing leases", manager_incarnation=status.incarnation,
+                              wait_s=round(wait, 2))  # fmt: skip
+                await self.ctx.clock.sleep(wait)
+            # Holders first, then the list: a rollout that takes after the list was read is
+            # not among the holders looked at, so a newcomer is never mistaken for a dead one.
+            holders = await self._db(lambda: list(store.leases()))
+            status = await mgr.status.call()
+        except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+            self.log.info("member list unavailable; the next watch sweeps", error=str(exc))
+            return
+        alive = {m.instance for m in status.members if m.state == "alive"}
+        for rollout in holders:
+            if rollout not in alive:
+                await self._release(rollout, "not alive in the manager's member list")
 
     async def _release(self, rollout: str, why: str) -> None:
         self._rollout_versions.pop(rollout, None)
         self._handoffs.pop(rollout, None)
-        released = await self._db(self._need_store().release, rollout)
+        if why != "left":  # it died holding them (or vanished): a strike each (see failures)
+            released = await self._db(self._release_dead, rollout)
+        else:
+            released = await self._db(self._need_store().release, rollout)
         if released:
             self.log.info("released leases", rollout=rollout, count=len(released), why=why)
             self._work.set()

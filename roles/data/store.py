@@ -1,17 +1,30 @@
 """The data role's durable state: one SQLite database in WAL mode.
 
 Why SQLite: the data role must survive ``kill -9`` without losing a completed trajectory or an
-acknowledged partial token. Every endpoint that acknowledges something commits first; in WAL mode
-with ``synchronous=NORMAL`` a committed transaction survives the process being killed (only an OS
-crash or power loss can drop the last transactions, and then only those). One embedded file, no
-server to run, and the whole state is inspectable with the ``sqlite3`` shell.
+acknowledged partial token. Every endpoint that acknowledges something commits first. One
+embedded file, no server to run, and the whole state is inspectable with the ``sqlite3`` shell.
+
+What survives what depends on ``synchronous`` (the data role's ``store_synchronous``):
+
+* ``NORMAL`` (the default): a commit is written to the WAL file but not fsynced. It survives the
+  data role being killed (``kill -9``, a crash, an OOM kill): the bytes are in the OS's page cache
+  and reach the disk without the process. An OS crash or power loss can drop the transactions
+  committed since the last checkpoint (the database stays consistent, never corrupt): trajectories
+  a rollout was told were stored are gone, and the trainer's cursor may point past them.
+* ``FULL``: every commit is fsynced before it is acknowledged, so it also survives an OS crash or
+  power loss (on a disk that honours fsync). The price is one fsync per report, take and sample:
+  milliseconds each on an SSD, more on network storage.
 
 Tables:
 
 * ``prompts`` — the dataset, loaded once (prompt id, the JSON record, its token ids).
 * ``samples`` — one row per trajectory to generate: ``queued`` -> ``leased`` (to a rollout) ->
   ``done``. A lease returns to ``queued`` when its rollout dies; the partial tokens stay, so the
-  next rollout of the same version resumes instead of restarting.
+  next rollout of the same version resumes instead of restarting. ``strikes`` counts the
+  rollouts in a row that died holding it without a token of it acknowledged (``progress``
+  during their lease; see ``failures``).
+* ``failures`` — samples that are ``done`` without a trajectory: refused by an engine, an invalid
+  completion, or quarantined after killing rollouts (``failures``). Never handed out again.
 * ``partials`` — acknowledged in-flight tokens, as chunks keyed by (trajectory, start offset).
 * ``trajectories`` — the experience buffer: finished trajectories (msgpack body), their reward
   (NULL until scored), whether the trainer consumed them and whether eviction dropped them.
@@ -29,6 +42,7 @@ This class is synchronous and not thread-safe: the data service runs every call 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
@@ -39,6 +53,8 @@ import msgpack
 import numpy as np
 
 from laminar.trajectory import Assignment, PartialChunk, SamplingParams, Trajectory
+
+from .failures import UNKNOWN, FailureLedger, Rejection
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -58,7 +74,9 @@ CREATE TABLE IF NOT EXISTS samples (
     rollout TEXT,
     version INTEGER,                   -- the version its partial tokens were made by
     queued_at REAL NOT NULL,
-    started_at REAL
+    started_at REAL,
+    strikes INTEGER NOT NULL DEFAULT 0, -- holders in a row that died without progress
+    progress INTEGER NOT NULL DEFAULT 0 -- 1: tokens were acknowledged during the current lease
 );
 CREATE INDEX IF NOT EXISTS samples_queue ON samples (state, seq);
 CREATE INDEX IF NOT EXISTS samples_rollout ON samples (rollout, state);
@@ -86,6 +104,14 @@ CREATE TABLE IF NOT EXISTS trajectories (
     consume_seq INTEGER                -- order of consumption (1, 2, ...); NULL until consumed
 );
 CREATE INDEX IF NOT EXISTS trajectories_ready ON trajectories (scored, consumed, evicted);
+CREATE TABLE IF NOT EXISTS failures (
+    trajectory_id TEXT PRIMARY KEY,
+    prompt_id TEXT NOT NULL,           -- its group: the group can never be whole
+    kind TEXT NOT NULL,                -- refused / invalid / quarantined
+    reason TEXT NOT NULL,
+    rollout TEXT,
+    failed_at REAL NOT NULL
+);
 """
 
 # Run after the columns added since the first release exist (older stores are migrated first).
@@ -94,7 +120,13 @@ CREATE UNIQUE INDEX IF NOT EXISTS trajectories_consume_seq ON trajectories (cons
 """
 
 # Columns added after the first release: (table, column, declaration) for ALTER TABLE ADD COLUMN.
-MIGRATIONS = (("trajectories", "consume_seq", "INTEGER"),)
+MIGRATIONS = (
+    ("trajectories", "consume_seq", "INTEGER"),
+    ("samples", "strikes", "INTEGER NOT NULL DEFAULT 0"),
+    ("samples", "progress", "INTEGER NOT NULL DEFAULT 0"),
+)
+
+SYNCHRONOUS = ("NORMAL", "FULL")  # see the module docstring
 
 
 def _i32(values: Sequence[int]) -> bytes:
@@ -119,13 +151,19 @@ class BufferEntry:
     sample_index: int = 0  # position in its prompt's group (``prompt_id`` is the group)
 
 
-class Store:
-    def __init__(self, path: str | Path) -> None:
+class Store(FailureLedger):
+    def __init__(self, path: str | Path, *, synchronous: str = "NORMAL") -> None:
+        if synchronous not in SYNCHRONOUS:
+            raise ValueError(f"synchronous must be one of {SYNCHRONOUS}, got {synchronous!r}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Owner-only whatever the umask (`laminar serve` has no supervisor to set one): the
+        # store holds prompts and model outputs. SQLite gives its WAL and SHM files this mode.
+        os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
+        os.chmod(self.path, 0o600)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA)
         self._migrate()
@@ -267,34 +305,63 @@ class Store:
         of an earlier lease was lost). Resumes are requeued samples with partial tokens of
         ``version``; samples with partials of another version are left for a matching rollout.
         ``fresh_limit`` caps the samples newly leased (backpressure); re-deliveries are already
-        leased, so they are never held back.
+        leased, so they are never held back. A *suspect* (strikes > 0: a rollout died holding it)
+        goes only to a rollout that holds no other suspect still without progress, so that if it
+        is what kills rollouts, it does not take other suspects down with it again
+        (``failures``).
         """
         out: list[Assignment] = []
         now = time.time()
         leased = self.db.execute(
-            "SELECT trajectory_id FROM samples WHERE rollout = ? AND state = 'leased'", (rollout,)
+            "SELECT trajectory_id, version FROM samples WHERE rollout = ? AND state = 'leased'",
+            (rollout,),
         ).fetchall()
-        lost = [tid for (tid,) in leased if tid not in holding][:count]
+        missing = [(tid, v) for (tid, v) in leased if tid not in holding]
+        # A lost lease leased at another version than the rollout holds now (it loaded weights
+        # since) cannot continue there: its engine would refuse the resume. It goes back to the
+        # queue, bound to its version, for a rollout that holds it (or a restart from scratch).
+        stale = [tid for tid, v in missing if v is not None and v != version]
+        lost = [tid for tid, v in missing if v is None or v == version][:count]
         with self.db:
             self.db.execute("BEGIN")
+            if stale:
+                self._requeue(stale)
             for tid in lost:
                 out.append(self._assignment(tid))
             want = count - len(out)
             if fresh_limit is not None:
                 want = min(want, fresh_limit)
-            rows = self.db.execute(
-                "SELECT trajectory_id FROM samples WHERE state = 'queued' "
-                "AND (version IS NULL OR version = ?) ORDER BY seq LIMIT ?",
-                (version, want),
-            ).fetchall()
-            for (tid,) in rows:
+            for tid in self._leasable(rollout, version, want):
                 self.db.execute(
-                    "UPDATE samples SET state = 'leased', rollout = ?, version = ?, "
+                    "UPDATE samples SET state = 'leased', rollout = ?, version = ?, progress = 0, "
                     "started_at = COALESCE(started_at, ?) WHERE trajectory_id = ?",
                     (rollout, version, now, tid),
                 )
                 out.append(self._assignment(tid))
         return [a.model_copy(update={"params": params}) for a in out]
+
+    def _leasable(self, rollout: str, version: int, want: int) -> list[str]:
+        """Up to ``want`` queued samples for ``rollout``, in queue order, at most one suspect."""
+        if want <= 0:
+            return []
+        match = "state = 'queued' AND (version IS NULL OR version = ?)"
+        rows = self.db.execute(
+            f"SELECT seq, trajectory_id FROM samples WHERE {match} AND strikes = 0 "
+            "ORDER BY seq LIMIT ?",
+            (version, want),
+        ).fetchall()
+        holds_suspect = self.db.execute(
+            "SELECT 1 FROM samples WHERE rollout = ? AND state = 'leased' AND strikes > 0 "
+            "AND progress = 0 LIMIT 1",
+            (rollout,),
+        ).fetchone()
+        if holds_suspect is None:
+            rows += self.db.execute(
+                f"SELECT seq, trajectory_id FROM samples WHERE {match} AND strikes > 0 "
+                "ORDER BY seq LIMIT 1",
+                (version,),
+            ).fetchall()
+        return [tid for _, tid in sorted(rows)[:want]]
 
     def _assignment(self, tid: str) -> Assignment:
         prompt_id, idx, k, version, queued_at, started_at = self.db.execute(
@@ -320,25 +387,35 @@ class Store:
 
     def release(self, rollout: str) -> list[str]:
         """Return a dead rollout's leases to the front of the queue (partials kept)."""
-        rows = self.db.execute(
-            "SELECT trajectory_id FROM samples WHERE rollout = ? AND state = 'leased' ORDER BY seq",
-            (rollout,),
-        ).fetchall()
-        if not rows:
-            return []
-        with self.db:
-            self.db.execute("BEGIN")
-            front = int(self.db.execute("SELECT COALESCE(MIN(seq), 0) FROM samples").fetchone()[0])
-            for i, (tid,) in enumerate(rows):
-                has_partial = self.db.execute(
-                    "SELECT 1 FROM partials WHERE trajectory_id = ? LIMIT 1", (tid,)
-                ).fetchone()
-                self.db.execute(
-                    "UPDATE samples SET state = 'queued', rollout = NULL, seq = ?, "
-                    "version = CASE WHEN ? THEN version ELSE NULL END WHERE trajectory_id = ?",
-                    (front - len(rows) + i, has_partial is not None, tid),
-                )
-        return [tid for (tid,) in rows]
+        tids = self._leased_to(rollout)
+        if tids:
+            with self.db:
+                self.db.execute("BEGIN")
+                self._requeue(tids)
+        return tids
+
+    def _leased_to(self, rollout: str) -> list[str]:
+        return [
+            tid
+            for (tid,) in self.db.execute(
+                "SELECT trajectory_id FROM samples WHERE rollout = ? AND state = 'leased' "
+                "ORDER BY seq",
+                (rollout,),
+            )
+        ]
+
+    def _requeue(self, tids: list[str]) -> None:
+        """Leased samples back to the front of the queue, in order (inside a transaction)."""
+        front = int(self.db.execute("SELECT COALESCE(MIN(seq), 0) FROM samples").fetchone()[0])
+        for i, tid in enumerate(tids):
+            has_partial = self.db.execute(
+                "SELECT 1 FROM partials WHERE trajectory_id = ? LIMIT 1", (tid,)
+            ).fetchone()
+            self.db.execute(
+                "UPDATE samples SET state = 'queued', rollout = NULL, seq = ?, "
+                "version = CASE WHEN ? THEN version ELSE NULL END WHERE trajectory_id = ?",
+                (front - len(tids) + i, has_partial is not None, tid),
+            )
 
     def unbind_versions(self, alive: set[int]) -> list[str]:
         """Restart queued resumes whose version no live rollout holds any more.
@@ -388,12 +465,18 @@ class Store:
 
     # -- partial tokens ----------------------------------------------------------------------
 
-    def append_partials(self, rollout: str, chunks: Iterable[PartialChunk]) -> list[str]:
-        """Store new tokens; return ids the rollout should drop (not leased to it any more).
+    def append_partials(
+        self, rollout: str, chunks: Iterable[PartialChunk]
+    ) -> tuple[list[str], list[Rejection]]:
+        """Store new tokens; returns (ids the rollout should drop, chunks refused and why).
 
-        Idempotent: a chunk that overlaps what is stored keeps only its new suffix.
+        Drop: not leased to it any more. Refused: a chunk that would leave a gap (the rollout
+        drops that trajectory; its next ``take`` gets it back from the stored tokens). The other
+        chunks are stored either way. Idempotent: a chunk that overlaps what is stored keeps only
+        its new suffix. Stored tokens are progress of the current lease (``failures``).
         """
-        rejected = []
+        drop: list[str] = []
+        refused: list[Rejection] = []
         with self.db:
             self.db.execute("BEGIN")
             for c in chunks:
@@ -402,17 +485,24 @@ class Store:
                     (c.trajectory_id,),
                 ).fetchone()
                 if row is None or row[0] != "leased" or row[1] != rollout:
-                    rejected.append(c.trajectory_id)
+                    drop.append(c.trajectory_id)
                     continue
                 end = self._partial_end(c.trajectory_id)
                 if c.offset > end:
-                    raise ValueError(
-                        f"{c.trajectory_id}: chunk starts at token {c.offset} but only {end} "
-                        "are stored (a gap)"
+                    refused.append(
+                        (
+                            c.trajectory_id,
+                            f"chunk starts at token {c.offset} but only {end} are stored (a gap)",
+                        )
                     )
+                    continue
                 skip = end - c.offset
                 if skip >= len(c.token_ids):
                     continue
+                self.db.execute(
+                    "UPDATE samples SET progress = 1 WHERE trajectory_id = ? AND progress = 0",
+                    (c.trajectory_id,),
+                )
                 self.db.execute(
                     "INSERT INTO partials (trajectory_id, start, stop, token_ids, logprobs) "
                     "VALUES (?, ?, ?, ?, ?)",
@@ -424,7 +514,7 @@ class Store:
                         _f32(c.logprobs[skip:]),
                     ),
                 )
-        return rejected
+        return drop, refused
 
     def _partial_end(self, tid: str) -> int:
         return int(
@@ -451,9 +541,18 @@ class Store:
 
     # -- completion and the experience buffer -------------------------------------------------
 
-    def complete(self, rollout: str, trajectories: Iterable[Trajectory]) -> tuple[list[str], int]:
-        """Record finished trajectories exactly once; returns (new ids, duplicates ignored)."""
-        new, dupes = [], 0
+    def complete(
+        self, rollout: str, trajectories: Iterable[Trajectory]
+    ) -> tuple[list[str], int, list[Rejection]]:
+        """Record finished trajectories exactly once.
+
+        Returns (new ids, duplicates ignored, refused and why): a trajectory this store never
+        queued is refused alone; the others are stored. A completion of a sample that is done
+        (generated, or failed) is a duplicate.
+        """
+        new: list[str] = []
+        dupes = 0
+        refused: list[Rejection] = []
         with self.db:
             self.db.execute("BEGIN")
             for t in trajectories:
@@ -461,7 +560,8 @@ class Store:
                     "SELECT state FROM samples WHERE trajectory_id = ?", (t.trajectory_id,)
                 ).fetchone()
                 if row is None:
-                    raise KeyError(f"unknown trajectory {t.trajectory_id!r}")
+                    refused.append((t.trajectory_id, UNKNOWN))
+                    continue
                 if row[0] == "done":
                     dupes += 1
                     continue
@@ -485,7 +585,7 @@ class Store:
                 )
                 self.db.execute("DELETE FROM partials WHERE trajectory_id = ?", (t.trajectory_id,))
                 new.append(t.trajectory_id)
-        return new, dupes
+        return new, dupes, refused
 
     def unscored(self) -> list[str]:
         return [
@@ -572,9 +672,16 @@ class Store:
         ).fetchone()
         return int(cursor)
 
-    def evict(self, tids: Sequence[str], *, stale: bool = False, filtered: bool = False) -> None:
+    def evict(
+        self,
+        tids: Sequence[str],
+        *,
+        stale: bool = False,
+        filtered: bool = False,
+        orphaned: bool = False,
+    ) -> None:
         """Drop ``tids`` from the buffer for good; ``stale`` counts them in ``stale_dropped``,
-        ``filtered`` in ``filtered``."""
+        ``filtered`` in ``filtered``, ``orphaned`` in ``orphaned``."""
         with self.db:
             self.db.execute("BEGIN")
             dropped = 0
@@ -588,6 +695,8 @@ class Store:
                 self._set_meta("stale_dropped", self.stale_dropped() + dropped)
             if filtered and dropped:
                 self._set_meta("filtered", self.filtered() + dropped)
+            if orphaned and dropped:
+                self._set_meta("orphaned", int(self.get_meta("orphaned", "0") or 0) + dropped)
 
     def stale_dropped(self) -> int:
         return int(self.get_meta("stale_dropped", "0") or 0)
@@ -635,6 +744,9 @@ class Store:
         )
         out["stale_dropped"] = self.stale_dropped()
         out["filtered"] = self.filtered()
+        out.update(self.failure_counts())
+        out["done"] -= out["failed"]  # done = generated; failed ones are counted apart
+        out["orphaned"] = int(self.get_meta("orphaned", "0") or 0)
         out["cursor"] = self.consume_cursor()
         out["partial_tokens"] = int(
             self.db.execute("SELECT COALESCE(SUM(stop - start), 0) FROM partials").fetchone()[0]

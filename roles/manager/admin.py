@@ -42,6 +42,7 @@ from .openapi import (
     ROUTES,
     DrainBody,
     PlanView,
+    PolicyPatch,
     RolloutActionResult,
     openapi_document,
 )
@@ -222,9 +223,11 @@ class AdminServer:
         body = await _body(request, required=True)
         if not isinstance(body, dict):
             raise ApiError(422, "the policy must be a JSON object", {"got": type(body).__name__})
-        merged = {**self.manager.repack.policy.model_dump(), **body}
-        try:
-            policy = RepackPolicy.model_validate(merged)
+        try:  # the patch as documented first (types, bounds, no nulls), then the whole policy
+            patch = PolicyPatch.model_validate(body).model_dump(exclude_unset=True)
+            policy = RepackPolicy.model_validate(
+                {**self.manager.repack.policy.model_dump(), **patch}
+            )
         except ValidationError as exc:
             raise ApiError(422, "invalid policy", _pydantic_errors(exc)) from None
         self.manager.repack.set_policy(policy, by="operator")

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 EventKind = Literal[
-    "repack", "publish", "pull", "failure", "membership", "policy", "drain", "resume"
+    "repack", "publish", "pull", "failure", "membership", "policy", "drain", "resume", "alert"
 ]
 
 # What each kind means (the admin API page is generated from this; a new kind needs a line).
@@ -31,6 +31,8 @@ EVENT_KINDS: dict[str, str] = {
     "policy": "the repack policy changed",
     "drain": "an operator drained a rollout",
     "resume": "an operator resumed a rollout",
+    "alert": "a member reported something to look at: trajectories excluded from training "
+    "(failed reward, non-finite logprobs) or optimizer steps skipped (non-finite loss)",
 }
 
 

@@ -8,9 +8,10 @@ pydantic models' ``model_json_schema``), so the document cannot drift from what 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic.fields import FieldInfo
 from pydantic.json_schema import models_json_schema
 
 from laminar.repack import RepackPlan, RepackPolicy, RolloutLoad
@@ -112,16 +113,26 @@ class PlanView(BaseModel):
     policy: RepackPolicy
 
 
-# A partial policy: every field of RepackPolicy, optional (built from it, so it cannot drift).
+def _absent_is_unchanged(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)  # the None below only marks "not given"; it is no valid value
+
+
+def _patch_field(field: FieldInfo) -> tuple[Any, FieldInfo]:
+    kind = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    return kind, Field(None, description=field.description, json_schema_extra=_absent_is_unchanged)
+
+
+# A partial policy: every field of RepackPolicy with its type and bounds, none required (built
+# from it, so it cannot drift). A field may be left out but not given as null: the document once
+# allowed null here and the server refused it (422), which a schema-driven fuzzer found (issue
+# 15); a bound the document omitted was refused the same way. The handler validates the body
+# against this model, so what it refuses and what the document says are one thing.
 PolicyPatch: type[BaseModel] = create_model(
     "PolicyPatch",
     __config__=ConfigDict(extra="forbid"),
-    __doc__="A partial policy: given fields are merged onto the current policy, then validated "
-    "as a RepackPolicy.",
-    **{
-        name: (field.annotation | None, Field(None, description=field.description))  # type: ignore[operator]
-        for name, field in RepackPolicy.model_fields.items()
-    },
+    __doc__="A partial policy: the given fields are merged onto the current policy (a field left "
+    "out keeps its value; null is no value).",
+    **{name: _patch_field(field) for name, field in RepackPolicy.model_fields.items()},  # type: ignore[call-overload]
 )
 
 
@@ -200,8 +211,8 @@ ROUTES: tuple[Route, ...] = (
         "PUT", "/v1/repack/policy", "_put_policy", "Change the repack policy (live)",
         RepackPolicy, request=PolicyPatch, request_required=True, errors=(400, 422),
         description="Full or partial: the given fields are merged onto the current policy and "
-        "the result is validated as a RepackPolicy. Applies at once; publishes a `policy` "
-        "event.",
+        "the result is validated as a RepackPolicy (a field may be left out, not given as "
+        "null). Applies at once; publishes a `policy` event.",
     ),
     Route(
         "POST", "/v1/rollouts/{id}/drain", "_drain", "Drain a rollout", RolloutActionResult,
@@ -305,6 +316,8 @@ def openapi_document(server_url: str | None = None) -> dict[str, Any]:
                     "schema": {"type": "array", "items": _schema_ref(ClusterEvent)}
                 },
             }
+        elif route.response == "application/json":  # a JSON document of no fixed model
+            content = {"application/json": {"schema": {"type": "object"}}}
         else:
             content = {str(route.response): {"schema": {"type": "string"}}}
         op["responses"]["200"] = {"description": "OK", "content": content}

@@ -14,6 +14,12 @@ The manager also orders the relay chain (``laminar.weights.chain``): every membe
 relay re-plans it at once, in the same call that noticed the change, and pushes the new view to
 every ``watch_chain`` stream, so a dead relay is routed around as fast as its socket closes.
 
+Each start of the manager is a new *incarnation* (a random id, in every chain view and in
+``status``). A restarted manager knows nobody until members rejoin (their next heartbeat is told
+to), so its chain counts epochs afresh and followers take its views by the incarnation
+(``ChainView.supersedes``); and ``status.started_at`` tells readers of the member list, such as the
+data role, whether it has had time to fill up again (``ClusterStatus.unsettled_s``).
+
 Repack (``repack.RepackController``) runs here: rollout heartbeats are its loads, the head
 relay's version stream is its publish trigger. The admin HTTP API and the dashboard
 (``admin.AdminServer``) read and steer all of it; everything they show also goes on the event log
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import socket
 from collections.abc import AsyncIterator
 from typing import ClassVar
@@ -57,6 +64,9 @@ from .admin import AdminServer
 from .events import EventLog
 from .repack import RepackController
 
+# Heartbeat counters that stay at 0 in a healthy run: growth becomes an "alert" event.
+ALERT_COUNTERS = ("excluded_trajectories", "skipped_steps")
+
 
 class ManagerConfig(ServiceConfig):
     bind: str = Field("tcp://127.0.0.1:7420", description="Where members reach the manager.")
@@ -81,7 +91,9 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
         self._connections: dict[int, str] = {}  # RPC connection id -> instance heard on it
         self._watchers: set[asyncio.Queue[MemberEvent]] = set()
         self._stopping = False
-        self._chain = ChainView()
+        self.incarnation = secrets.token_hex(8)
+        self.started_at = ctx.clock.wall()
+        self._chain = ChainView(incarnation=self.incarnation)
         self._chain_changed = asyncio.Event()
         self.events = EventLog()
         self.repack = RepackController(
@@ -154,7 +166,8 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
         if member is None or member.state == "left":
             return HeartbeatAck(rejoin=True)
         member.last_seen = self.ctx.clock.wall()
-        member.stats = req.stats
+        previous, member.stats = member.stats, req.stats
+        self._alert_on_growth(member, previous)
         self.repack.observe(member)
         self._remember_connection(req.instance)
         if member.state == "dead":
@@ -162,6 +175,23 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
             self._publish("revived", member)
             self.log.info("member revived", member=req.instance)
         return HeartbeatAck()
+
+    def _alert_on_growth(self, member: Member, previous: dict[str, float]) -> None:
+        """Counters that must stay at 0 in a healthy run become events when they grow, so an
+        operator watching the event log (or the dashboard) sees silent data loss the moment it
+        happens. After a manager restart the first heartbeat re-announces the totals once."""
+        for key in ALERT_COUNTERS:
+            grew = member.stats.get(key, 0.0) - previous.get(key, 0.0)
+            if grew > 0:
+                self.events.publish(
+                    "alert",
+                    self.ctx.clock.wall(),
+                    member=member.instance,
+                    member_role=member.role,
+                    what=key,
+                    new=grew,
+                    total=member.stats[key],
+                )
 
     @endpoint
     async def leave(self, req: LeaveRequest) -> None:
@@ -181,6 +211,9 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
             now=self.ctx.clock.wall(),
             heartbeat_timeout_s=cluster.heartbeat_timeout_s,
             members=list(self.members.values()),
+            heartbeat_interval_s=cluster.heartbeat_interval_s,
+            incarnation=self.incarnation,
+            started_at=self.started_at,
         )
 
     @stream
@@ -202,7 +235,10 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
 
     @stream
     async def watch_chain(self, req: ChainWatch) -> AsyncIterator[ChainView]:
-        seen = req.since_epoch
+        # A follower of another incarnation gets our first planned view, whatever it had seen.
+        # Epoch 0 (nothing planned yet) is never sent: a follower starts from that empty view
+        # anyway, and after our restart it would only tear down a chain about to be rebuilt.
+        seen = req.since_epoch if req.incarnation == self.incarnation else 0
         while True:
             changed = self._chain_changed
             if self._chain.epoch > seen:
@@ -226,6 +262,7 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
         if relays == self._chain.relays:
             return
         self._chain = ChainView(
+            incarnation=self.incarnation,
             epoch=self._chain.epoch + 1,
             relays=relays,
             reason=reason,

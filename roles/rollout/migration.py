@@ -14,7 +14,10 @@ The order of steps is what keeps a trajectory whole (nothing lost, one version, 
    the sequences into its engine, which continues them: from the KV state, or by re-prefilling.
 4. **Take back** what the destination refused or could not be reached for: the leases move back
    and the sequences go back into the source's engine (its version cannot have changed: a weight
-   load waits for a migration in progress).
+   load waits for a migration in progress). If step 2 itself failed (the data role was down),
+   the leases never left: the sequences go straight back into the engine. (Dropping them there
+   once made the data role hand the leases back after a weight load, to an engine of another
+   version, which refused them for good: issue 15's chaos benchmark.)
 
 If the source dies between 2 and 3, the destination's grace period runs out and the data role
 re-delivers the trajectories from their acknowledged tokens (the usual resume). If the
@@ -74,13 +77,17 @@ async def migrate_out(svc: RolloutService, req: MigrateRequest) -> MigrateReport
             for f in [flights[s.request_id]]
         ]
         t1 = time.perf_counter()
-        accepted, refused = await _hand_off(svc, req, moving)
+        accepted, refused, kept = await _hand_off(svc, req, moving)
         report.handoff_s = time.perf_counter() - t1
         report.moved = accepted
         back = [m for m in moving if m.sequence.request_id in refused]
         if back:
             report.error = refused[back[0].sequence.request_id]
             report.returned = await _take_back(svc, req.destination, back, flights)
+        if kept:  # the leases never moved: straight back into our engine
+            report.error = kept[next(iter(kept))]
+            here = [m for m in moving if m.sequence.request_id in kept]
+            report.returned += await _reimport(svc, here, flights)
         moved = [m for m in moving if m.sequence.request_id in set(accepted)]
         report.tokens = sum(
             len(m.sequence.prompt_token_ids) + len(m.sequence.response_token_ids) for m in moved
@@ -109,20 +116,23 @@ async def migrate_out(svc: RolloutService, req: MigrateRequest) -> MigrateReport
 
 async def _hand_off(
     svc: RolloutService, req: MigrateRequest, moving: list[MigratedSequence]
-) -> tuple[list[str], dict[str, str]]:
-    """Steps 2-3: returns (accepted ids, refused id -> why)."""
+) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """Steps 2-3: returns (accepted ids, refused id -> why, id whose lease never moved -> why)."""
     ids = [m.sequence.request_id for m in moving]
     try:
         moved = await _transfer(svc, ids, svc.ctx.instance, req.destination)
     except (PeerUnavailable, CallTimeout, RemoteError) as exc:
-        return [], {i: f"data role: {exc}" for i in ids}
+        # A timeout could hide a transfer the data role did make; then our later reports of
+        # these trajectories are refused and the data role re-delivers them from their
+        # acknowledged tokens when the destination's grace period ends: nothing is lost.
+        return [], {}, {i: f"data role: {exc}" for i in ids}
     # A lease the data role no longer gives us (reassigned meanwhile) is not ours to move.
     lost = [i for i in ids if i not in moved]
     if lost:
         svc.log.warning("not moving trajectories the data role reassigned", ids=lost)
     sending = [m for m in moving if m.sequence.request_id in moved]
     if not sending:
-        return [], {}
+        return [], {}, {}
     try:
         dest = svc.ctx.connect(RolloutApi, req.address)
         reply = await dest.accept.options(timeout=HANDOFF_TIMEOUT_S).call(
@@ -133,7 +143,7 @@ async def _hand_off(
     accepted = set(reply.accepted)
     why = reply.refused or "refused by the destination"
     refused = {m.sequence.request_id: why for m in sending if m.sequence.request_id not in accepted}
-    return sorted(accepted), refused
+    return sorted(accepted), refused, {}
 
 
 async def _take_back(
@@ -151,7 +161,13 @@ async def _take_back(
         # acknowledged tokens when the handoff grace period ends. Nothing is lost.
         svc.log.warning("could not take leases back", ids=ids, error=str(exc))
         return []
-    returning = [m for m in back if m.sequence.request_id in ours]
+    return await _reimport(svc, [m for m in back if m.sequence.request_id in ours], flights)
+
+
+async def _reimport(
+    svc: RolloutService, returning: list[MigratedSequence], flights: dict[str, _Flight]
+) -> list[str]:
+    """Sequences whose leases are ours back into our engine (without KV: re-prefilled)."""
     for m in returning:
         svc.flights[m.sequence.request_id] = flights[m.sequence.request_id]
     try:

@@ -9,10 +9,16 @@ Three owned tasks, each with one job:
   trajectory; a finished one becomes a :class:`Trajectory` (one version, per-token behaviour
   logprobs, timestamps, finish reason) waiting to be reported.
 * **flush** — every ``flush_interval_s``, one ``report`` call carries every in-flight
-  trajectory's new tokens and every finished trajectory. Only an acknowledged report advances
-  what counts as sent, so a data role that dies and restarts just sees the same report again
-  (the data role treats repeats as no-ops). Nothing is lost while it is down: tokens pile up
-  here and go out with the first report that succeeds.
+  trajectory's new tokens, every finished trajectory and every failed one. Only an acknowledged
+  report advances what counts as sent, so a data role that dies and restarts just sees the same
+  report again (the data role treats repeats as no-ops). Nothing is lost while it is down: tokens
+  pile up here and go out with the first report that succeeds. Items the data role refused
+  (named in the reply, with why) are dropped and logged once, never sent again: one bad item
+  cannot make every report fail.
+
+* **failures** — a request the engine refuses (a prompt too long for its context, token ids
+  outside its vocabulary) fails alone: the engine goes on, and the trajectory is reported as
+  failed with the engine's reason; the data role records it and never hands it out again.
 
 * **weights** — follow the local relay's ``versions`` stream. When a newer version is there, stop
   taking prompts, let the trajectories in flight finish on the version they started with (a
@@ -46,7 +52,7 @@ from laminar.engines import Engine, EngineConfig, EngineRequest, InflightSequenc
 from laminar.engines.base import EngineError
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.membership import rollout_phase
-from laminar.roles.data.api import DataApi, Report, TakeRequest
+from laminar.roles.data.api import DataApi, FailedItem, Report, TakeRequest
 from laminar.roles.relay import LatestRequest, RelayApi
 from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S
 from laminar.service import Service, ServiceContext
@@ -101,6 +107,9 @@ class _Flight:
     acked: int = 0  # tokens the data role has acknowledged
 
 
+LATEST_TIMEOUT_S = 5.0  # asking the local relay for the version to load (see ``_switch``)
+
+
 class RolloutService(Service, RolloutApi):
     role: ClassVar[str] = "rollout"
     config_model: ClassVar[type[ServiceConfig]] = RolloutConfig
@@ -111,6 +120,8 @@ class RolloutService(Service, RolloutApi):
         self.engine: Engine = create_engine(self.config.engine, clock=ctx.clock)
         self.flights: dict[str, _Flight] = {}
         self.finished: dict[str, Trajectory] = {}  # not yet acknowledged by the data role
+        self.failed: dict[str, str] = {}  # trajectory id -> why; not yet acknowledged
+        self.failures = 0  # trajectories that failed here (since start)
         self._slot_free = asyncio.Event()
         self._data_address: str | None = self.config.data
         self.completed = 0
@@ -147,6 +158,7 @@ class RolloutService(Service, RolloutApi):
             "version": float(self.engine.version),
             "generated_tokens": float(s.generated_tokens),
             "completed": float(self.completed),
+            "failed": float(self.failures),
             "paused_for_weights": float(self._paused),
             "operator_drain": float(self._operator_drain),
             "migrating": float(self.migrating),
@@ -232,7 +244,7 @@ class RolloutService(Service, RolloutApi):
             rollout=self.ctx.instance,
             max_count=free,
             version=self.engine.version,
-            holding=[*self.flights, *self.finished],
+            holding=[*self.flights, *self.finished, *self.failed],
             wait_s=cfg.take_wait_s,
         )
         try:
@@ -248,12 +260,20 @@ class RolloutService(Service, RolloutApi):
 
     async def _start(self, a: Assignment) -> None:
         tid = a.trajectory_id
-        if tid in self.flights or tid in self.finished:
+        if tid in self.flights or tid in self.finished or tid in self.failed:
             return
         version = self.engine.version
         flight = _Flight(a, version, a.started_at or self.ctx.clock.wall())
         self.flights[tid] = flight
+        try:
+            await self._submit(a, version)
+        except EngineError as exc:  # this trajectory alone: report it failed, keep the engine
+            self._failed(tid, str(exc))
+
+    async def _submit(self, a: Assignment, version: int) -> None:
+        tid = a.trajectory_id
         if a.resume_token_ids:
+            flight = self.flights[tid]
             flight.tokens, flight.logprobs = list(a.resume_token_ids), list(a.resume_logprobs)
             flight.acked = len(flight.tokens)
             await self.engine.import_sequences(
@@ -282,6 +302,9 @@ class RolloutService(Service, RolloutApi):
                 flight = self.flights.get(out.request_id)
                 if flight is None:
                     continue
+                if out.error is not None:  # the engine refused it: it fails alone
+                    self._failed(out.request_id, out.error)
+                    continue
                 flight.tokens += out.token_ids
                 flight.logprobs += out.logprobs
                 if out.finished:
@@ -289,6 +312,15 @@ class RolloutService(Service, RolloutApi):
                     self.finished[out.request_id] = self._trajectory(flight, out.finish_reason, now)
                     self.completed += 1
                     self.flights_changed()
+
+    def _failed(self, tid: str, why: str) -> None:
+        """``tid`` cannot be generated here: report it failed (the data role records it)."""
+        if self.flights.pop(tid, None) is None:
+            return
+        self.failed[tid] = why
+        self.failures += 1
+        self.log.warning("trajectory failed in the engine", trajectory=tid, reason=why)
+        self.flights_changed()
 
     def _trajectory(self, f: _Flight, reason: str | None, now: float) -> Trajectory:
         a = f.assignment
@@ -330,19 +362,27 @@ class RolloutService(Service, RolloutApi):
             if len(f.tokens) > f.acked
         ]
         completed = list(self.finished.values())
-        if not partials and not completed:
+        failed = [FailedItem(trajectory_id=tid, reason=why) for tid, why in self.failed.items()]
+        if not partials and not completed and not failed:
             return
         data = await self.data_api()
         reply = await data.report.call(
-            Report(rollout=self.ctx.instance, partials=partials, completed=completed)
+            Report(rollout=self.ctx.instance, partials=partials, completed=completed, failed=failed)
         )
+        refused = {r.trajectory_id for r in reply.rejected if r.item == "partial"}
         for chunk in partials:
             flight = self.flights.get(chunk.trajectory_id)
-            if flight is not None:
+            if flight is not None and chunk.trajectory_id not in refused:
                 flight.acked = max(flight.acked, chunk.offset + len(chunk.token_ids))
-        for t in completed:
+        for t in completed:  # stored, duplicates or refused: sent for good either way
             self.finished.pop(t.trajectory_id, None)
-        for tid in reply.drop:  # the data role gave it to someone else
+        for f in failed:
+            self.failed.pop(f.trajectory_id, None)
+        for r in reply.rejected:
+            self.log.warning("the data role refused a report item; dropped",
+                             trajectory=r.trajectory_id, item=r.item, reason=r.reason)  # fmt: skip
+        # a refused partial: stop generating it; the data role re-delivers it from what it has
+        for tid in [*reply.drop, *refused]:
             if self.flights.pop(tid, None) is not None:
                 await self.engine.abort(tid)
                 self.flights_changed()
@@ -389,7 +429,11 @@ class RolloutService(Service, RolloutApi):
                     self._drained.clear()
                     await self._drained.wait()
                 drained = self.ctx.clock.wall()
-                shared = await relay.latest.call(LatestRequest(newer_than=self.engine.version))
+                # short: the rollout takes no prompts while paused here, and a relay that died
+                # since it announced the version is found again by the caller's retry
+                shared = await relay.latest.options(timeout=LATEST_TIMEOUT_S).call(
+                    LatestRequest(newer_than=self.engine.version)
+                )
                 if not shared.available or shared.manifest is None:
                     return
                 digest = await self.engine.load_shared(

@@ -9,6 +9,13 @@ Why a loop: one ``sample`` call waits at most ``wait_s`` and may return fewer ro
 after the cursor reached so far. A data role that is unreachable or restarting is retried once
 a second; without a configured address the role is looked up again through the manager, since
 a restarted data role may listen elsewhere.
+
+Why pieces: a reply holding the whole batch may be larger than the cluster's frame limit (long
+responses, big batches). The data role then refuses to send it (``MessageTooLarge``, at the
+sender), and the batch is asked for in pieces of half as many whole groups, as often as needed.
+Nothing is lost or trained twice: the refused trajectories were consumed after ``cursor``, and
+asking again after the same cursor re-delivers them first. The piece size is kept for later
+batches, so the refusal is not paid again every step.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.service import ServiceContext
 from laminar.trajectory import Trajectory
+from laminar.transport import MessageTooLarge
 
 
 @dataclass
@@ -39,12 +47,28 @@ class Gathered:
         return self.scored_reward_sum / self.scored if self.scored else None
 
 
+class BatchTooLarge(RuntimeError):
+    """A single group of trajectories is over the cluster's frame limit: no piece can carry it."""
+
+
 class BatchSource:
-    def __init__(self, ctx: ServiceContext, log: Any, address: str | None, wait_s: float) -> None:
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        log: Any,
+        address: str | None,
+        wait_s: float,
+        *,
+        group: int | None = None,
+    ) -> None:
         self.ctx, self.log = ctx, log
         self.configured = address
         self.address = address
         self.wait_s = wait_s
+        # samples per prompt: pieces hold whole groups (default: the trainer's batch.samples)
+        batch = getattr(ctx.config, "batch", None)
+        self.group = group or getattr(batch, "samples", 1)
+        self.piece: int | None = None  # rows per sample call, once a whole batch was too large
 
     async def _data(self) -> DataApi:
         if self.address is None:
@@ -56,25 +80,54 @@ class BatchSource:
         for a trainer at ``version`` (their staleness is judged against it)."""
         got = Gathered(cursor=after)
         while len(got.items) < rows:
+            want = rows - len(got.items)
+            if self.piece is not None:
+                want = min(want, self.piece)
             try:
                 data = await self._data()
                 reply = await data.sample.options(timeout=self.wait_s + 30).call(
                     SampleRequest(
-                        n=rows - len(got.items),
+                        n=want,
                         trainer_version=version,
                         wait_s=self.wait_s,
                         after=got.cursor,
                         whole_groups=True,
                     )
                 )
-            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
-                self.log.warning("data role unreachable; retrying", error=str(exc))
-                if self.configured is None:
-                    self.address = None
-                await self.ctx.clock.sleep(1.0)
+            except RemoteError as exc:
+                if exc.cause_type == MessageTooLarge.__name__:
+                    self._shrink(want, exc)
+                    continue
+                await self._unreachable(exc)
+                continue
+            except (PeerUnavailable, CallTimeout) as exc:
+                await self._unreachable(exc)
                 continue
             got.items.extend(reply.items)
             got.cursor = max(got.cursor, reply.cursor)
             got.scored += reply.scored
             got.scored_reward_sum += reply.scored_reward_sum
         return got
+
+    def _shrink(self, asked: int, exc: RemoteError) -> None:
+        """The reply for ``asked`` rows was too large to send: ask for half as many groups."""
+        groups = asked // self.group
+        if groups <= 1:
+            raise BatchTooLarge(
+                f"one group of {self.group} trajectories is larger than the cluster's frame limit "
+                f"({exc.cause}); raise cluster.max_frame_mib (on every member) or lower the "
+                "data role's max_tokens"
+            ) from exc
+        self.piece = (groups // 2) * self.group
+        self.log.warning(
+            "batch too large for one message; sampling it in pieces",
+            asked=asked,
+            piece=self.piece,
+            error=exc.cause,
+        )
+
+    async def _unreachable(self, exc: Exception) -> None:
+        self.log.warning("data role unreachable; retrying", error=str(exc))
+        if self.configured is None:
+            self.address = None
+        await self.ctx.clock.sleep(1.0)

@@ -20,6 +20,14 @@ step's own forward pass *is* that recomputation (same weights, no dropout), so i
 logprobs serve and the extra pass is skipped (with one epoch: a second epoch needs π_old). The
 reference policy (KL term) is a frozen copy of the initial weights, loaded only when
 ``kl_coef > 0``.
+
+A step whose loss or gradient norm is not finite is *skipped*: its gradients are zeroed, the
+optimizer does not step (its moments stay untouched too) and its statistics are dropped. One NaN
+reaching ``optimizer.step()`` would turn every weight NaN, and the next checkpoint and every
+rollout with it. Ranks must agree, or their replicas diverge: each rank's "my loss was not
+finite" rides in the gradient all-reduce as one extra element, and the norm is taken of the
+all-reduced gradient, which is the same on every rank; so every rank skips the same steps. The
+other steps of the global batch still apply (see :class:`StepResult`).
 """
 
 from __future__ import annotations
@@ -39,9 +47,14 @@ from .config import TrainerConfig
 
 @dataclass
 class StepResult:
+    """A global batch's update. ``grad_norm`` is the mean over the steps that applied (None when
+    none did); ``skipped_steps`` of ``steps`` optimizer steps were skipped as non-finite."""
+
     stats: dict[str, float]
-    grad_norm: float
+    grad_norm: float | None
     tokens: int
+    steps: int = 0
+    skipped_steps: int = 0
 
 
 def load_policy(path: str) -> torch.nn.Module:
@@ -128,7 +141,7 @@ class PolicyTrainer:
         for p in self.model.parameters():  # every rank all-reduces the same list, even if idle
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        stats, norms = LossStats(), []
+        stats, norms, taken, skipped = LossStats(), [], 0, 0
         for step in steps * cfg.batch.epochs:
             step_mask = batch.loss_mask[list(step)]
             step_tokens = float(step_mask.sum())
@@ -136,6 +149,7 @@ class PolicyTrainer:
             if step_tokens == 0:
                 continue
             self.optimizer.zero_grad(set_to_none=False)
+            step_stats, finite = LossStats(), True
             for micro in self._micro(batch, self._mine(step)):
                 part = batch.select(micro).trimmed()
                 width = part.input_ids.shape[1]
@@ -154,10 +168,18 @@ class PolicyTrainer:
                     entropy=entropy,
                     ref_logprobs=ref[micro, :width] if ref is not None else None,
                 )
+                if not torch.isfinite(loss):
+                    finite = False  # its backward would only spread the NaN: the step is lost
+                    continue
                 loss.backward()
-                stats = stats.merge(s)
-            self._all_reduce_grads()
-            norms.append(self._clip_and_step())
+                step_stats = step_stats.merge(s)
+            taken += 1
+            norm = self._clip_and_step(self._all_reduce_grads(finite))
+            if norm is None:
+                skipped += 1
+                continue
+            norms.append(norm)
+            stats = stats.merge(step_stats)
         if self.world > 1:
             summed = stats.as_tensor()
             dist.all_reduce(summed)
@@ -165,27 +187,35 @@ class PolicyTrainer:
         means = stats.as_means()
         return StepResult(
             stats=means,
-            grad_norm=float(sum(norms) / max(len(norms), 1)),
+            grad_norm=float(sum(norms) / len(norms)) if norms else None,
             tokens=int(stats.tokens) // cfg.batch.epochs,  # each epoch sees the same tokens
+            steps=taken,
+            skipped_steps=skipped,
         )
 
-    def _all_reduce_grads(self) -> None:
+    def _all_reduce_grads(self, finite: bool) -> bool:
+        """Sum the gradients over ranks; True when every rank's loss was finite."""
         if self.world == 1:
-            return
+            return finite
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flag = torch.tensor([0.0 if finite else 1.0], dtype=grads[0].dtype)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), flag])
         dist.all_reduce(flat)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+        return bool(flat[-1] == 0)
 
-    def _clip_and_step(self) -> float:
+    def _clip_and_step(self, finite: bool) -> float | None:
+        """Clip and step; None (and no step, gradients zeroed) when anything is not finite."""
         clip = self.config.optim.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if not finite or not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=False)
+            return None
         if clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         self.optimizer.step()
         return float(norm)

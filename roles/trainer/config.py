@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from laminar.config import ServiceConfig, Strict
-from laminar.rl import PolicyLossConfig
+from laminar.rl import ExcludeScope, PolicyLossConfig
 from laminar.tracking import TrackingConfig
 from laminar.weights.publisher import PublishConfig
 
@@ -80,6 +80,11 @@ class TrainerConfig(ServiceConfig):
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     normalize_advantages: bool = Field(
         True, description="GRPO: divide by the group's reward std (false: Dr.GRPO, mean only)."
+    )
+    exclude_scope: ExcludeScope = Field(
+        "trajectory",
+        description="A trajectory without a reward (it failed) or with non-finite logprobs is "
+        "not trained on; `group`: its whole GRPO group is left out too (laminar/rl/screen.py).",
     )
     temperature: Annotated[float, Field(gt=0)] = Field(
         1.0, description="The rollouts' sampling temperature (logprobs are of that distribution)."

@@ -15,7 +15,20 @@ version to the master relay in the background. Per version:
    just published, on the same worker thread, so it costs trainer time but never races training.
 
 Checkpoint before publish: a version that reached any rollout is always recoverable, so a
-restarted trainer never reuses a version number for different weights when ``every`` is 1.
+restarted trainer never reuses a version number for different weights when ``every`` is 1. With
+``every > 1`` versions go out that no checkpoint holds: each is first noted in the checkpoint
+directory's ``published`` mark (:func:`.checkpoint.record_published`), and a restarted trainer
+gives its checkpoint's weights the number after the mark. The publisher's conflict check
+(:class:`laminar.weights.transfer.VersionConflict`) moves the numbering past whatever the master
+relay holds, should the mark be lost.
+
+What is not learnt from (:mod:`.integrity`): trajectories without a reward or with non-finite
+behaviour logprobs are screened out before the advantages (:mod:`laminar.rl.screen`), and an
+optimizer step whose loss or gradient norm is not finite is skipped (:mod:`.compute`). Either way
+the batch is *consumed*: the cursor moves past it and the version still advances and is
+published (with the weights unchanged if nothing applied), so a poison batch is never retried
+forever and every consumer keeps its one-version-per-batch invariant (round schedules wait for
+``version == round``). Both are counted, logged and listed in the version's history entry.
 
 Each version's record and each evaluation is a line of ``metrics_file`` and, through
 :class:`laminar.tracking.TrainerTracking`, TensorBoard/W&B scalars at step = version.
@@ -30,21 +43,28 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
 from prometheus_client import Gauge, Histogram
 from pydantic import BaseModel
 
 from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint
-from laminar.rl import grpo_advantages, pack
 from laminar.service import Service, ServiceContext
 from laminar.tracking import TrainerTracking
 from laminar.weights.publisher import WeightPublisher
 
 from .batches import BatchSource
-from .checkpoint import TrainingState, latest_checkpoint, load_state, save_checkpoint
+from .checkpoint import (
+    TrainingState,
+    latest_checkpoint,
+    load_state,
+    published_mark,
+    record_published,
+    save_checkpoint,
+)
+from .compute import StepResult
 from .config import TrainerConfig
 from .dp import DataParallelGroup
+from .integrity import IntegrityMonitor, prepare
 
 
 class TrainerStatus(BaseModel):
@@ -58,6 +78,9 @@ class TrainerStatus(BaseModel):
     stalls_s: list[float]  # the trainer's stall of each publish
     max_staleness: int
     training: bool
+    excluded: dict[str, int] = {}  # reason -> trajectories consumed but not trained on
+    skipped_steps: int = 0  # optimizer steps skipped as non-finite
+    version_conflicts: int = 0  # versions the master refused: their number was already taken
 
 
 class TrainerService(Service):
@@ -78,6 +101,8 @@ class TrainerService(Service):
         self._last_eval = float("-inf")
         self.tracking: TrainerTracking | None = None
         self.source = BatchSource(ctx, self.log, self.config.data, self.config.sample_wait_s)
+        self.integrity = IntegrityMonitor(ctx.registry, self.log)
+        self._published_mark = -1
         registry = ctx.registry
         self.m_staleness = Histogram(
             "laminar_staleness",
@@ -105,7 +130,9 @@ class TrainerService(Service):
 
     async def on_start(self) -> None:
         c = self.config
-        found = latest_checkpoint(c.checkpoint.dir)
+        found = await asyncio.to_thread(
+            latest_checkpoint, c.checkpoint.dir, lambda p: self.log.error("checkpoint", problem=p)
+        )
         if found is not None:
             self.state = load_state(found)
             self.resumed = (str(found), self.state.version, self.state.cursor)
@@ -115,6 +142,18 @@ class TrainerService(Service):
                 version=self.state.version,
                 cursor=self.state.cursor,
             )
+        self._published_mark = await asyncio.to_thread(
+            published_mark, c.checkpoint.dir, lambda p: self.log.error("checkpoint", problem=p)
+        )
+        if self._published_mark > self.state.version:
+            # Versions past the checkpoint reached the relays: the checkpoint's weights get the
+            # next free number, so rollouts take them and no number means two sets of weights.
+            self.log.warning(
+                "versions past the checkpoint were published; continuing after them",
+                checkpoint_version=self.state.version,
+                published=self._published_mark,
+            )
+            self.state.version = self._published_mark + 1
         self.tracking = TrainerTracking(
             c.tracking, c.metrics_file, self.log, c.model_dump(mode="json")
         )
@@ -139,6 +178,7 @@ class TrainerService(Service):
             "version": float(self.state.version),
             "cursor": float(self.state.cursor),
             "max_staleness": float(self.max_staleness),
+            **self.integrity.stats(),
         }
 
     @endpoint
@@ -154,6 +194,9 @@ class TrainerService(Service):
             stalls_s=list(self.publisher.stalls) if self.publisher else [],
             max_staleness=self.max_staleness,
             training=self.training,
+            excluded=dict(self.integrity.excluded),
+            skipped_steps=self.integrity.skipped_steps,
+            version_conflicts=self.publisher.conflicts if self.publisher else 0,
         )
 
     # -- the loop ----------------------------------------------------------------------------
@@ -167,25 +210,27 @@ class TrainerService(Service):
             got = await self.source.next(c.batch.rows, self.state.version, self.state.cursor)
             batch, cursor = got.items, got.cursor
             started = time.perf_counter()
+            version = self._next_version()  # may move state.version past a reused number
             staleness = [self.state.version - t.version for t in batch]
             for s in staleness:
                 self.m_staleness.observe(s)
             self.max_staleness = max(self.max_staleness, *staleness)
             self.m_max_staleness.set(self.max_staleness)
-            rewards = torch.tensor([t.reward or 0.0 for t in batch], dtype=torch.float32)
-            advantages = grpo_advantages(
-                rewards, [t.prompt_id for t in batch], normalize_std=c.normalize_advantages
-            )
-            packed = pack(batch, advantages.tolist(), pad_id=0)
-            result = await self._run(self.group.train, packed)
+            screened, packed = prepare(batch, c)
+            self.integrity.screened(screened, version)
+            if packed is not None:
+                result = await self._run(self.group.train, packed)
+            else:  # nothing trainable: the batch is consumed, the weights stay
+                result = StepResult(stats={}, grad_norm=None, tokens=0)
+            self.integrity.stepped(result, version)
             first = self.state.cursor + 1
-            self.state.version += 1
+            self.state.version = version
             self.state.cursor = cursor
             self.state.history.append(
                 {
                     "version": self.state.version,
                     "seqs": [first, cursor],
-                    "ids": [t.trajectory_id for t in batch],
+                    **self.integrity.history(screened, result),
                 }
             )
             if self.state.version % c.checkpoint.every == 0 or self.state.version == c.max_versions:
@@ -198,7 +243,11 @@ class TrainerService(Service):
                 "time": time.time(),
                 "train_s": time.perf_counter() - started,
                 "tokens": result.tokens,
-                "reward_mean": float(rewards.mean()),
+                "reward_mean": sum(screened.rewards) / len(screened.rewards)
+                if screened.rewards
+                else None,
+                "excluded": screened.excluded_count,
+                "skipped_steps": result.skipped_steps,
                 "reward_generated": got.reward_generated,  # filtered groups' rewards too
                 "staleness_mean": sum(staleness) / len(staleness),
                 "staleness_max": max(staleness),
@@ -210,7 +259,7 @@ class TrainerService(Service):
             self.log.info(
                 "version trained",
                 **{
-                    k: record[k]
+                    k: record.get(k)
                     for k in (
                         "version",
                         "reward_mean",
@@ -279,8 +328,24 @@ class TrainerService(Service):
         )
         self.state.path = str(path)
 
+    def _next_version(self) -> int:
+        """The number of the version being trained: one past this trainer's, or past what the
+        master relay refused ours for (a mark lost with its disk; see the module docstring)."""
+        assert self.publisher is not None
+        if self.publisher.master_newest > self.state.version:
+            self.log.error(
+                "the master relay holds newer versions than this trainer; continuing after them",
+                version=self.state.version,
+                master_newest=self.publisher.master_newest,
+            )
+            self.state.version = self.publisher.master_newest
+        return self.state.version + 1
+
     async def _publish(self) -> float:
         assert self.publisher is not None and self.group is not None
+        if self.state.version > self._published_mark:  # on disk before any byte leaves
+            await self._run(record_published, self.config.checkpoint.dir, self.state.version)
+            self._published_mark = self.state.version
         vb = await self._run(
             self.publisher.stage, self.state.version, self.group.trainer.named_weights()
         )

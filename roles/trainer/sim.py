@@ -16,13 +16,24 @@ every other schedule publishes at once. One JSON line per version goes to ``metr
 version, batch tokens, staleness, the train interval and the publish time; its numbers also go
 to TensorBoard/W&B (``tracking``, :mod:`laminar.tracking`, shared with the torch trainer).
 
-No checkpoints: there is no model state to keep; a restarted sim trainer starts from version 0.
+There is no model state to keep, but what a real checkpoint records about the data is kept:
+with ``state_file`` set, the version, the cursor and the batch count are written atomically
+(fsynced, then renamed) after each version is trained and before it is published, the order of
+the real trainer's checkpoint. A restarted sim trainer resumes from them, so the data role
+re-delivers only what was taken and not yet trained: nothing is trained twice (which the chaos
+benchmark counts). Without ``state_file`` a restarted sim trainer starts from version 0 and
+cursor 0 and trains on everything again. Its first version then carries a number the relays
+already hold: the master refuses it (:class:`laminar.weights.transfer.VersionConflict`) and,
+under ``laminar``, the next version is numbered after the master's newest, so rollouts follow the
+restarted trainer after one batch instead of ignoring it until it catches up. (Round schedules
+count versions against batches, and restarting them mid-run is not supported either way.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
@@ -61,6 +72,39 @@ class SimTrainerConfig(ServiceConfig):
         default_factory=TrackingConfig,
         description="The metrics file's lines as TensorBoard/W&B scalars (docs/training.md).",
     )
+    state_file: str | None = Field(
+        None,
+        description="Where the version and data cursor are kept across restarts, as a real "
+        "checkpoint keeps them (unset: a restart trains on everything again from version 0).",
+    )
+
+
+class SimTrainerState(BaseModel):
+    """What a restarted sim trainer resumes from (see the module docstring)."""
+
+    version: int = 0
+    cursor: int = 0
+    batches: int = 0
+
+    @classmethod
+    def load(cls, path: Path) -> SimTrainerState:
+        if not path.exists():
+            return cls()
+        return cls.model_validate_json(path.read_bytes())  # a broken file fails loudly
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("wb") as f:
+            f.write(self.model_dump_json().encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class SimTrainerStatus(BaseModel):
@@ -91,6 +135,11 @@ class SimTrainerService(Service):
         import torch  # the publisher lays out torch tensors
 
         c = self.config
+        if c.state_file is not None:
+            state = SimTrainerState.load(Path(c.state_file))
+            self.version, self.cursor, self.batches = state.version, state.cursor, state.batches
+            if state.version:
+                self.log.info("resumed", version=state.version, cursor=state.cursor)
         self._tensors = [("weights", torch.zeros(c.weight_bytes // 2, dtype=torch.bfloat16))]
         self.tracking = TrainerTracking(
             c.tracking, c.metrics_file, self.log, c.model_dump(mode="json")
@@ -137,6 +186,14 @@ class SimTrainerService(Service):
             train_s = c.cost.train_time(tokens)
             started = clock.wall()
             await clock.sleep(train_s)
+            assert self.publisher is not None
+            if not self.ctx.cluster.schedule.rounds and self.publisher.master_newest > self.version:
+                self.log.error(
+                    "the master relay holds newer versions than this trainer; continuing after",
+                    version=self.version,
+                    master_newest=self.publisher.master_newest,
+                )
+                self.version = self.publisher.master_newest
             self.version += 1
             self.trained_tokens += tokens
             trained = clock.wall()
@@ -154,6 +211,11 @@ class SimTrainerService(Service):
                 "gen_versions": sorted({t.version for t in batch}),
             }
             self.records.append(record)
+            if c.state_file is not None:  # before it goes out, as a real checkpoint
+                state = SimTrainerState(
+                    version=self.version, cursor=self.cursor, batches=self.batches
+                )
+                await asyncio.to_thread(state.save, Path(c.state_file))
             if may_publish(kind, self.version, self.batches):
                 await self._publish(self.version)
             else:

@@ -1,7 +1,8 @@
 """The manager's admin HTTP API against a live cluster of processes: manager, data, 3 sim rollouts.
 
 One cluster serves the whole module (starting it is the slow part); tests that change shared state
-(the policy, a drain) put it back.
+(the policy, a drain) put it back. The schema fuzzer (``admin_fuzz.py``) and the dashboard tests
+(``dashboard.py``) are collected here, at the end, so they use the same cluster.
 """
 
 from __future__ import annotations
@@ -468,3 +469,11 @@ async def test_cli_against_the_live_cluster(live: Live, http: aiohttp.ClientSess
     )  # fmt: skip
     assert out.returncode == 2
     assert "HTTP 401" in out.stderr and "token" in out.stderr
+
+
+# Last, on the same cluster (see the module docstring); pytest collects imported tests.
+from .admin_fuzz import test_admin_api_conforms_to_its_openapi_document  # noqa: E402, F401
+from .dashboard import (  # noqa: E402, F401
+    test_dashboard_asks_for_a_token,
+    test_dashboard_renders_the_live_cluster,
+)

@@ -114,9 +114,7 @@ async def running(
         clients = ClusterClients(cluster)
         try:
             cluster.serve("manager", "manager")
-            cluster.serve("data", "data")
-            for name in rollouts:
-                cluster.serve("rollout", name)
+            cluster.serve_many([("data", "data")] + [("rollout", name) for name in rollouts])
             yield cluster, clients
         finally:
             await clients.close()
@@ -183,9 +181,23 @@ async def test_migrate_refuses_a_wrong_version_and_keeps_everything(tmp_path):
         )
         assert "itself" in report.error
         assert (await a.state.call()).in_flight >= min(before, 1)
+        # The data role down: the leases cannot move, so the sequences go straight back into
+        # a's engine (they used to be dropped, and came back later to an engine of another
+        # version, which refused them for good).
+        cluster.kill9("data")
+        await until(lambda: _in_flight(a, at_least=1), timeout=30)
+        report = await a.migrate.call(
+            MigrateRequest(
+                destination="rollout-b", address=cluster.info["rollout-b"]["address"], version=0
+            )
+        )
+        assert "data role" in report.error and not report.moved, report
+        assert report.returned and (await a.state.call()).in_flight >= len(report.returned)
+        cluster.serve("data", "data")
         data = clients.proxy(DataApi, "data")
         status = await until(lambda: _finished(data), timeout=90)
         assert status.trajectories == PROMPTS * SAMPLES
+        assert status.failed == 0, status
 
 
 async def _in_flight(rollout, at_least):

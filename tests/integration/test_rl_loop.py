@@ -42,6 +42,9 @@ def loop_config(tmp: Path, max_versions: int, rollout_engine: dict[str, Any]) ->
                 "epochs": None,
                 "store": str(tmp / "data.sqlite"),
                 "sampling": {"max_tokens": 24},
+                # backpressure, as examples/arith: rollouts rest once 4 batches wait, so roles
+                # started later (a second vLLM engine, the trainer) are not starved of CPU
+                "max_ahead": 32,
                 "metrics": None,
             },
             "relay": {"weights_bind": "tcp://127.0.0.1:0", "metrics": None},
@@ -84,12 +87,20 @@ class Clients(ClusterClients):
         return self.proxy(RolloutService, name)
 
 
-def start_loop(cluster: ProcessCluster, rollouts: int = 2) -> None:
+def start_loop(cluster: ProcessCluster, rollouts: int = 2, *, together: bool = True) -> None:
+    """Manager, data, a relay and ``rollouts``; ``together``: all members start at once.
+
+    vLLM rollouts start one after another (``together=False``): two vLLM 0.32 CPU engines that
+    initialised at the same moment left one hung after its KV cache set-up (seen here)."""
     cluster.serve("manager", "manager")
-    cluster.serve("data", "data")
-    cluster.serve("relay", "relay-0")
-    for i in range(rollouts):
-        cluster.serve("rollout", f"rollout-{i}", timeout=180)
+    members = [("data", "data"), ("relay", "relay-0")]
+    rollout = [("rollout", f"rollout-{i}") for i in range(rollouts)]
+    if together:
+        cluster.serve_many(members + rollout, timeout=240)
+        return
+    cluster.serve_many(members)
+    for role, name in rollout:
+        cluster.serve(role, name, timeout=180)
 
 
 def trajectories(store: Path) -> list[tuple[str, str, int, float]]:

@@ -85,7 +85,7 @@ async def test_vllm_rollouts_with_a_kill_9_of_the_data_role(tmp_path):
     )
     with process_cluster(tmp_path, config) as cluster:
         cluster.serve("manager", "manager")
-        for i in range(2):
+        for i in range(2):  # one after another: see tests/integration/test_rl_loop.start_loop
             cluster.serve("rollout", f"rollout-{i}", timeout=300)
         trajectories, figures = await kill_data_midway(
             cluster, total=256, kill_after=64, timeout=400

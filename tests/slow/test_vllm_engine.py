@@ -4,12 +4,15 @@ One engine serves the module (starting vLLM takes ~25 s here). Checks:
 - sampled tokens' behaviour logprobs equal transformers' log-softmax within 1e-4;
 - an in-place reload to new weights: greedy tokens and logprobs equal transformers' with the new
   weights, and the prefix cache does not serve stale KV from the old ones;
-- abort returns exactly the tokens already streamed; EOS stops a request and is kept.
+- abort returns exactly the tokens already streamed; EOS stops a request and is kept;
+- a request the model cannot take (too long for max_model_len, a token id outside the
+  vocabulary) fails alone with its reason, whether we or vLLM refuse it, and the engine goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import pytest_asyncio
@@ -195,3 +198,33 @@ async def test_abort_returns_what_was_streamed_and_eos_stops(engine):
     res = await generate(engine, [[9, 9, 9]], stopper, prefix="e")
     tokens, logprobs, reason = res["e0"]
     assert reason == "stop" and len(tokens) == 1 and len(logprobs) == 1
+
+    # Bad requests fail alone, each with its reason, while a normal one completes beside them.
+    limit, vocab = engine.max_model_len, engine.vocab_size
+    assert limit == 256 and vocab is not None
+    ok = SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
+    requests = {"fine": [5, 6, 7], "long": [3] * limit, "vocab": [3, vocab]}
+    for rid, prompt in requests.items():
+        await engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, params=ok))
+    engine.max_model_len = None  # skip our check: vLLM refuses it inside generate()
+    try:
+        await engine.add_request(
+            EngineRequest(request_id="late", prompt_token_ids=[3] * (limit + 1), params=ok)
+        )
+    finally:
+        engine.max_model_len = limit
+    outcome: dict[str, tuple[list[int], str | None]] = {}
+    async with asyncio.timeout(60):
+        async for batch in engine.outputs():
+            for out in batch:
+                tokens = outcome.setdefault(out.request_id, ([], None))[0] + out.token_ids
+                outcome[out.request_id] = (tokens, out.error or out.finish_reason)
+            if len(outcome) == 4 and all(why is not None for _, why in outcome.values()):
+                break
+    assert len(outcome["fine"][0]) == 8 and outcome["fine"][1] == "length"
+    assert outcome["long"][0] == [] and "max_model_len 256" in outcome["long"][1]
+    assert "outside the vocabulary" in outcome["vocab"][1] and outcome["vocab"][0] == []
+    late_tokens, late_why = outcome["late"]
+    assert late_tokens == [] and "vLLM refused the request" in late_why
+    assert re.search(r"maximum (model|context) length", late_why) and "256" in late_why
+    assert engine.in_flight == 0 and engine.refused == 3

@@ -116,7 +116,9 @@ async def test_the_owner_value_is_set_only_while_the_engine_starts(
 
     def from_engine_args(*args: Any, **kwargs: Any) -> Any:
         seen.append((os.environ.get(OWNER_ENV), os.environ.get("SPT_NOENV")))
-        return SimpleNamespace(shutdown=lambda: None)
+        # what the engine reads back after the start: its resolved limits
+        model_config = SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 32)
+        return SimpleNamespace(shutdown=lambda: None, model_config=model_config)
 
     monkeypatch.setattr(AsyncLLM, "from_engine_args", from_engine_args)
     config = VllmEngineConfig(model=str(tmp_path), warmup=False, kv_cache_bytes="32MiB")

@@ -33,7 +33,7 @@ async def test_vllm_rollouts_load_each_published_version(tmp_path):
     }
     config = loop_config(tmp_path, 3, engine)
     with process_cluster(tmp_path, config) as cluster:
-        start_loop(cluster)
+        start_loop(cluster, together=False)
         cluster.serve("trainer", "trainer", timeout=120)
         clients = Clients(cluster)
         try:

@@ -73,5 +73,19 @@ def test_token_from_environment(monkeypatch) -> None:  # type: ignore[no-untyped
     monkeypatch.setenv("LAMINAR_TOKEN", "short")
     with pytest.raises(ConfigError, match=">= 16"):
         cfg.cluster.token()
-    monkeypatch.setenv("LAMINAR_TOKEN", "x" * 20)
-    assert cfg.cluster.token() == b"x" * 20
+    monkeypatch.setenv("LAMINAR_TOKEN", "9c4f1e7a2b8d3f6051e2")
+    assert cfg.cluster.token() == b"9c4f1e7a2b8d3f6051e2"
+
+
+def test_data_takes_the_rollouts_context_length_unless_set(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from laminar.roles.data.service import DataConfig
+
+    body = "data:\n  prompts: p.jsonl\n  tokenizer: tok\n  reward: r:f\n{extra}rollout:\n  engine:\n    backend: sim\n    max_model_len: 300\n"
+    derived = load_config(write(tmp_path, body.format(extra=""))).role_config("data", DataConfig)
+    assert derived.max_model_len == 300
+    own = load_config(write(tmp_path, body.format(extra="  max_model_len: 200\n")))
+    assert own.role_config("data", DataConfig).max_model_len == 200
+    alone = load_config(
+        write(tmp_path, "data:\n  prompts: p.jsonl\n  tokenizer: tok\n  reward: r:f\n")
+    )
+    assert alone.role_config("data", DataConfig).max_model_len is None

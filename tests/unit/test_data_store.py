@@ -92,24 +92,21 @@ def test_release_requeues_at_the_front_and_resumes_only_on_the_same_version(tmp_
     assert got7[0].resume_token_ids == [4, 5] and got7[0].version == 7
 
 
-def test_partials_gap_is_an_error_and_completion_is_exactly_once(tmp_path):
+def test_partials_gap_is_refused_and_completion_is_exactly_once(tmp_path):
     store = make_store(tmp_path)
     store.refill(1, samples=1, seed=0, epochs=1)
     (a,) = store.lease("r", 1, 0, set(), PARAMS)
-    with pytest.raises(ValueError, match="gap"):
-        store.append_partials(
-            "r",
-            [
-                PartialChunk(
-                    trajectory_id=a.trajectory_id, version=0, offset=3, token_ids=[1], logprobs=[-1]
-                )
-            ],
-        )
-    assert store.complete("r", [traj(a.trajectory_id)]) == ([a.trajectory_id], 0)
-    assert store.complete("r2", [traj(a.trajectory_id)]) == ([], 1)
+    gap = PartialChunk(
+        trajectory_id=a.trajectory_id, version=0, offset=3, token_ids=[1], logprobs=[-1]
+    )
+    drop, refused = store.append_partials("r", [gap])
+    assert drop == [] and [tid for tid, _ in refused] == [a.trajectory_id]
+    assert "gap" in refused[0][1] and store.partial_lengths() == {}
+    assert store.complete("r", [traj(a.trajectory_id)]) == ([a.trajectory_id], 0, [])
+    assert store.complete("r2", [traj(a.trajectory_id)]) == ([], 1, [])
     assert store.counts()["trajectories"] == 1 and store.partial_lengths() == {}
-    with pytest.raises(KeyError):
-        store.complete("r", [traj("nope/0")])
+    new, _, refused = store.complete("r", [traj("nope/0")])
+    assert new == [] and refused[0][0] == "nope/0" and "unknown" in refused[0][1]
 
 
 def test_scored_trajectories_are_consumed_once_and_eviction_drops_the_oldest(tmp_path):
@@ -359,3 +356,22 @@ def test_backpressure_counts_what_is_ahead_of_the_trainer_and_never_withholds_a_
     store.set_rewards([(a.trajectory_id, 1.0, None) for a in first[:2]])
     store.consume([a.trajectory_id for a in first[:2]])
     assert store.ahead() == 1  # consumption made room
+
+
+def test_a_lost_lease_of_an_older_version_is_requeued_for_that_version_not_re_delivered(tmp_path):
+    """A rollout that no longer holds a lease it took at version 0, and holds version 1 now,
+    must not get it back: its engine would refuse the resume and record it failed for good
+    (issue 15's chaos benchmark). It waits in the queue for a rollout of version 0."""
+    store = make_store(tmp_path, n=2)
+    store.refill(2, samples=1, seed=0, epochs=1)
+    a, b = store.lease("r1", 2, 0, set(), PARAMS)
+    chunk = PartialChunk(
+        trajectory_id=a.trajectory_id, version=0, offset=0, token_ids=[5, 6], logprobs=[-1, -1]
+    )
+    store.append_partials("r1", [chunk])
+    # r1 loaded version 1 and lost both: b (no tokens) may start afresh on version 1, a may not
+    again = store.lease("r1", 2, 1, set(), PARAMS)
+    assert [(x.trajectory_id, x.resume_token_ids) for x in again] == [(b.trajectory_id, [])]
+    resumed = store.lease("r0", 2, 0, set(), PARAMS)
+    assert [x.trajectory_id for x in resumed] == [a.trajectory_id]
+    assert resumed[0].version == 0 and resumed[0].resume_token_ids == [5, 6]

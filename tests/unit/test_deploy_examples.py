@@ -92,6 +92,36 @@ def test_serve_command_lines_are_valid(source: str) -> None:
     assert roles_seen == set(ROLES), f"{source}: roles started: {sorted(roles_seen)}"
 
 
+def test_no_manifest_carries_a_token_and_every_role_reads_the_one_secret() -> None:
+    """`kubectl apply -f examples/deploy/k8s/` must not install a placeholder token: the token's
+    Secret is made by hand (the docs and 00-namespace.yaml say how), and every container takes
+    it from that Secret."""
+    refs = set()
+    for path in MANIFESTS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is None:
+                continue
+            assert doc["kind"] != "Secret", f"{path.name}: a Secret in the applied directory"
+            spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+            for c in spec.get("containers", []):
+                argv = [*c.get("command", []), *c.get("args", [])]
+                if argv[:2] == ["laminar", "serve"]:
+                    assert "LAMINAR_TOKEN" not in {e["name"] for e in c.get("env", [])}, path
+                    refs |= {e["secretRef"]["name"] for e in c.get("envFrom", [])}
+    assert refs == {"laminar-token"}
+    create = "kubectl -n laminar create secret generic laminar-token"
+    docs = DEPLOY.parents[1] / "docs" / "deploy.md"
+    for where in (docs, DEPLOY / "k8s" / "00-namespace.yaml"):
+        text = where.read_text().replace("\\\n", " ")
+        assert create in text and "secrets.token_hex(16)" in text, where
+
+
+def test_the_slurm_script_makes_its_files_private_before_it_writes_them() -> None:
+    lines = [line.strip() for line in SBATCH.read_text().splitlines()]
+    first_write = min(i for i, line in enumerate(lines) if line.startswith(("mkdir", "echo")))
+    assert "umask 077" in lines[:first_write]
+
+
 def test_sbatch_is_valid_bash() -> None:
     import subprocess
 

@@ -540,7 +540,9 @@ def read_wandb_history(run_dir: Path) -> list[dict[str, Any]]:
             buf = b""
             if record.WhichOneof("record_type") == "history":
                 items = record.history.item  # a key with "/" is kept as its parts
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
+                rows.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+                )
     return rows
 
 

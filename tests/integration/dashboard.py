@@ -1,37 +1,32 @@
 """The dashboard in headless Chromium (Debian's /usr/bin/chromium, driven by playwright) against
-a live cluster: manager, data and 3 sim rollouts."""
+a live cluster: manager, data and 3 sim rollouts, ``test_admin_api.py``'s, which collects these
+tests so one cluster serves both."""
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from ..support.procs import TOKEN
-from .test_admin_api import AUTH, ROLLOUTS, Live, _no_leaked_shm, start_live
-
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-
-__all__ = ["_no_leaked_shm"]  # the cluster-wide shared-memory check of test_admin_api
+from .test_admin_api import AUTH, ROLLOUTS, Live
 
 CHROMIUM = next(
     (p for p in ("/usr/bin/chromium", shutil.which("chromium") or "") if p and Path(p).exists()),
     None,
 )
 
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    if CHROMIUM is None:
-        pytest.skip("no Chromium: `make setup` installs Debian's (apt-get install chromium)")
-    pytest.importorskip("playwright", reason="playwright is in the dev extra")
-    yield from start_live(tmp_path_factory.mktemp("dashboard"))
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="no Chromium: `make setup` installs Debian's (apt-get install chromium)",
+)
 
 
+@needs_chromium
 async def test_dashboard_renders_the_live_cluster(live: Live):
+    pytest.importorskip("playwright", reason="playwright is in the dev extra")
     from playwright.async_api import async_playwright
 
     async with async_playwright() as pw:
@@ -104,7 +99,9 @@ async def test_dashboard_renders_the_live_cluster(live: Live):
             await browser.close()
 
 
+@needs_chromium
 async def test_dashboard_asks_for_a_token(live: Live):
+    pytest.importorskip("playwright", reason="playwright is in the dev extra")
     from playwright.async_api import async_playwright
 
     async with async_playwright() as pw:

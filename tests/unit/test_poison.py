@@ -1,0 +1,310 @@
+"""One poison request fails alone: the engine refuses it, the data role records it as failed.
+
+Before, a prompt the engine could not take (too long for its context, token ids outside its
+vocabulary) crashed the rollout; its lease went back to the front of the queue, the next rollout
+took it and crashed too, until no rollout was left. Here: the engines refuse it and go on, the
+rollout reports it failed, the data role records it for good, a lease that keeps killing its
+rollouts is quarantined, and neither a whole-group buffer nor a round waits for a group that lost
+a member.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from laminar.engines import EngineRequest, InflightSequence, SimEngineConfig
+from laminar.engines.base import EngineOutput
+from laminar.engines.costmodel import CostModel
+from laminar.engines.sim import SimEngine
+from laminar.membership import JoinRequest, MembershipApi
+from laminar.roles.data.api import DataApi, SampleRequest, TakeRequest
+from laminar.roles.data.buffer import ExperienceBuffer, FifoSampler, KeepAll
+from laminar.roles.data.rounds import RoundGate
+from laminar.roles.data.service import DataConfig, DataService
+from laminar.roles.data.store import Store
+from laminar.roles.manager import ManagerConfig, ManagerService
+from laminar.roles.rollout import RolloutConfig, RolloutService
+from laminar.rpc_client import RpcClient, remote
+from laminar.schedules import ScheduleConfig
+from laminar.trajectory import PartialChunk, SamplingParams, Trajectory
+from tests.support.poll import until
+from tests.support.task import write_prompts, write_tokenizer
+
+FAST = CostModel(batch_points=[(1, 0.001), (256, 0.002)], prefill_s_per_token=0.0)
+PARAMS = SamplingParams(max_tokens=8)
+
+
+def make_store(tmp_path: Path, n: int = 6) -> Store:
+    store = Store(tmp_path / "s.sqlite")
+    store.load_prompts(((f"p{i}", {"id": f"p{i}"}, [1, 2, i]) for i in range(n)), "fp")
+    return store
+
+
+def traj(tid: str, n: int = 3) -> Trajectory:
+    prompt_id, _, k = tid.rpartition("/")
+    return Trajectory(
+        trajectory_id=tid,
+        prompt_id=prompt_id,
+        sample_index=int(k),
+        prompt_token_ids=[1],
+        response_token_ids=list(range(n)),
+        logprobs=[-0.5] * n,
+        version=0,
+        finish_reason="stop",
+        queued_at=0.0,
+        started_at=1.0,
+        finished_at=2.0,
+    )
+
+
+async def collect(engine: SimEngine, n: int) -> dict[str, list[EngineOutput]]:
+    """Outputs per request until ``n`` requests finished."""
+    out: dict[str, list[EngineOutput]] = {}
+    done = 0
+    async with asyncio.timeout(10):
+        async for batch in engine.outputs():
+            for o in batch:
+                out.setdefault(o.request_id, []).append(o)
+                done += o.finished
+            if done >= n:
+                return out
+    raise AssertionError("unreachable")
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+
+async def test_the_sim_engine_refuses_a_bad_prompt_alone_and_goes_on() -> None:
+    cfg = SimEngineConfig.model_validate(
+        {"kv_capacity_tokens": 64, "vocab_size": 100, "lengths": {"kind": "fixed", "value": 5}}
+    )
+    engine = SimEngine(cfg.model_copy(update={"cost": FAST}))
+    await engine.start()
+    try:
+        prompts = {
+            "long": [1] * 64,  # fills the context: no room for one response token
+            "vocab": [1, 100],
+            "negative": [-1, 2],
+            "empty": [],
+            "good": [1, 2, 3],
+        }
+        for rid, prompt in prompts.items():
+            await engine.add_request(
+                EngineRequest(request_id=rid, prompt_token_ids=prompt, params=PARAMS)
+            )
+        got = await collect(engine, len(prompts))
+        good = got.pop("good")
+        assert sum(len(o.token_ids) for o in good) == 5 and good[-1].finish_reason == "stop"
+        assert all(o.error is None for o in good)
+        for rid, (out,) in got.items():
+            assert out.finished and out.token_ids == [] and out.error, rid
+        assert "max_model_len 64" in got["long"][0].error
+        assert "token id 100 is outside the vocabulary [0, 100)" in got["vocab"][0].error
+        assert "token id -1" in got["negative"][0].error and "empty" in got["empty"][0].error
+        assert engine.refused == 4 and engine.in_flight == 0
+        # the engine goes on; an imported sequence that already fills the context ends "length"
+        await engine.add_request(
+            EngineRequest(request_id="again", prompt_token_ids=[4], params=PARAMS)
+        )
+        full = InflightSequence(
+            request_id="full",
+            prompt_token_ids=[1] * 60,
+            response_token_ids=[2] * 4,
+            response_logprobs=[-1.0] * 4,
+            params=PARAMS,
+            version=0,
+        )
+        await engine.import_sequences([full])
+        got = await collect(engine, 2)
+        assert sum(len(o.token_ids) for o in got["again"]) == 5
+        assert [(o.token_ids, o.finish_reason, o.error) for o in got["full"]] == [
+            ([], "length", None)
+        ]
+    finally:
+        await engine.close()
+
+
+# -- the store: failures, strikes, quarantine ----------------------------------------------------
+
+
+def test_a_lease_whose_rollouts_keep_dying_is_quarantined_and_innocents_are_spread(tmp_path):
+    store = make_store(tmp_path)
+    store.refill(6, samples=1, seed=0, epochs=1)
+    first = [a.trajectory_id for a in store.lease("r1", 3, 0, set(), PARAMS)]
+    requeued, quarantined = store.release_dead("r1", quarantine_after=2)
+    assert requeued == first and quarantined == []  # one strike each: suspects now
+    # a rollout gets at most one suspect at a time (the one first in the queue)
+    got = [a.trajectory_id for a in store.lease("r2", 6, 0, set(), PARAMS)]
+    assert got[0] == first[0] and set(got[1:]).isdisjoint(first) and len(got) == 4
+    # r2 dies before any token: its suspect gets a second strike and is quarantined
+    requeued, quarantined = store.release_dead("r2", quarantine_after=2)
+    assert [tid for tid, _ in quarantined] == [first[0]] and first[0] not in requeued
+    assert "2 rollouts in a row died" in quarantined[0][1]
+    assert store.failures() == [(first[0], "quarantined", quarantined[0][1])]
+    counts = store.counts()
+    assert (counts["failed"], counts["quarantined"], counts["done"]) == (1, 1, 0)
+    # never handed out again, and a late completion of it is a duplicate
+    assert store.complete("r1", [traj(first[0])]) == ([], 1, [])
+    # the rest are all suspects now: a rollout takes one at a time
+    (a,) = store.lease("r3", 6, 0, set(), PARAMS)
+    assert store.lease("r3", 6, 0, {a.trajectory_id}, PARAMS) == []
+    # an acknowledged token is progress: its strikes clear, and r3 may take the next suspect
+    chunk = PartialChunk(
+        trajectory_id=a.trajectory_id, version=0, offset=0, token_ids=[5], logprobs=[-1.0]
+    )
+    assert store.append_partials("r3", [chunk]) == ([], [])
+    (b,) = store.lease("r3", 6, 0, {a.trajectory_id}, PARAMS)
+    assert b.trajectory_id not in (a.trajectory_id, first[0])
+    leased = [tid for tids in store.leases().values() for tid in tids]
+    assert first[0] not in leased and sorted(leased) == sorted({a.trajectory_id, b.trajectory_id})
+    # r3 dies: the lease that made progress there is not suspected; the other gets its 2nd strike
+    requeued, quarantined = store.release_dead("r3", quarantine_after=2)
+    assert requeued == [a.trajectory_id] and [t for t, _ in quarantined] == [b.trajectory_id]
+    strikes = dict(store.db.execute("SELECT trajectory_id, strikes FROM samples"))
+    assert strikes[a.trajectory_id] == 0 and store.counts()["quarantined"] == 2
+
+
+def test_a_group_with_a_failed_member_is_evicted_from_whole_group_samples(tmp_path):
+    store = make_store(tmp_path, 2)
+    store.refill(4, samples=2, seed=0, epochs=1)
+    leased = [a.trajectory_id for a in store.lease("r", 4, 0, set(), PARAMS)]
+    broken = leased[0]
+    recorded, refused = store.fail("r", [(broken, "refused by the engine")], "refused")
+    assert recorded == [broken] and refused == []
+    store.complete("r", [traj(t) for t in leased[1:]])
+    store.set_rewards([(t, 1.0, None) for t in leased[1:]])
+    buffer = ExperienceBuffer(store, FifoSampler(), KeepAll(), group_size=2)
+    batch = buffer.sample(4, 0, whole_groups=True)
+    assert batch is not None and len(batch.items) == 2  # the whole group only
+    assert {t.prompt_id for t in batch.items} != {broken.rpartition("/")[0]}
+    assert store.counts()["orphaned"] == 1 and store.ready_entries() == []
+
+
+def test_a_round_replaces_a_group_that_lost_a_member(tmp_path):
+    store = make_store(tmp_path)
+    gate = RoundGate(ScheduleConfig(kind="sync", round_prompts=2), 2, 0, None)
+    leased = [a.trajectory_id for a in gate.lease(store, "r", 8, 0, set(), PARAMS)]
+    assert len(leased) == 4 and gate.open
+    bad_group = leased[0].rpartition("/")[0]
+    recorded, _ = store.fail("r", [(leased[0], "refused")], "refused")
+    gate.note_failed(store, recorded)
+    assert bad_group not in gate.groups and len(gate.groups) == 2  # a fresh group took its place
+    fresh = [a.trajectory_id for a in gate.lease(store, "r", 8, 0, set(leased), PARAMS)]
+    assert len(fresh) == 2 and {t.rpartition("/")[0] for t in fresh} <= set(gate.groups)
+    done = [t for t in [*leased, *fresh] if not t.startswith(f"{bad_group}/")]
+    new, _, _ = store.complete("r", [traj(t) for t in done])
+    gate.note_completed(store, new)
+    assert not gate.open  # the round ended without the broken group
+    assert sorted(gate.history[-1]["kept"]) == sorted(gate.groups)
+    assert bad_group not in gate.history[-1]["kept"] and gate.history[-1]["deferred"] == []
+
+
+# -- the cluster -------------------------------------------------------------------------------
+
+
+async def test_a_poison_prompt_fails_alone_and_every_rollout_survives(serve, tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 8)
+    with prompts.open("a") as f:  # far longer than the rollouts' context (their KV cache)
+        f.write(json.dumps({"id": "poison", "prompt": "1" * 5000, "answer": 0}) + "\n")
+    mgr_host, _ = await serve(
+        ManagerService,
+        config=ManagerConfig(bind="tcp://127.0.0.1:0", metrics=None, admin=None),
+    )
+    manager = mgr_host.ctx.address
+    data_host, _ = await serve(
+        DataService,
+        instance="data-0",
+        manager=manager,
+        config=DataConfig(
+            metrics=None,
+            prompts=str(prompts),
+            tokenizer=str(write_tokenizer(tmp_path / "tok")),
+            reward="tests.support.task:reward_len",
+            store=str(tmp_path / "data.sqlite"),
+            samples_per_prompt=2,
+        ),
+    )
+    engine = SimEngineConfig(
+        kv_capacity_tokens=4096, cost=FAST, lengths={"kind": "fixed", "value": 6}
+    )
+    rollouts = [
+        await serve(
+            RolloutService,
+            instance=f"rollout-{i}",
+            manager=manager,
+            config=RolloutConfig(
+                metrics=None, engine=engine, concurrency=4, flush_interval_s=0.05, take_wait_s=0.5
+            ),
+        )
+        for i in range(2)
+    ]
+    data = data_host.ctx.connect(DataApi, data_host.ctx.address)
+
+    async def finished():
+        status = await data.status.call()
+        return status if status.finished else None
+
+    status = await until(finished, timeout=30)
+    assert (status.trajectories, status.failed, status.quarantined) == (16, 2, 0)
+    assert sum(svc.failures for _, svc in rollouts) == 2
+    for host, svc in rollouts:  # both still serving: nothing crashed
+        assert (await host.ctx.connect(DataApi, data_host.ctx.address).status.call()).finished
+        assert not svc.failed and not svc.flights
+    store = data_host.service.store  # type: ignore[attr-defined]
+    failures = store.failures()
+    assert sorted(tid for tid, _, _ in failures) == ["poison/0", "poison/1"]
+    assert all(kind == "refused" and "max_model_len 4096" in why for _, kind, why in failures)
+    batch = await data.sample.call(SampleRequest(n=16, whole_groups=True))
+    assert len(batch.items) == 16 and not any(t.prompt_id == "poison" for t in batch.items)
+
+
+async def test_a_lease_that_kills_its_rollouts_is_quarantined(serve, tmp_path, options):
+    """The engine did not catch it: each holder dies (a closed connection, no leave)."""
+    mgr_host, _ = await serve(
+        ManagerService,
+        config=ManagerConfig(bind="tcp://127.0.0.1:0", metrics=None, admin=None),
+    )
+    manager = mgr_host.ctx.address
+    data_host, _ = await serve(
+        DataService,
+        instance="data-0",
+        manager=manager,
+        config=DataConfig(
+            metrics=None,
+            prompts=str(write_prompts(tmp_path / "prompts.jsonl", 4)),
+            tokenizer=str(write_tokenizer(tmp_path / "tok")),
+            reward="tests.support.task:reward_len",
+            store=str(tmp_path / "data.sqlite"),
+            samples_per_prompt=1,
+            quarantine_after=2,
+        ),
+    )
+    data = data_host.ctx.connect(DataApi, data_host.ctx.address)
+
+    async def hold_and_die(name: str) -> list[str]:
+        client = RpcClient(manager, options, timeout=5.0)
+        try:
+            await remote(MembershipApi, client).join.call(
+                JoinRequest(instance=name, role="rollout", address="tcp://127.0.0.1:9")
+            )
+            took = await data.take.call(TakeRequest(rollout=name, max_count=1, version=0))
+        finally:
+            await client.close()  # its connection to the manager closes without a leave: dead
+
+        async def released():
+            return name not in (await data.status.call()).leases
+
+        await until(released, timeout=10)
+        return [a.trajectory_id for a in took.items]
+
+    first = await hold_and_die("doomed-1")
+    assert (await data.status.call()).failed == 0  # one death proves nothing yet
+    assert await hold_and_die("doomed-2") == first  # the suspect is first in the queue
+    status = await data.status.call()
+    assert (status.failed, status.quarantined) == (1, 1)
+    rest = await data.take.call(TakeRequest(rollout="healthy", max_count=10, version=0))
+    assert sorted(a.trajectory_id for a in rest.items) == sorted(
+        f"p{i}/0" for i in range(4) if f"p{i}/0" != first[0]
+    )

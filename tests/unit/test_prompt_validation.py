@@ -1,0 +1,124 @@
+"""Bad prompt data is a clear error at load naming the record; the store's durability setting.
+
+Before, a prompt id ending in ``~e<n>`` collided with another prompt's repeat in a later epoch (a
+crash deep in the queue, epochs into a run), a Parquet value that is not JSON crashed start-up
+with a bare ``TypeError``, and a prompt too long for the rollouts' context was found only when
+it crashed them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+
+from laminar.errors import ConfigError
+from laminar.roles.data.prompts import read_records, tokenize_records
+from laminar.roles.data.service import DataConfig, DataService
+from laminar.roles.data.store import Store
+from laminar.service import ServiceContext
+from tests.support.task import write_prompts, write_tokenizer
+
+
+class CharTokenizer:
+    def encode(self, text):
+        return type("E", (), {"ids": [ord(c) for c in text]})()
+
+
+def tokenize(records, **kw):
+    return tokenize_records(
+        records, CharTokenizer(), id_key="id", prompt_key="prompt", source="f.jsonl", **kw
+    )
+
+
+def test_a_prompt_id_like_the_epoch_suffix_is_refused():
+    with pytest.raises(ConfigError, match=r"record 1: prompt id 'a~e1' ends like the epoch"):
+        tokenize([{"id": "a", "prompt": "x"}, {"id": "a~e1", "prompt": "y"}])
+    # '~' elsewhere is fine: only the suffix can collide
+    assert [pid for pid, _, _ in tokenize([{"id": "a~b", "prompt": "x"}])] == ["a~b"]
+
+
+@pytest.mark.parametrize(
+    ("record", "match"),
+    [
+        ({"id": None, "prompt": "x"}, "record 0: the prompt id must be a string or an integer"),
+        ({"id": "", "prompt": "x"}, "record 0: the prompt id is empty"),
+        ({"id": "a/b", "prompt": "x"}, "must not contain '/'"),
+        ({"id": "a", "prompt": None}, r"record 0 \(prompt id 'a'\): 'prompt' must be a string"),
+        ({"id": 7, "prompt": "x", "when": datetime.date(2024, 5, 1)},
+         r"record 0 \(prompt id '7'\): field 'when' holds date .*not JSON"),
+        ({"id": "a", "prompt": "x", "blob": b"\x00"}, r"field 'blob' holds bytes"),
+    ],
+)  # fmt: skip
+def test_bad_records_name_the_record_and_the_problem(record, match):
+    with pytest.raises(ConfigError, match=match):
+        tokenize([record])
+
+
+def test_a_parquet_column_that_is_not_json_fails_at_load_naming_the_record(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    when = datetime.datetime(2024, 5, 1, 12, 0)
+    rows = [{"id": "a", "prompt": "x", "at": when}, {"id": "b", "prompt": "y", "at": when}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    records = read_records(tmp_path / "p.parquet")
+    with pytest.raises(ConfigError, match=r"record 0 \(prompt id 'a'\): field 'at' holds datetime"):
+        tokenize(records)
+
+
+def test_prompts_that_cannot_fit_the_context_are_an_error_or_left_out():
+    records = [{"id": f"p{i}", "prompt": "x" * n} for i, n in enumerate((3, 8, 2, 9))]
+    with pytest.raises(ConfigError) as err:
+        tokenize(records, max_model_len=8)
+    message = str(err.value)
+    assert (
+        "2 prompt(s) leave no room for a response within the rollouts' max_model_len 8" in message
+    )
+    assert "the first: record 1 (prompt id 'p1', 8 tokens)" in message
+    assert "max_prompt_tokens: 7" in message
+    # 7 tokens leave room for one: allowed (the response stops at the context limit)
+    kept = tokenize(records, max_model_len=8, max_prompt_tokens=7)
+    assert [pid for pid, _, _ in kept] == ["p0", "p2"]
+
+
+async def test_the_data_role_refuses_to_start_on_a_prompt_that_cannot_fit(
+    serve, tmp_path, cluster, options
+):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
+    with prompts.open("a") as f:
+        f.write(json.dumps({"id": "long", "prompt": "1" * 40}) + "\n")
+    config = DataConfig(
+        metrics=None,
+        prompts=str(prompts),
+        tokenizer=str(write_tokenizer(tmp_path / "tok")),
+        reward="tests.support.task:reward_len",
+        store=str(tmp_path / "data.sqlite"),
+        max_model_len=32,
+    )
+    ctx = ServiceContext(
+        role="data", instance="data-x", cluster=cluster, config=config, options=options
+    )
+    refused = DataService(ctx)
+    try:
+        with pytest.raises(ConfigError, match=r"record 3 \(prompt id 'long', 40 tokens\)"):
+            await refused.on_start()
+    finally:
+        refused._thread.shutdown()
+    # leaving them out is a setting, and counted
+    _, svc = await serve(
+        DataService,
+        config=config.model_copy(update={"max_prompt_tokens": 31, "store_synchronous": "FULL"}),
+    )
+    assert svc.stats()["prompts_left_out"] == 1.0
+    assert svc.store.db.execute("PRAGMA synchronous").fetchone() == (2,)  # FULL
+
+
+def test_the_store_applies_its_synchronous_setting(tmp_path):
+    # sqlite's numbering: 1 = NORMAL, 2 = FULL
+    assert Store(tmp_path / "a.sqlite").db.execute("PRAGMA synchronous").fetchone() == (1,)
+    full = Store(tmp_path / "b.sqlite", synchronous="FULL")
+    assert full.db.execute("PRAGMA synchronous").fetchone() == (2,)
+    with pytest.raises(ValueError, match="synchronous must be one of"):
+        Store(tmp_path / "c.sqlite", synchronous="OFF")
