@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 from laminar.engines import EngineRequest, InflightSequence, SimEngineConfig
 from laminar.engines.base import EngineOutput
@@ -23,40 +22,17 @@ from laminar.roles.data.api import DataApi, SampleRequest, TakeRequest
 from laminar.roles.data.buffer import ExperienceBuffer, FifoSampler, KeepAll
 from laminar.roles.data.rounds import RoundGate
 from laminar.roles.data.service import DataConfig, DataService
-from laminar.roles.data.store import Store
 from laminar.roles.manager import ManagerConfig, ManagerService
 from laminar.roles.rollout import RolloutConfig, RolloutService
 from laminar.rpc_client import RpcClient, remote
 from laminar.schedules import ScheduleConfig
-from laminar.trajectory import PartialChunk, SamplingParams, Trajectory
+from laminar.trajectory import PartialChunk, SamplingParams
 from tests.support.poll import until
 from tests.support.task import write_prompts, write_tokenizer
+from tests.unit.test_data_store import make_store, traj
 
 FAST = CostModel(batch_points=[(1, 0.001), (256, 0.002)], prefill_s_per_token=0.0)
 PARAMS = SamplingParams(max_tokens=8)
-
-
-def make_store(tmp_path: Path, n: int = 6) -> Store:
-    store = Store(tmp_path / "s.sqlite")
-    store.load_prompts(((f"p{i}", {"id": f"p{i}"}, [1, 2, i]) for i in range(n)), "fp")
-    return store
-
-
-def traj(tid: str, n: int = 3) -> Trajectory:
-    prompt_id, _, k = tid.rpartition("/")
-    return Trajectory(
-        trajectory_id=tid,
-        prompt_id=prompt_id,
-        sample_index=int(k),
-        prompt_token_ids=[1],
-        response_token_ids=list(range(n)),
-        logprobs=[-0.5] * n,
-        version=0,
-        finish_reason="stop",
-        queued_at=0.0,
-        started_at=1.0,
-        finished_at=2.0,
-    )
 
 
 async def collect(engine: SimEngine, n: int) -> dict[str, list[EngineOutput]]:
@@ -130,7 +106,7 @@ async def test_the_sim_engine_refuses_a_bad_prompt_alone_and_goes_on() -> None:
 
 
 def test_a_lease_whose_rollouts_keep_dying_is_quarantined_and_innocents_are_spread(tmp_path):
-    store = make_store(tmp_path)
+    store = make_store(tmp_path, 6)
     store.refill(6, samples=1, seed=0, epochs=1)
     first = [a.trajectory_id for a in store.lease("r1", 3, 0, set(), PARAMS)]
     requeued, quarantined = store.release_dead("r1", quarantine_after=2)
@@ -183,7 +159,7 @@ def test_a_group_with_a_failed_member_is_evicted_from_whole_group_samples(tmp_pa
 
 
 def test_a_round_replaces_a_group_that_lost_a_member(tmp_path):
-    store = make_store(tmp_path)
+    store = make_store(tmp_path, 6)
     gate = RoundGate(ScheduleConfig(kind="sync", round_prompts=2), 2, 0, None)
     leased = [a.trajectory_id for a in gate.lease(store, "r", 8, 0, set(), PARAMS)]
     assert len(leased) == 4 and gate.open
