@@ -102,6 +102,10 @@ class SamplingConfig(Strict):
         description="Set: each trajectory samples with its own seed derived from this and its id "
         "(reproducible runs). null: engine randomness.",
     )
+    ignore_eos: bool = Field(
+        False,
+        description="Generate max_tokens every time, past EOS (fixed-length benchmarks, tests).",
+    )
 
 
 class StalenessConfig(Strict):
@@ -243,6 +247,7 @@ class DataService(Service, DataApi):
             temperature=c.sampling.temperature,
             top_p=c.sampling.top_p,
             top_k=c.sampling.top_k,
+            ignore_eos=c.sampling.ignore_eos,
         )
         self.sampler = make_policy(c.sampler.kind, SAMPLERS, c.sampler.options)
         self.eviction = make_policy(c.eviction.kind, EVICTIONS, c.eviction.options)

@@ -18,7 +18,7 @@ from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.rollout import MigrateRequest, RolloutApi
 from laminar.roles.rollout.api import DrainRequest
 from tests.support.clients import ClusterClients
-from tests.support.models import EOS, tiny_qwen2
+from tests.support.models import tiny_qwen2
 from tests.support.poll import until
 from tests.support.scenario import process_cluster, write_config
 from tests.support.task import write_prompts, write_tokenizer
@@ -29,16 +29,19 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(400)]
 
-PROMPTS, SAMPLES, MAX_TOKENS = 4, 2, 160
+# Every response runs its full length (ignore_eos): the move must find all of them still running
+# however fast the engine is, and a race with early EOS made this test flaky on a fresh clone.
+PROMPTS, SAMPLES, MAX_TOKENS = 4, 2, 480
 
 
 def greedy(model_dir, prompt: list[int]) -> list[int]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    """Transformers' greedy decoding, never stopping at EOS (vLLM's ``ignore_eos``)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
     out = model.generate(
         torch.tensor([prompt]),
         max_new_tokens=MAX_TOKENS,
         do_sample=False,
-        eos_token_id=EOS,
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
@@ -55,7 +58,11 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path):
                 "reward": "tests.support.task:reward_len",
                 "samples_per_prompt": SAMPLES,
                 "epochs": 1,
-                "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0},
+                "sampling": {
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
                 "store": str(tmp_path / "data.sqlite"),
                 "metrics": None,
             },
