@@ -55,6 +55,7 @@ from laminar.membership import MembershipApi  # noqa: E402
 from laminar.roles.data.api import DataApi, SampleRequest  # noqa: E402
 from laminar.rpc_client import RpcClient, remote  # noqa: E402
 from laminar.service import transport_options  # noqa: E402
+from laminar.stats import RolloutStats  # noqa: E402
 from laminar.weights.publisher import PublishConfig, WeightPublisher  # noqa: E402
 
 TOKEN = "repack-bench-token"
@@ -177,9 +178,10 @@ class TrainerStandIn:
 async def sample_cluster(manager: MembershipApi) -> tuple[float, float, list[float], int]:
     status = await manager.status.call()
     rollouts = [m for m in status.members if m.role == "rollout" and m.state == "alive"]
-    tokens = sum(m.stats.get("generated_tokens", 0.0) for m in rollouts)
-    kv = [m.stats.get("kv_cache_usage", 0.0) for m in rollouts]
-    versions = [int(m.stats.get("version", 0)) for m in rollouts]
+    stats = [m.rollout_stats() or RolloutStats() for m in rollouts]
+    tokens = float(sum(s.generated_tokens for s in stats))
+    kv = [s.kv_cache_usage for s in stats]
+    versions = [s.version for s in stats]
     return time.time(), tokens, kv, max(versions, default=0)
 
 

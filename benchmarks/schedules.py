@@ -51,6 +51,7 @@ from laminar.launch import ProcessCluster  # noqa: E402
 from laminar.membership import MembershipApi  # noqa: E402
 from laminar.rpc_client import RpcClient, remote  # noqa: E402
 from laminar.service import transport_options  # noqa: E402
+from laminar.stats import RolloutStats, TrainerStats  # noqa: E402
 
 TOKEN = "schedules-bench-token"
 SCHEDULES = ("laminar", "sync", "one_step", "tail_batching")
@@ -142,13 +143,15 @@ async def sample_cluster(manager: MembershipApi) -> dict[str, Any]:
     status = await manager.status.call()
     rollouts = [m for m in status.members if m.role == "rollout" and m.state == "alive"]
     trainer = [m for m in status.members if m.role == "sim_trainer"]
+    stats = [m.rollout_stats() or RolloutStats() for m in rollouts]
+    trained = (trainer[0].trainer_stats() if trainer else None) or TrainerStats()
     return {
         "t": time.time(),
-        "tokens": sum(m.stats.get("generated_tokens", 0.0) for m in rollouts),
-        "busy": [float(m.stats.get("running", 0.0) > 0) for m in rollouts],
-        "kv": [m.stats.get("kv_cache_usage", 0.0) for m in rollouts],
-        "versions": [int(m.stats.get("version", 0)) for m in rollouts],
-        "trainer_version": int(trainer[0].stats.get("version", 0)) if trainer else 0,
+        "tokens": float(sum(s.generated_tokens for s in stats)),
+        "busy": [float(s.running > 0) for s in stats],
+        "kv": [s.kv_cache_usage for s in stats],
+        "versions": [s.version for s in stats],
+        "trainer_version": trained.version,
     }
 
 

@@ -9,9 +9,11 @@ owns the life of its process, one incarnation after another:
   module is imported: loading a library between fork and exec, in a process with other threads,
   can deadlock on the loader's lock. With umask 077, so what it writes (the data role's SQLite
   file, checkpoints, logs) is readable by this user only. Its output is read in chunks and split
-  into lines of at most 64 KiB (:mod:`laminar.linesplit`: a longer one is cut, with a marker, and
-  never stops the reading, so the child never blocks on a full pipe): the ``LAMINAR_READY`` line
-  gives its address, the rest goes to the supervisor's ``echo``; its log file is 0600.
+  into lines of at most 64 KiB (:func:`laminar.spawn.pump_lines`: a longer one is cut, with a
+  marker, and never stops the reading, so the child never blocks on a full pipe): the
+  ``LAMINAR_READY`` line gives its address, the rest goes to the supervisor's ``echo``; its log
+  file is 0600. Starting it, reading it and its ready line are :mod:`laminar.spawn`'s, shared with
+  :class:`laminar.launch.ProcessCluster`.
 * **exit**: noticed on a pidfd of the process, not by its output closing (what it started inherits
   its stdout and stderr, so after a kill -9 the pipes stay open as long as they live; CPython
   3.11's ``Process.wait()`` resolves only once they close). ``waitid(WNOWAIT)`` reads the status
@@ -45,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import os
 import signal
 import threading
@@ -56,9 +57,9 @@ from typing import IO, Any
 
 from .config import RoleSpec
 from .cpus import CpuSlot
-from .linesplit import LineSplitter
+from .errors import LaminarError
 from .procfs import end_session, signal_session
-from .service import READY_PREFIX
+from .spawn import cpu_env, parse_ready_line, pump_lines, start_async
 
 #: Seconds what a child left behind gets to end by itself before SIGTERM (a vLLM engine's watch
 #: kills it 1 s after its rollout is gone, see :mod:`laminar.engines.vllm_worker`).
@@ -261,15 +262,11 @@ class ChildProcesses:
 
     async def _start(self, child: Child) -> asyncio.subprocess.Process:
         child.ready.clear()
-        env = self.env if child.cpu is None else {**self.env, **child.cpu.env(child.section)}
         if child.log is None:
             child.log = open_log(self.log_dir / f"{child.name}.log")
-        proc = await asyncio.create_subprocess_exec(
-            *self.command(child),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,  # the session id is its pid
+        proc = await start_async(  # in a session of its own: the session id is its pid
+            self.command(child),
+            cpu_env(self.env, child.cpu, child.section),
             preexec_fn=_child_setup(child.cpu.cpus if child.cpu else (), os.getpid()),
         )
         child.process = proc
@@ -278,23 +275,16 @@ class ChildProcesses:
         child.pidfd = open_pidfd(proc)
         return proc
 
-    async def _pump(self, child: Child, stream: asyncio.StreamReader) -> None:
-        """Relay the child's output, line by line; in chunks, not ``readline``, which gives up on
-        a line over 64 KiB and would leave the child blocked on a full pipe."""
-        lines = LineSplitter()
-        while chunk := await stream.read(1 << 16):
-            for text in lines.feed(chunk):
-                self._line(child, text)
-        for text in lines.close():
-            self._line(child, text)
-
     def _line(self, child: Child, text: str) -> None:
-        if text.startswith(READY_PREFIX):
-            with contextlib.suppress(ValueError):
-                child.info = json.loads(text[len(READY_PREFIX) :])
-                child.ready.set()
+        try:
+            info = parse_ready_line(text)
+        except LaminarError:  # not one it can be joined on: kept in its log, never taken
+            info = None
+        if info is None:
+            self.echo(child, text)
             return
-        self.echo(child, text)
+        child.info = info
+        child.ready.set()
 
     async def _end_session(self, child: Child, sid: int) -> None:
         grace = self.grace
@@ -327,7 +317,10 @@ class ChildProcesses:
         assert child.exit is not None and proc.stdout is not None and proc.stderr is not None
         if self.stopping.is_set():  # started while the run stops: stop it at once
             self._signal(child, signal.SIGTERM)
-        pumps = [asyncio.create_task(self._pump(child, s)) for s in (proc.stdout, proc.stderr)]
+        pumps = [
+            asyncio.create_task(pump_lines(s, lambda text: self._line(child, text)))
+            for s in (proc.stdout, proc.stderr)
+        ]
         try:
             code = await exit_status(child)
             child.exit.set_result(code)

@@ -61,6 +61,12 @@ class ClusterConfig(Strict):
     handshake_timeout_s: PositiveFloat = Field(
         5.0, description="A new connection must finish the token handshake within this."
     )
+    rpc_max_in_flight: Annotated[int, Field(gt=0)] = Field(
+        64,
+        description="Requests one connection may have running at once (an open stream counts). "
+        "Beyond that a service reads as many again ahead, then stops reading that connection "
+        "until one finishes, so TCP flow control slows the sender instead of memory growing.",
+    )
     max_frame_mib: Annotated[int, Field(gt=0, le=16384)] = Field(
         2048,
         description="Largest message frame accepted (fields, token arrays and tensors together); "

@@ -13,6 +13,13 @@ A method takes no argument or one pydantic model, and returns a pydantic model o
 (``@stream``: yields models). That is checked when the class is created, so a signature the wire
 cannot carry fails at import, not at the first call.
 
+A role declares its endpoints once, on a contract class of stubs (``DataApi``), which clients
+import without the implementation; the service class inherits the contract and overrides each stub.
+:func:`check_contracts` (run for every :class:`~laminar.service.Service` subclass) makes an
+override that disagrees with its contract (kind, request or response model, a missing decorator)
+an error when the implementing class is created: otherwise a client built from the contract would
+send what the server cannot read, and find out only at the first call.
+
 The verbs, the same whether the service is local or remote (Monarch's small verb set)::
 
     reply = await manager.join.call(JoinRequest(...))       # request / reply, with a timeout
@@ -32,13 +39,16 @@ import asyncio
 import collections.abc
 import inspect
 import typing
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
 
+import structlog
 from pydantic import BaseModel
 
 from .errors import EndpointDefinitionError
+
+log = structlog.get_logger("laminar.rpc")
 
 P = ParamSpec("P")
 R = TypeVar("R", covariant=True)
@@ -55,6 +65,21 @@ class EndpointSpec:
     kind: Kind
     request: type[BaseModel] | None
     response: type[BaseModel] | None  # the item type for a stream
+
+    def signature(self) -> str:
+        """``call take(TakeRequest) -> Assignments``: how error messages show a contract."""
+        request = self.request.__name__ if self.request is not None else ""
+        response = self.response.__name__ if self.response is not None else "None"
+        if self.kind == "stream":
+            response = f"AsyncIterator[{response}]"
+        return f"{self.kind} {self.name}({request}) -> {response}"
+
+    def agrees(self, other: EndpointSpec) -> bool:
+        return (self.kind, self.request, self.response) == (
+            other.kind,
+            other.request,
+            other.response,
+        )
 
 
 class CallRef(Protocol[P, R]):
@@ -141,7 +166,81 @@ def endpoints_of(cls: type) -> dict[str, tuple[EndpointSpec, Callable[..., Any]]
     return found
 
 
-_detached: set[asyncio.Future[Any]] = set()
+def check_contracts(cls: type) -> None:
+    """Raise :class:`EndpointDefinitionError` where ``cls`` breaks an endpoint contract it inherits.
+
+    Every endpoint declared anywhere in the MRO must resolve, on ``cls``, to an endpoint of the
+    same kind, request model and response model. This also catches two bases that declare one
+    name differently, and an override that forgot its ``@endpoint`` (which would silently take
+    the endpoint off the wire).
+    """
+    for name in {n for k in cls.__mro__ for n, v in vars(k).items() if isinstance(v, _Declared)}:
+        owner = next(k for k in cls.__mro__ if name in vars(k))
+        impl = vars(owner)[name]
+        for base in cls.__mro__:
+            contract = vars(base).get(name)
+            if base is owner or not isinstance(contract, _Declared):
+                continue
+            assert contract.spec is not None
+            wanted = f"{base.__qualname__}.{name}: `{contract.spec.signature()}`"
+            if not isinstance(impl, _Declared):
+                raise EndpointDefinitionError(
+                    f"{cls.__qualname__}: {owner.__qualname__}.{name} overrides the endpoint "
+                    f"{wanted} without @{'stream' if contract.kind == 'stream' else 'endpoint'}"
+                )
+            assert impl.spec is not None
+            if not impl.spec.agrees(contract.spec):
+                raise EndpointDefinitionError(
+                    f"{cls.__qualname__}: {owner.__qualname__}.{name} is "
+                    f"`{impl.spec.signature()}`, but its contract {wanted}"
+                )
+
+
+class LocalNotifies:
+    """The one-way calls in flight on one local object: owned by it, cancelled with it.
+
+    ``notify`` on a local object cannot await its call, so something must hold the task (the
+    event loop keeps only weak references) and end it: the object, as a connection owns the
+    handlers of its one-way calls. A :class:`~laminar.service.ServiceHost` closes its service's
+    at stop; other objects close theirs with ``local_notifies(obj).close()``. A failure is logged,
+    never raised, as on the wire.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def start(self, coro: Coroutine[Any, Any, Any], method: str) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: _log_failure(t, method))
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def local_notifies(obj: Any) -> LocalNotifies:
+    """The owner of ``obj``'s local one-way calls (created on first use)."""
+    owned = vars(obj).get(_NOTIFIES_ATTR)
+    if owned is None:
+        owned = LocalNotifies()
+        setattr(obj, _NOTIFIES_ATTR, owned)
+    return owned
+
+
+_NOTIFIES_ATTR = "_laminar_local_notifies"
+
+
+def _log_failure(task: asyncio.Task[Any], method: str) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("one-way call failed", method=method, exc_info=task.exception())
 
 
 class LocalRef:
@@ -158,9 +257,9 @@ class LocalRef:
         return await self._declared.fn(self._obj, *args)
 
     def notify(self, *args: Any) -> None:
-        task = asyncio.ensure_future(self._declared.fn(self._obj, *args))
-        _detached.add(task)  # keep a reference until done, as the event loop holds only weak ones
-        task.add_done_callback(_detached.discard)
+        local_notifies(self._obj).start(
+            self._declared.fn(self._obj, *args), self._declared.fn.__name__
+        )
 
     def stream(self, *args: Any) -> AsyncIterator[Any]:
         return self._declared.fn(self._obj, *args)

@@ -11,7 +11,8 @@ stops each role, then whatever its session still holds (SIGTERM, SIGKILL after t
 roles' sessions included (all sessions at once: one grace period, not one each).
 :meth:`ProcessCluster.kill9` kills only the role's own process, the way a crash does, so tests can
 watch what happens to the rest (a vLLM engine kills itself, see :mod:`laminar.engines.vllm_worker`).
-The session helpers are in :mod:`laminar.procfs`, shared with ``laminar run``.
+The command line, the environment, the session, the output lines and the ready line come from
+:mod:`laminar.spawn`, shared with ``laminar run``; the session helpers from :mod:`laminar.procfs`.
 
 Rollouts are pinned one core each, round robin (``pin_rollouts``), the way ``laminar run``'s CPU
 plan pins them (:mod:`laminar.cpus`): left alone, every vLLM CPU engine binds its OpenMP threads
@@ -21,23 +22,28 @@ engine took over 180 s to start on a 2-core machine (issue 15's CI failure). Sim
 
 from __future__ import annotations
 
-import json
 import os
-import selectors
 import signal
 import subprocess
-import sys
 import threading
 import time
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from .cpus import CpuSlot, available_cores
 from .errors import LaminarError
-from .procfs import KEEP_ENVIRON, MARK_ENV, end_session, end_sessions
-from .service import READY_PREFIX
+from .procfs import end_sessions
+from .spawn import (
+    OutputLines,
+    ServeSpec,
+    cpu_env,
+    kill_role,
+    launch_env,
+    serve_command,
+    start,
+)
+
+__all__ = ["ProcessCluster"]
 
 
 class ProcessCluster:
@@ -58,15 +64,7 @@ class ProcessCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # Marks every process this cluster starts (inherited by what they start): a session id
         # swept at shutdown may have been recycled by then (pid_max can be as low as 32768).
-        token = uuid.uuid4().hex
-        self.env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            **(env or {}),
-            **KEEP_ENVIRON,  # vLLM's setproctitle would wipe the mark from /proc: see procfs
-            MARK_ENV: token,
-        }
-        self.mark = f"{MARK_ENV}={token}"
+        self.env, self.mark = launch_env(os.environ, env)
         self.cwd = cwd
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.sessions: set[int] = set()  # of every role started, killed ones too, until emptied
@@ -121,24 +119,13 @@ class ProcessCluster:
     def _spawn(
         self, role: str, name: str, args: tuple[str, ...], prefix: tuple[str, ...]
     ) -> tuple[IO[str], subprocess.Popen[str]]:
-        cmd = [*prefix, sys.executable, "-m", "laminar", "serve", "--role", role]
-        cmd += ["--config", str(self.config), "--instance", name, *args]
-        if role != "manager":
-            if self.manager is None:
-                raise LaminarError("start the manager first")
-            cmd += ["--join", self.manager]
+        join = None if role == "manager" else self.manager
+        spec = ServeSpec(role, name, self.config, join=join, args=args, prefix=prefix)
+        cmd = serve_command(spec)  # before the log is opened: a member needs the manager
         log = (self.log_dir / f"{name}.log").open("a")
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env=self._env_for(role, name),
-            cwd=self.cwd,
-            start_new_session=True,  # its session id is its pid: see ``session_members``
-        )
+        proc = start(cmd, self._env_for(role, name), stderr=log, cwd=self.cwd)
         self.procs[name] = proc
-        self.sessions.add(proc.pid)
+        self.sessions.add(proc.pid)  # its session id is its pid: see ``session_members``
         return log, proc
 
     def _env_for(self, role: str, name: str) -> dict[str, str]:
@@ -147,28 +134,27 @@ class ProcessCluster:
         core = self._rollout_core.setdefault(
             name, self._cores[len(self._rollout_core) % len(self._cores)]
         )
-        slot = CpuSlot((core,), 1)
-        return {**self.env, **slot.env(role)}
+        return cpu_env(self.env, CpuSlot((core,), 1), role)
 
     def _wait_ready(
         self, name: str, proc: subprocess.Popen[str], log: IO[str], timeout: float
     ) -> dict[str, Any]:
         def keep(line: str) -> None:
-            log.write(line)
+            log.write(line + "\n")
             log.flush()
 
-        info = read_ready_line(proc, timeout, keep)
+        lines = OutputLines(proc)
+        problem = "never became ready"
+        try:
+            info = lines.until_ready(timeout, keep)
+        except LaminarError as exc:  # a ready line it cannot be started on
+            info, problem = None, str(exc)
         if info is not None:
-            assert proc.stdout is not None
-            threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
+            threading.Thread(target=lines.drain, args=(keep,), daemon=True).start()
             return info
-        proc.kill()
-        proc.wait(timeout=10)
-        # A grace period even here: a tracker of shared memory (multiprocessing's resource
-        # tracker ignores SIGTERM) unlinks it once its clients are gone, unless killed with them.
-        end_session(proc.pid, grace=5.0, mark=self.mark)
+        kill_role(proc, self.mark)
         self.sessions.discard(proc.pid)
-        raise LaminarError(f"{name} never became ready; its log ends:\n{self.log_tail(name)}")
+        raise LaminarError(f"{name} {problem}; its log ends:\n{self.log_tail(name)}")
 
     def kill9(self, name: str) -> None:
         """SIGKILL the role's own process, as a crash would; what it started is left to itself
@@ -207,32 +193,3 @@ class ProcessCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def read_ready_line(
-    proc: subprocess.Popen[str], timeout: float, on_line: Callable[[str], None]
-) -> dict[str, Any] | None:
-    """Read ``proc``'s stdout until its ``LAMINAR_READY`` line; its info, or None if the process
-    exited or ``timeout`` passed first. Every line read (the ready line too) goes to ``on_line``."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=0.1):
-                if proc.poll() is not None:
-                    return None
-                continue
-            line = proc.stdout.readline()
-            if not line:
-                return None
-            on_line(line)
-            if line.startswith(READY_PREFIX):
-                return json.loads(line[len(READY_PREFIX) :])
-    return None
-
-
-def _drain(src: IO[str], dst: IO[str]) -> None:
-    for line in src:
-        dst.write(line)
-        dst.flush()

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from .endpoint import endpoint, stream
+from .stats import HeartbeatStats, RolloutPhase, RolloutStats, TrainerStats, parse_stats
 
 MemberState = Literal["alive", "dead", "left"]
 
@@ -35,7 +36,19 @@ class Member(JoinRequest):
     joined_at: float = 0.0  # wall clock of the manager
     last_seen: float = 0.0  # wall clock of the manager
     incarnation: int = 1  # bumps each time the same instance id joins again (a restart)
-    stats: dict[str, float] = Field(default_factory=dict)
+    stats: dict[str, float] = Field(default_factory=dict)  # the last heartbeat's, as sent
+
+    # The stats typed by role (``laminar.stats``); None until the first heartbeat. Readers use
+    # these, never ``stats[key]``: a misspelled field fails loudly, a misspelled key read as 0.
+
+    def typed_stats(self) -> HeartbeatStats | None:
+        return parse_stats(self.role, self.stats)
+
+    def rollout_stats(self) -> RolloutStats | None:
+        return RolloutStats.parse(self.stats)
+
+    def trainer_stats(self) -> TrainerStats | None:
+        return TrainerStats.parse(self.stats)
 
 
 class JoinReply(BaseModel):
@@ -51,22 +64,14 @@ class Heartbeat(BaseModel):
     stats: dict[str, float] = Field(default_factory=dict)
 
 
-RolloutPhase = Literal["running", "draining", "switching"]
+def rollout_phase(stats: RolloutStats | Mapping[str, float]) -> RolloutPhase:
+    """What a rollout is doing, from the stats its heartbeats carry (``RolloutStats.phase``).
 
-
-def rollout_phase(stats: Mapping[str, float]) -> RolloutPhase:
-    """What a rollout is doing, from the stats its heartbeats carry (``RolloutService.stats``).
-
-    ``switching``: a newer version waits (it takes nothing until it is loaded) or a repack is
-    moving its trajectories out; ``draining``: an operator told it to take no prompts;
-    ``running``: taking prompts. One reading for the rollout's own ``state`` endpoint, the admin
-    API and ``laminar status``.
+    One reading for the rollout's own ``state`` endpoint, the admin API and ``laminar status``.
     """
-    if stats.get("paused_for_weights") or stats.get("migrating"):
-        return "switching"
-    if stats.get("operator_drain"):
-        return "draining"
-    return "running"
+    if not isinstance(stats, RolloutStats):
+        stats = RolloutStats.model_validate(stats)
+    return stats.phase
 
 
 class HeartbeatAck(BaseModel):

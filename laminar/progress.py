@@ -21,7 +21,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .membership import rollout_phase
+from .stats import RolloutStats
 
 PHASE_STYLE = {"running": "green", "switching": "yellow", "draining": "magenta"}
 
@@ -59,23 +59,26 @@ def policy_reward(record: dict[str, Any]) -> float:
     return float(generated if generated is not None else record["reward_mean"])
 
 
-def rollout_sample(stats: dict[str, float]) -> dict[str, Any]:
-    """The part of a rollout's heartbeat stats a timeline needs."""
+def rollout_sample(stats: RolloutStats | None) -> dict[str, Any]:
+    """The part of a rollout's heartbeat stats a timeline needs (before its first heartbeat:
+    version -1 and zeros)."""
+    s = stats if stats is not None else RolloutStats(version=-1)
     return {
-        "phase": rollout_phase(stats),
-        "version": int(stats.get("version", -1)),
-        "kv": round(float(stats.get("kv_cache_usage", 0.0)), 4),
-        "running": int(stats.get("running", 0)),
-        "waiting": int(stats.get("waiting", 0)),
-        "in_flight": int(stats.get("in_flight", 0)),
-        "generated_tokens": int(stats.get("generated_tokens", 0)),
+        "phase": s.phase,
+        "version": s.version,
+        "kv": round(s.kv_cache_usage, 4),
+        "running": s.running,
+        "waiting": s.waiting,
+        "in_flight": s.in_flight,
+        "generated_tokens": s.generated_tokens,
     }
 
 
 def cluster_sample(members: list[Any], now: float | None = None) -> dict[str, Any]:
-    """One line of ``cluster.jsonl`` from a membership view's members."""
+    """One line of ``cluster.jsonl`` from a membership view's members (``Member``, or anything
+    with their ``instance``, ``role``, ``state`` and ``stats``)."""
     rollouts = {
-        m.instance: {**rollout_sample(m.stats), "state": m.state}
+        m.instance: {**rollout_sample(RolloutStats.parse(m.stats)), "state": m.state}
         for m in members
         if m.role == "rollout"
     }

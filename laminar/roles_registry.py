@@ -12,10 +12,19 @@ from .errors import ConfigError
 from .plugins import load_object
 from .service import Service
 
+# Role names -> ``module:Class``: the runtime starts a role by name without importing every role
+# (and its heavy dependencies) up front. Strings, not imports: the runtime never imports roles/.
+BUILTIN: dict[str, str] = {
+    "manager": "laminar.roles.manager.service:ManagerService",
+    "data": "laminar.roles.data.service:DataService",
+    "relay": "laminar.roles.relay:RelayService",
+    "rollout": "laminar.roles.rollout.service:RolloutService",
+    "trainer": "laminar.roles.trainer.service:TrainerService",
+    "sim_trainer": "laminar.roles.trainer.sim:SimTrainerService",  # emulated (sleeps)
+}
+
 
 def builtin_roles() -> dict[str, str]:
-    from laminar.roles import BUILTIN  # a table of strings: importing it loads no role
-
     return dict(BUILTIN)
 
 

@@ -20,6 +20,12 @@ Guarantees, and why:
 * A handler's exception comes back as :class:`RemoteError` naming role, instance, method and
   cause; a request that fails validation is a :class:`BadRequest` and the handler never runs.
 * Handler tasks belong to their connection: when it closes they are cancelled and awaited.
+* A connection runs at most ``max_in_flight`` requests at once (an open stream counts). Beyond
+  that the server reads as many again ahead (handling their CANCELs and any PING) and then stops
+  reading that connection until one finishes, so the transport's flow control (TCP's window)
+  stops a sender that outpaces the handlers, instead of this process growing a task per frame.
+  While it does not read, it sends a PONG every ping interval unasked, so the peer's liveness
+  check does not take a busy server for a dead one.
 * A connection that goes silent (peer host crashed, link cut, process stopped) is closed by the
   client once its pings go unanswered for the transport's ``peer_timeout``; pending calls then
   fail with :class:`PeerUnavailable` and the next call reconnects. Without that, a dead peer that
@@ -33,11 +39,12 @@ Guarantees, and why:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +72,15 @@ log = structlog.get_logger("laminar.rpc")
 
 K_CALL, K_REPLY, K_ERROR, K_NOTIFY, K_STREAM, K_ITEM, K_END, K_CANCEL = range(16, 24)
 K_PING, K_PONG = 24, 25
+
+#: Requests (calls, streams, notifies) one connection may have running at once; see
+#: :class:`_Calls`. A stream counts for as long as it is open.
+MAX_IN_FLIGHT = 64
+
+#: Quiet checks per ``peer_timeout`` on the calling side (:mod:`laminar.rpc_client`): a ping goes
+#: out at each of the first ones, the connection is closed at the last, so a healthy peer has two
+#: pings' worth of round trips to answer.
+PING_CHECKS = 3
 
 
 @dataclass(frozen=True)
@@ -106,8 +122,12 @@ class RpcServer:
         instance: str,
         on_disconnect: Callable[[int], None] | None = None,
         observe: Callable[[str, str, float], None] | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.target = target
+        self.max_in_flight = max_in_flight
         self.options = options
         self.role = role
         self.instance = instance
@@ -129,40 +149,31 @@ class RpcServer:
 
     async def serve_connection(self, conn: Connection) -> None:
         conn_id = next(_connection_ids)
-        tasks: dict[int, asyncio.Task[None]] = {}
-        oneway: set[asyncio.Task[None]] = set()
+
+        def handler(frame: Frame) -> Coroutine[Any, Any, None]:
+            ctx = CallContext(conn_id, conn.peer, frame.meta["m"])
+            return self._run(conn, ctx, frame.meta["k"], frame.meta.get("i"), frame)
+
+        calls = _Calls(self.max_in_flight, handler)
         self.connections.add(conn)
         try:
             while True:
+                if calls.read_ahead_full():
+                    await self._wait_for_room(conn, calls)
                 frame = await conn.recv()
                 kind, call_id = frame.meta.get("k"), frame.meta.get("i")
                 if kind == K_CANCEL:
-                    task = tasks.get(call_id)  # type: ignore[arg-type]
-                    if task is not None:
-                        task.cancel()
+                    calls.cancel(call_id)
                     continue
                 if kind == K_PING:
-                    # answered from a task: a full send buffer must not stop this loop reading
-                    task = asyncio.create_task(self._pong(conn))
-                    oneway.add(task)
-                    task.add_done_callback(oneway.discard)
+                    calls.spawn_control(self._pong(conn))
                     continue
                 method = frame.meta.get("m")
                 if kind not in (K_CALL, K_NOTIFY, K_STREAM) or not isinstance(method, str):
                     raise FrameError(f"unexpected frame kind {kind!r}")
-                ctx = CallContext(conn_id, conn.peer, method)
-                coro = self._run(conn, ctx, kind, call_id, frame)
-                if kind == K_NOTIFY:
-                    task = asyncio.create_task(coro)
-                    oneway.add(task)
-                    task.add_done_callback(oneway.discard)
-                    continue
-                if not isinstance(call_id, int) or call_id in tasks:
-                    coro.close()
+                if kind != K_NOTIFY and (not isinstance(call_id, int) or calls.known(call_id)):
                     raise FrameError(f"bad or duplicate call id {call_id!r}")
-                task = asyncio.create_task(coro)
-                tasks[call_id] = task
-                task.add_done_callback(lambda _t, i=call_id: tasks.pop(i, None))
+                calls.submit(frame)
         except ConnectionClosed:
             pass
         except FrameError as exc:
@@ -170,13 +181,27 @@ class RpcServer:
             conn.close(f"protocol error: {exc}")
         finally:
             self.connections.discard(conn)
-            pending = [*tasks.values(), *oneway]
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
+            await calls.cancel_all()
             if self.on_disconnect is not None:
                 self.on_disconnect(conn_id)
+
+    async def _wait_for_room(self, conn: Connection, calls: _Calls) -> None:
+        """Read nothing from ``conn`` until one of its requests finishes and a held one starts.
+
+        Frames then queue in the transport and the kernel, and TCP flow control stops the
+        sender. The pings it sends meanwhile cannot be read, so the connection answers them
+        in advance: a pong every ping interval tells the peer this side is busy, not dead.
+        """
+        interval = None
+        if conn.can_stall and self.options.peer_timeout is not None:
+            interval = self.options.peer_timeout / PING_CHECKS
+        while calls.read_ahead_full():
+            try:
+                calls.room.clear()  # just checked: no finish can be missed
+                async with asyncio.timeout(interval):
+                    await calls.room.wait()
+            except TimeoutError:
+                calls.spawn_control(self._pong(conn))
 
     async def _run(
         self, conn: Connection, ctx: CallContext, kind: int, call_id: Any, frame: Frame
@@ -321,3 +346,85 @@ class RpcServer:
         }
         with contextlib.suppress(ConnectionClosed):
             await conn.send(Frame({"k": K_ERROR, "i": call_id, "e": info}))
+
+
+class _Calls:
+    """The requests of one connection: running (at most ``limit``) and held (read ahead).
+
+    Without a bound, a peer that sends faster than handlers finish grows this process's tasks
+    and memory without limit, and the transport's flow control never engages (every frame is
+    read at once). At the bound, up to ``limit`` more requests are read ahead and held, in
+    arrival order, so CANCELs and pings behind them are still seen; beyond that the connection
+    stops reading. A finishing request starts the oldest held one.
+    """
+
+    def __init__(self, limit: int, handler: Callable[[Frame], Coroutine[Any, Any, None]]) -> None:
+        self.limit = limit
+        self.handler = handler
+        self.running: dict[int, asyncio.Task[None]] = {}  # calls and streams, by call id
+        self.oneway: set[asyncio.Task[None]] = set()  # notifies
+        self.control: set[asyncio.Task[None]] = set()  # pongs: not requests, never bounded
+        self.held: collections.deque[Frame] = collections.deque()
+        self.room = asyncio.Event()  # set whenever a request finishes
+
+    def has_room(self) -> bool:
+        return len(self.running) + len(self.oneway) < self.limit
+
+    def read_ahead_full(self) -> bool:
+        return len(self.held) >= self.limit
+
+    def known(self, call_id: int) -> bool:
+        return call_id in self.running or any(f.meta.get("i") == call_id for f in self.held)
+
+    def submit(self, frame: Frame) -> None:
+        if self.held or not self.has_room():
+            self.held.append(frame)  # nothing overtakes a held request
+        else:
+            self._start(frame)
+
+    def spawn_control(self, coro: Coroutine[Any, Any, None]) -> None:
+        # answered from a task: a full send buffer must not stop the connection reading
+        task = asyncio.create_task(coro)
+        self.control.add(task)
+        task.add_done_callback(self.control.discard)
+
+    def cancel(self, call_id: Any) -> None:
+        task = self.running.get(call_id)
+        if task is not None:
+            task.cancel()
+        else:  # not started yet: drop it, as its caller gave up
+            kept = [
+                f for f in self.held if f.meta.get("k") == K_NOTIFY or f.meta.get("i") != call_id
+            ]
+            self.held = collections.deque(kept)
+
+    async def cancel_all(self) -> None:
+        self.held.clear()
+        pending = [*self.running.values(), *self.oneway, *self.control]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def _start(self, frame: Frame) -> None:
+        task = asyncio.create_task(self.handler(frame))
+        if frame.meta.get("k") == K_NOTIFY:
+            self.oneway.add(task)
+            task.add_done_callback(self._oneway_done)
+        else:
+            call_id = frame.meta["i"]
+            self.running[call_id] = task
+            task.add_done_callback(lambda _t, i=call_id: self._done(i))
+
+    def _done(self, call_id: int) -> None:
+        self.running.pop(call_id, None)
+        self._next()
+
+    def _oneway_done(self, task: asyncio.Task[None]) -> None:
+        self.oneway.discard(task)
+        self._next()
+
+    def _next(self) -> None:
+        while self.held and self.has_room():
+            self._start(self.held.popleft())
+        self.room.set()

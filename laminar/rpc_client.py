@@ -38,6 +38,7 @@ from .rpc import (
     K_NOTIFY,
     K_PING,
     K_STREAM,
+    PING_CHECKS,
     decode_model,
     encode_model,
 )
@@ -65,10 +66,6 @@ class Backoff:
 #: stream with an error (at once when its kernel resets the connection, within the transport's
 #: ``peer_timeout`` when it went silent), so the subscriber never relies on this timeout.
 QUIET_STREAM_TIMEOUT_S = 365 * 24 * 3600.0
-
-#: Quiet checks per ``peer_timeout``: a ping goes out at each of the first ones, the connection is
-#: closed at the last, so a healthy peer has two pings' worth of round trips to answer.
-PING_CHECKS = 3
 
 
 class RpcClient:

@@ -12,7 +12,8 @@ A role is a :class:`Service` subclass with endpoints (see :mod:`laminar.endpoint
 Structured concurrency: every background task a service starts with ``spawn`` belongs to the
 host's TaskGroup. If one crashes, the whole service stops with that error (the process exits
 non-zero, and the supervisor decides about a restart): a half-dead service that keeps answering
-heartbeats is worse than a dead one.
+heartbeats is worse than a dead one. The stop sequence of step 4 (``on_stop`` first) runs on that
+path too, and when ``run()`` is cancelled, so a crash releases what ``on_start`` acquired.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
 
 import structlog
@@ -34,9 +35,11 @@ from laminar.transport import Limits, TransportOptions
 
 from .clock import Clock, get_clock
 from .config import ClusterConfig, ServiceConfig
+from .endpoint import check_contracts, local_notifies
 from .errors import CallTimeout, PeerUnavailable, RemoteError
 from .membership import Heartbeat, JoinRequest, LeaveRequest, Member, MembershipApi
 from .metrics import RpcMetrics, start_metrics_server
+from .peers import STREAM_ERRORS, Outage, Peer, follow_stream
 from .rpc import RpcServer
 from .rpc_client import RpcClient, remote
 
@@ -125,6 +128,38 @@ class ServiceContext:
                     return found[0].address
             await self.clock.sleep(poll_s)
 
+    def peer(self, role: str, api_cls: type[S], *, address: str | None = None) -> Peer[S]:
+        """A member of ``role`` (typed as ``api_cls``): at ``address`` if given, else found through
+        the manager when first used, and found again after a call to it fails (:class:`Peer`)."""
+        return Peer(self, role, api_cls, address=address)
+
+    def follow(
+        self,
+        name: str,
+        open_stream: Callable[[], AsyncIterator[T] | Awaitable[AsyncIterator[T]]],
+        apply: Callable[[T], Awaitable[None] | None],
+        *,
+        backoff: float,
+        errors: tuple[type[Exception], ...] = STREAM_ERRORS,
+    ) -> asyncio.Task[None]:
+        """An owned task (``spawn``) applying every item of ``open_stream()``, subscribing again
+        after ``backoff`` seconds when the stream fails or ends (:func:`follow_stream`); the
+        failures are logged once per outage, as ``name``."""
+        outage = Outage.logged(
+            self.log, f"{name}: stream lost; subscribing again", f"{name}: stream back"
+        )
+        return self.spawn(
+            follow_stream(
+                open_stream,
+                apply,
+                backoff=backoff,
+                sleep=self.clock.sleep,
+                outage=outage,
+                errors=errors,
+            ),
+            name=name,
+        )
+
     async def close_clients(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
@@ -137,6 +172,12 @@ class Service:
     role: ClassVar[str] = "service"
     config_model: ClassVar[type[ServiceConfig]] = ServiceConfig
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A role inherits its endpoint contract (``DataApi``) and overrides every stub: check the
+        # overrides agree now, at import, rather than at a client's first call.
+        super().__init_subclass__(**kwargs)
+        check_contracts(cls)
+
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         self.config = ctx.config
@@ -146,7 +187,9 @@ class Service:
         """Called once the RPC listener is bound, before the service joins the cluster."""
 
     async def on_stop(self) -> None:
-        """Called at graceful shutdown, before connections close and tasks are cancelled."""
+        """Called once at shutdown, whatever ended the service (a stop, a crashed task, or
+        cancellation), if ``on_start`` returned. On a stop it runs before connections close and
+        tasks are cancelled; after a crash the host is already cancelling the other tasks."""
 
     def on_disconnect(self, connection_id: int) -> None:
         """A client connection closed (``rpc.current_call`` tells handlers their connection id)."""
@@ -205,7 +248,7 @@ class ServiceHost:
                 loop.add_signal_handler(sig, self._stopping.set)
         metrics_runner = None
         try:
-            async with asyncio.TaskGroup() as group:
+            async with asyncio.TaskGroup() as group, contextlib.AsyncExitStack() as stack:
                 ctx._group = group
                 service = self.service = self.service_cls(ctx)
                 rpc_metrics = RpcMetrics(ctx.registry, ctx.role)
@@ -216,6 +259,7 @@ class ServiceHost:
                     instance=ctx.instance,
                     on_disconnect=service.on_disconnect,
                     observe=rpc_metrics.observe,
+                    max_in_flight=ctx.cluster.rpc_max_in_flight,
                 )
                 listener = await self.server.listen(ctx.config.bind)
                 ctx.address = listener.address
@@ -227,6 +271,11 @@ class ServiceHost:
                     )
                     self.metrics_address = metrics_address
                 await service.on_start()
+                # From here on_stop runs however the service ends: stopped, one of its tasks
+                # crashed (the group then cancels this body), or run() itself cancelled; what
+                # on_start set up (a relay's shared memory, the data role's store) must be
+                # released on a crash too. Not before: on_stop may rely on on_start's work.
+                stack.push_async_callback(self._shutdown, service)
                 if self.manager is not None:
                     ctx.spawn(self._membership(self.manager, metrics_address), name="membership")
                 info = {
@@ -242,9 +291,10 @@ class ServiceHost:
                 self._started.set()
                 await self._stopping.wait()
                 ctx.log.info("stopping")
-                await self._shutdown(service)
         finally:
             ctx._group = None
+            if self.service is not None:
+                await local_notifies(self.service).close()
             if self.server is not None:
                 await self.server.close()
             await ctx.close_clients()

@@ -18,9 +18,10 @@ from rich.table import Table
 
 from .config import ClusterConfig
 from .errors import LaminarError
-from .membership import ClusterStatus, Member, MembershipApi, rollout_phase
+from .membership import ClusterStatus, MembershipApi
 from .rpc_client import RpcClient, remote
 from .service import transport_options
+from .stats import RolloutStats, VersionedStats
 
 _STATE_STYLE = {"alive": "green", "dead": "bold red", "left": "dim"}
 _PHASE_STYLE = {"running": "green", "draining": "yellow", "switching": "cyan"}
@@ -107,12 +108,6 @@ class AdminClient:
         return self.request("PUT", path, body)
 
 
-def _rollout_phase(m: Member) -> str:
-    if m.role != "rollout" or m.state != "alive" or not m.stats:
-        return ""
-    return rollout_phase(m.stats)
-
-
 def render_status(status: ClusterStatus, *, title: str | None = None) -> Table:
     counts: dict[str, int] = {}
     for member in status.members:
@@ -138,18 +133,15 @@ def render_status(status: ClusterStatus, *, title: str | None = None) -> Table:
         table.add_column(column)
     for m in sorted(status.members, key=lambda m: (m.role != "manager", m.role, m.instance)):
         age = status.now - m.last_seen
-        s = m.stats
-        phase = _rollout_phase(m)
+        s = m.typed_stats()  # None before its first heartbeat: blank, not zeros
         state = f"[{_STATE_STYLE.get(m.state, '')}]{m.state}[/]"
-        if phase:
-            state += f" [{_PHASE_STYLE.get(phase, '')}]{phase}[/]"
-        version = str(int(s["version"])) if "version" in s else ""
-        kv = f"{s['kv_cache_usage'] * 100:.1f}%" if "kv_cache_usage" in s else ""
-        load = (
-            f"{int(s.get('running', 0))}/{int(s.get('waiting', 0))}/{int(s.get('in_flight', 0))}"
-            if m.role == "rollout" and s
-            else ""
-        )
+        if isinstance(s, RolloutStats) and m.state == "alive":
+            state += f" [{_PHASE_STYLE.get(s.phase, '')}]{s.phase}[/]"
+        version = str(s.version) if isinstance(s, VersionedStats) else ""
+        kv = load = ""
+        if isinstance(s, RolloutStats):
+            kv = f"{s.kv_cache_usage * 100:.1f}%"
+            load = f"{s.running}/{s.waiting}/{s.in_flight}"
         table.add_row(
             m.instance,
             m.role,

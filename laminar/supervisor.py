@@ -42,21 +42,19 @@ import asyncio
 import json
 import os
 import signal
-import sys
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.text import Text
 
 from .children import Child, ChildProcesses
-from .config import LaminarConfig, new_token
+from .config import LaminarConfig
 from .cpus import available_cores, plan_cpus
 from .errors import ConfigError
-from .procfs import KEEP_ENVIRON, MARK_ENV
 from .roles_registry import load_role
 from .rundir import prepare_run_dir
 from .runview import RunView
+from .spawn import ServeSpec, config_sets, ensure_token, launch_env, serve_command
 from .tracking import TrackingPlan, plan_for_run
 
 # A child line worth showing even when children's output goes only to their log files.
@@ -74,15 +72,6 @@ COLOURS = [
     "bright_green",
     "bright_yellow",
 ]
-
-
-def _flatten(prefix: str, value: Any) -> list[str]:
-    if isinstance(value, dict):
-        out: list[str] = []
-        for key, sub in value.items():
-            out += _flatten(f"{prefix}.{key}", sub)
-        return out
-    return [f"{prefix}={json.dumps(value)}"]
 
 
 class Supervisor:
@@ -119,19 +108,10 @@ class Supervisor:
         if len(managers) != 1:
             raise ConfigError(f"run.roles must start exactly one manager (found {len(managers)})")
         self.children.sort(key=lambda c: c.role != "manager")
-        self.env = dict(os.environ)
-        token_env = config.cluster.token_env
-        if not self.env.get(token_env):
-            self.env[token_env] = new_token()
-        else:  # the user's own: refused here, not by each role in turn (restarts and all)
-            config.cluster.token()
-        self.env["PYTHONUNBUFFERED"] = "1"
         # Marks every process of this run, whoever its parent becomes: only those are signalled
-        # by session (a session id can be recycled once the session is empty). SPT_NOENV keeps
-        # the mark readable in processes that set their title (vLLM's): see laminar.procfs.
-        self.env.update(KEEP_ENVIRON)
-        self.env[MARK_ENV] = new_token()
-        self.mark = f"{MARK_ENV}={self.env[MARK_ENV]}"
+        # by session (a session id can be recycled once the session is empty).
+        self.env, self.mark = launch_env(os.environ)
+        ensure_token(self.env, config.cluster.token_env)  # the user's own, or a new one
         if config.run.cpus == "auto":
             plan = plan_cpus(available_cores(), [(c.name, c.section) for c in self.children])
             for child in self.children:
@@ -167,30 +147,19 @@ class Supervisor:
     # -- processes --
 
     def _command(self, child: Child) -> list[str]:
+        """The child's ``laminar serve``: the run's overrides, then its own ``config`` from
+        ``run.roles``; a restarted manager keeps its address (``pinned_bind``)."""
         assert self.config.source is not None
-        cmd = [
-            sys.executable,
-            "-m",
-            "laminar",
-            "serve",
-            "--role",
+        spec = ServeSpec(
             child.role,
-            "--config",
-            self.config.source,
-            "--instance",
             child.name,
-            "--section",
-            child.section,
-        ]
-        if child.role != "manager":
-            assert self.manager_address is not None
-            cmd += ["--join", self.manager_address]
-        sets = list(self.overrides) + _flatten(child.section, child.spec.config)
-        if child.pinned_bind:
-            sets.append(f"{child.section}.bind={child.pinned_bind}")
-        for item in sets:
-            cmd += ["--set", item]
-        return cmd
+            self.config.source,
+            section=child.section,
+            join=None if child.role == "manager" else self.manager_address,
+            sets=(*self.overrides, *config_sets(child.section, child.spec.config)),
+            bind=child.pinned_bind or None,
+        )
+        return serve_command(spec)
 
     def _gave_up(self, child: Child) -> None:
         if child.role == "manager":  # the run cannot go on without it

@@ -1,14 +1,2 @@
-"""Laminar roles: one service class per role.
-
-``BUILTIN`` maps role names to ``module:Class`` so the runtime can start a role by name without
-importing every role (and its heavy dependencies) up front.
-"""
-
-BUILTIN: dict[str, str] = {
-    "manager": "laminar.roles.manager.service:ManagerService",
-    "data": "laminar.roles.data.service:DataService",
-    "relay": "laminar.roles.relay:RelayService",
-    "rollout": "laminar.roles.rollout.service:RolloutService",
-    "trainer": "laminar.roles.trainer.service:TrainerService",
-    "sim_trainer": "laminar.roles.trainer.sim:SimTrainerService",  # emulated (sleeps)
-}
+"""Laminar roles: one service class per role (the names the runtime knows them by are in
+``laminar.roles_registry.BUILTIN``)."""

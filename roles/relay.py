@@ -31,7 +31,7 @@ from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint, stream
 from laminar.service import Service, ServiceContext
 from laminar.transport.shm import sweep_dead_segments
-from laminar.weights.chain import ChainView, RelayInfo, follow_chain
+from laminar.weights.chain import ChainFollower, ChainView, RelayInfo
 from laminar.weights.manifest import WeightManifest
 from laminar.weights.transfer import (
     TransferError,
@@ -141,7 +141,8 @@ class RelayService(Service, RelayApi):
         self.listener = await transport.listen(bind, options, self._upstream)
         self.log.info("weights listener", address=self.listener.address)
         if self.ctx.manager is not None:
-            self.spawn(self._follow_chain(), name="chain")
+            chain = ChainFollower(self.ctx.client(self.ctx.manager), self._apply)
+            self.ctx.follow("chain", chain.subscribe, chain.apply, backoff=self.config.retry_s)
 
     async def on_stop(self) -> None:
         if self._forwarder is not None:
@@ -226,18 +227,6 @@ class RelayService(Service, RelayApi):
 
     # -- the chain and the downstream ----------------------------------------------------------
 
-    async def _follow_chain(self) -> None:
-        assert self.ctx.manager is not None
-        await follow_chain(
-            self.ctx.client(self.ctx.manager),
-            self._apply,
-            retry_s=self.config.retry_s,
-            on_error=lambda exc: self.log.warning(
-                "chain watch interrupted; retrying", error=str(exc)
-            ),
-            sleep=self.ctx.clock.sleep,
-        )
-
     def _apply(self, view: ChainView) -> None:
         self.view = view
         downstream = view.downstream_of(self.ctx.instance)
@@ -264,14 +253,14 @@ class RelayService(Service, RelayApi):
             try:
                 conn = await transport.connect(target.weights, self.ctx.options)
                 while True:
-                    changed = self.store.wait_changed()
+                    changed = self.store.changed
                     vb = self.store.newest()
                     if vb is not None and vb.version > acked:
                         await push_version(conn, vb, timeout=self.config.transfer_timeout_s)
                         acked = vb.version
                         self.forwarded[vb.version] = self.ctx.clock.wall()
                     else:
-                        await changed
+                        await changed.wait()
             except (transport.TransportError, TransferError, TimeoutError, OSError) as exc:
                 self.log.info("downstream transfer failed", target=target.instance, error=str(exc))
             finally:

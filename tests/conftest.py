@@ -2,15 +2,31 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 
 import pytest
 
 import laminar.transport  # noqa: F401  (registers the schemes)
 from laminar.config import ClusterConfig
 from laminar.service import ServiceContext, ServiceHost, transport_options
+from laminar.transport.shm import SHM_TAG_ENV
 from tests.support.procs import TOKEN
 
 TRANSPORTS = ["tcp://127.0.0.1:0", "inproc://*", "shm://*"]
+
+# Every shared-memory segment this session (and every process it starts) creates carries this tag
+# (transport/shm.py), so the leak checks below see only this session's segments, not those of a
+# benchmark, a dev run or another test session (a parallel worker) sharing /dev/shm.
+SHM_TAG = os.environ.setdefault(SHM_TAG_ENV, secrets.token_hex(4))
+
+
+def session_segments() -> set[str]:
+    """This session's shared-memory segments now (see SHM_TAG)."""
+    return {
+        n
+        for n in os.listdir("/dev/shm")
+        if n.startswith("laminar-") and n.split("-", 2)[-1].startswith(SHM_TAG)
+    }
 
 
 @pytest.fixture
@@ -74,8 +90,8 @@ def _owner_alive_elsewhere(name: str) -> bool:
 
 @pytest.fixture(autouse=True)
 def _no_leaked_shm():  # type: ignore[no-untyped-def]
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("laminar-")}
+    before = session_segments()
     yield
-    after = {n for n in os.listdir("/dev/shm") if n.startswith("laminar-")}
+    after = session_segments()
     leaked = sorted(n for n in after - before if not _owner_alive_elsewhere(n))
     assert not leaked, f"shared-memory segments leaked: {leaked}"

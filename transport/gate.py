@@ -15,14 +15,20 @@ good. The per-peer cap keeps one address from taking the whole listener's quota.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
-if TYPE_CHECKING:
-    from .base import Connection as PendingConnection
-
 log = structlog.get_logger("laminar.transport")
+
+
+class PendingConnection(Protocol):
+    """What the gate needs of a connection (a :class:`~.base.Connection` is one): the gate sits
+    below ``base``, which builds a gate per listener."""
+
+    peer_host: str | None
+
+    def close(self, reason: str = ...) -> None: ...
 
 
 class HandshakeGate:

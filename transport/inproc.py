@@ -3,8 +3,10 @@
 A whole cluster can run in one process (tests, and the virtual-clock simulator) with the same role
 code. Frames are handed over as objects: the payload is immutable ``bytes`` and buffers are passed
 as read-only views, so nothing is copied and the receiver cannot write into the sender's memory
-(the sender must not modify a buffer it sent, as with every transport). Limits are enforced exactly
-as on a socket, and the handshake runs the same way.
+(the sender must not modify a buffer it sent, as with every transport). A receiver that chose
+where its buffers land (an allocator other than the default, e.g. a relay receiving a weight
+version into its shared-memory buffer) gets them copied there, as a socket reader would write
+them. Limits are enforced exactly as on a socket, and the handshake runs the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .base import (
     register_transport,
 )
 from .frames import PREFIX_SIZE, Frame, FrameError, Limits, check_outgoing
-from .reader import Allocator
+from .reader import Allocator, default_allocator
 
 _QUEUE_FRAMES = 64  # a sender waits when its peer has this many frames unread
 _ids = itertools.count(1)
@@ -53,6 +55,18 @@ class InprocConnection(Connection):
         if len(sizes) > lim.max_buffers:
             raise FrameError(f"{len(sizes)} buffers over the limit {lim.max_buffers}")
 
+    def _land(self, frame: Frame) -> list[memoryview]:
+        """The buffers of ``frame`` as this (receiving) end holds them."""
+        if not frame.buffers or self.allocator is default_allocator:
+            return [b.toreadonly() for b in frame.buffers]
+        sizes = [b.nbytes for b in frame.buffers]
+        dests = self.allocator(dict(frame.meta), sizes)
+        if [d.nbytes for d in dests] != sizes:
+            raise FrameError("allocator returned buffers of the wrong sizes")
+        for dest, src in zip(dests, frame.buffers, strict=True):
+            dest.cast("B")[:] = src.cast("B")
+        return dests
+
     async def send(self, frame: Frame) -> None:
         remote = self.remote
         if self.close_reason is not None or remote is None:
@@ -70,9 +84,7 @@ class InprocConnection(Connection):
             remote.close(f"protocol error: {exc}")
             self.close(f"peer refused a frame: {exc}")
             raise ConnectionClosed(self.close_reason or "") from exc
-        handed = Frame(
-            dict(frame.meta), bytes(frame.payload), [b.toreadonly() for b in frame.buffers]
-        )
+        handed = Frame(dict(frame.meta), bytes(frame.payload), remote._land(frame))
         remote._inbox.append(handed)
         remote._readable.set()
         self.bytes_sent += handed.nbytes

@@ -16,6 +16,10 @@ only names of the form ``laminar-<8 hex pid>-<24 hex>`` under ``/dev/shm`` and c
 an authenticated but buggy peer cannot make us map arbitrary files. The owner's pid in the name
 lets :func:`sweep_dead_segments` remove what a process killed with -9 left behind (tmpfs pages
 are RAM: a relay that dies holding two versions of a large model must not keep them forever).
+
+``LAMINAR_SHM_TAG`` (1-8 hex digits, inherited by child processes) replaces the start of the 24
+random hex digits, so whoever shares ``/dev/shm`` (a test session beside another, one cluster
+beside another) can tell its segments from the others' without a second naming scheme.
 """
 
 from __future__ import annotations
@@ -42,6 +46,18 @@ _NAME = re.compile(r"^laminar-([0-9a-f]{8})-[0-9a-f]{24}$")
 _SHARED: weakref.WeakValueDictionary[int, SharedBuffer] = weakref.WeakValueDictionary()
 
 
+SHM_TAG_ENV = "LAMINAR_SHM_TAG"
+_TAG = re.compile(r"^[0-9a-f]{1,8}$")
+
+
+def segment_name() -> str:
+    """A fresh segment name: this process's pid, then ``LAMINAR_SHM_TAG`` (if set) + random hex."""
+    tag = os.environ.get(SHM_TAG_ENV, "")
+    if tag and not _TAG.match(tag):
+        raise ValueError(f"{SHM_TAG_ENV}={tag!r}: use 1 to 8 lowercase hex digits")
+    return f"laminar-{os.getpid():08x}-{tag}{secrets.token_hex(12)[len(tag) :]}"
+
+
 class SharedBuffer:
     """A named shared-memory segment owned by this process (unlinked on :meth:`close`).
 
@@ -52,7 +68,7 @@ class SharedBuffer:
     def __init__(self, size: int, name: str | None = None) -> None:
         if size <= 0:
             raise ValueError("a shared buffer needs a positive size")
-        self.name = name or f"laminar-{os.getpid():08x}-{secrets.token_hex(12)}"
+        self.name = name or segment_name()
         self.size = size
         path = os.path.join(SHM_DIR, self.name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

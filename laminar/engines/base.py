@@ -44,7 +44,7 @@ from ..trajectory import FinishReason, SamplingParams
 from ..transport import Blob
 from ..transport.shm import SegmentGone
 from ..weights.manifest import WeightManifest
-from ..weights.tensors import CorruptVersion, map_verified, tensors_from
+from ..weights.shared import CorruptVersion, map_verified
 
 
 class EngineError(LaminarError):
@@ -280,6 +280,8 @@ class Engine(abc.ABC):
             view = await loop.run_in_executor(None, map_verified, segment, manifest)
         except (SegmentGone, CorruptVersion) as exc:
             raise EngineError(str(exc)) from exc
+        from ..weights.tensors import tensors_from  # torch: only where tensors are loaded
+
         await self._load_weights(tensors_from(manifest, view))
 
     # -- stats -------------------------------------------------------------------------------

@@ -42,11 +42,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from ..trajectory import SamplingParams
 from ..transport import Blob
 from ..weights.manifest import WeightManifest
 from .base import Engine, EngineError, EngineOutput, EngineStats, KvState, _Record
 from .configs import VllmEngineConfig
+
+log = structlog.get_logger("laminar.engines.vllm")
 
 
 def eos_token_ids(model_dir: str) -> list[int]:
@@ -202,6 +206,8 @@ class VllmEngine(Engine):
         # vLLM's resolved limits (max_model_len may be capped by the model's own)
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
+        for problem in await self.compat_problems():
+            log.warning("vllm compatibility", problem=problem)
         if cfg.warmup:
             await self._warmup()
 
@@ -238,6 +244,16 @@ class VllmEngine(Engine):
             weight_version=self.version,
             generated_tokens=self.generated_tokens,
         )
+
+    async def compat_problems(self) -> list[str]:
+        """What may not work with this vLLM: an untested version, or internals Laminar reads
+        that its workers lack (see ``vllm_compat``). Empty: all there."""
+        out: list[str] = []
+        for report in await self._llm.collective_rpc("laminar_compat"):
+            if report["version_problem"]:
+                out.append(report["version_problem"])
+            out += [f"vLLM internal {name} is missing" for name in report["missing"]]
+        return sorted(set(out))
 
     async def weight_digest(self) -> str:
         """sha256 of the parameters the worker holds (see ``vllm_worker``)."""

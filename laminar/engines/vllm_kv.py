@@ -46,6 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+import laminar.engines.vllm_compat as vllm_compat  # not via the package: it leads back here
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -79,17 +81,11 @@ def layer_caches(model_runner: Any) -> dict[str, torch.Tensor]:
     """Per-layer KV cache tensors, by layer name (one per distinct storage)."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    ctx = model_runner.compilation_config.static_forward_context
-    for group in model_runner.kv_cache_config.kv_cache_groups:
-        for name in group.layer_names:
-            layer = ctx.get(name)
-            kv = getattr(layer, "kv_cache", None)
-            if isinstance(kv, list):  # older vLLM: one tensor per virtual engine
-                kv = kv[0]
-            if not isinstance(kv, torch.Tensor) or kv.data_ptr() in seen:
-                continue
-            seen.add(kv.data_ptr())
-            out[name] = kv
+    for name, kv in vllm_compat.layer_kv_caches(model_runner):
+        if not isinstance(kv, torch.Tensor) or kv.data_ptr() in seen:
+            continue
+        seen.add(kv.data_ptr())
+        out[name] = kv
     return out
 
 
@@ -106,9 +102,9 @@ def block_rows(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 def describe(model_runner: Any) -> dict[str, Any]:
     caches = layer_caches(model_runner)
-    num_blocks = model_runner.kv_cache_config.num_blocks
+    num_blocks = vllm_compat.num_blocks(model_runner)
     return {
-        "block_size": int(model_runner.cache_config.block_size),
+        "block_size": vllm_compat.block_size(model_runner),
         "layers": list(caches),
         "row_bytes": [block_rows(t, num_blocks).shape[1] for t in caches.values()],
         "dtype": str(next(iter(caches.values())).dtype).removeprefix("torch."),
@@ -117,7 +113,7 @@ def describe(model_runner: Any) -> dict[str, Any]:
 
 def export_blocks(model_runner: Any, block_ids: list[int]) -> bytes:
     """The rows of ``block_ids`` of every layer, layer after layer, as one bytes object."""
-    num_blocks = model_runner.kv_cache_config.num_blocks
+    num_blocks = vllm_compat.num_blocks(model_runner)
     index = torch.tensor(block_ids, dtype=torch.long)
     parts = [
         block_rows(t, num_blocks).index_select(0, index).reshape(-1)

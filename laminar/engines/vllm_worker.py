@@ -62,6 +62,8 @@ from typing import Any
 
 import torch
 
+import laminar.engines.vllm_compat as vllm_compat  # not via the package: it leads back here
+
 from .. import procfs
 
 
@@ -71,7 +73,7 @@ class LaminarWorkerExtension:
     def laminar_load_weights(self, packed: Iterable[tuple[str, str, list[int], bytes]]) -> int:
         """Reload the model in place from HF-named tensors; returns how many were given."""
         items = [(name, unpack_tensor(dtype, shape, raw)) for name, dtype, shape, raw in packed]
-        self.model_runner.reload_weights(weights_iterator=iter(items))
+        vllm_compat.reload_weights(self.model_runner, items)
         return len(items)
 
     def laminar_load_shared(self, segment: str, manifest: dict[str, Any]) -> str:
@@ -82,14 +84,15 @@ class LaminarWorkerExtension:
         """
         from laminar.transport.shm import SegmentGone
         from laminar.weights.manifest import WeightManifest
-        from laminar.weights.tensors import CorruptVersion, map_verified, tensors_from
+        from laminar.weights.shared import CorruptVersion, map_verified
+        from laminar.weights.tensors import tensors_from
 
         version = WeightManifest.model_validate(manifest)
         try:
             view = map_verified(segment, version)
         except (SegmentGone, CorruptVersion) as exc:
             return str(exc)
-        self.model_runner.reload_weights(weights_iterator=tensors_from(version, view))
+        vllm_compat.reload_weights(self.model_runner, tensors_from(version, view))
         return ""
 
     def laminar_export_kv(self, request_ids: list[str], limits: list[int]) -> list[Any]:
@@ -105,28 +108,26 @@ class LaminarWorkerExtension:
             base = describe(runner)
         except ValueError:  # a cache layout we cannot slice by block: the importer re-prefills
             return [None] * len(request_ids)
-        # vLLM appends "-<8 random chars>" to the ids it is given (unless told not to)
-        internal = {rid.rsplit("-", 1)[0]: rid for rid in runner.requests}
-        internal.update({rid: rid for rid in runner.requests})
+        internal = vllm_compat.internal_ids(runner)
         out: list[Any] = []
         for request_id, limit in zip(request_ids, limits, strict=True):
-            rid = internal.get(request_id, request_id)
-            state = runner.requests.get(rid)
-            if state is None or rid not in runner.input_batch.req_id_to_index:
+            state = vllm_compat.scheduled_request(runner, internal.get(request_id, request_id))
+            if state is None:
                 out.append(None)  # finished, preempted or not yet scheduled
                 continue
-            tokens = min(int(state.num_computed_tokens), int(limit))
+            computed, block_ids = vllm_compat.computed_blocks(state)
+            tokens = min(computed, int(limit))
             blocks = -(-tokens // base["block_size"])
-            if tokens <= 0 or len(state.block_ids) != 1 or len(state.block_ids[0]) < blocks:
+            if tokens <= 0 or len(block_ids) != 1 or len(block_ids[0]) < blocks:
                 out.append(None)
                 continue
             layout = dict(base, tokens=tokens, blocks=blocks)
-            out.append((layout, export_blocks(runner, list(state.block_ids[0][:blocks]))))
+            out.append((layout, export_blocks(runner, block_ids[0][:blocks])))
         return out
 
     def laminar_stage_kv(self, key: str, layout: dict[str, Any], data: bytes) -> str:
         """Keep an imported state until the connector loads it; "" if accepted, else why not."""
-        from laminar.engines import vllm_kv
+        import laminar.engines.vllm_kv as vllm_kv  # not via the package: it leads back here
 
         try:
             mine = vllm_kv.describe(self.model_runner)
@@ -141,20 +142,32 @@ class LaminarWorkerExtension:
         return ""
 
     def laminar_drop_kv(self, key: str) -> bool:
-        from laminar.engines import vllm_kv
+        import laminar.engines.vllm_kv as vllm_kv  # not via the package: it leads back here
 
         return vllm_kv.STAGED.pop(key, None) is not None
 
     def laminar_kv_loaded(self) -> dict[str, int]:
         """Tokens / requests whose KV the connector loaded instead of computing (since start)."""
-        from laminar.engines import vllm_kv
+        import laminar.engines.vllm_kv as vllm_kv  # not via the package: it leads back here
 
         return dict(vllm_kv.LOADED)
+
+    def laminar_compat(self) -> dict[str, Any]:
+        """vLLM's version, and the internals Laminar reads that this worker lacks (see
+        :mod:`laminar.engines.vllm_compat`)."""
+        import vllm
+
+        version = getattr(vllm, "__version__", None)
+        return {
+            "version": version,
+            "version_problem": vllm_compat.version_problem(version),
+            "missing": vllm_compat.missing_internals(self.model_runner),
+        }
 
     def laminar_weight_digest(self) -> str:
         """sha256 over the model's parameters (names sorted), for tests that compare engines."""
         digest = hashlib.sha256()
-        model = self.model_runner.get_model()
+        model = vllm_compat.model(self.model_runner)
         for name, param in sorted(model.named_parameters()):
             digest.update(name.encode())
             digest.update(param.detach().float().contiguous().cpu().numpy().tobytes())

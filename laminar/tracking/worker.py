@@ -20,7 +20,10 @@ from typing import Any
 
 import structlog
 
-from . import backends
+# the module, not its package (whose __init__ imports this one): ``FLUSH_S`` is read when a lane
+# starts, so a test may change it
+import laminar.tracking.backends as backends
+
 from .backends import NullTracker, TensorBoardTracker, WandbTracker
 from .plan import TrackingPlan
 

@@ -5,5 +5,6 @@
 * ``transfer`` — one hop: chunked, resumable, received in place; the version store relays keep.
 * ``chain`` — the manager's relay order and how it heals.
 * ``publisher`` — the trainer's end: one copy into a host buffer, then a background push.
-* ``tensors`` — flat buffer <-> named torch tensors (what engines load).
+* ``shared`` — a relay's shared-memory segment, mapped read-only and verified (no torch).
+* ``tensors`` — flat buffer <-> named torch tensors (what engines load); the only torch here.
 """

@@ -28,9 +28,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from pydantic import BaseModel, Field
 
-from laminar import transport
 from laminar.endpoint import endpoint, stream
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.peers import Outage, follow_stream
 from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S, RpcClient, remote
 
 
@@ -99,6 +98,31 @@ class RelayChainApi:
         yield  # pragma: no cover
 
 
+class ChainFollower:
+    """Which chain views are news to a follower, and where its next subscription starts.
+
+    Each subscription asks for views after the last one applied, so a re-subscription after a
+    broken watch (the manager restarted, a network blip) applies no view twice; a restarted
+    manager's views are taken whatever their epochs (:meth:`ChainView.supersedes`). The loop
+    around it is :func:`laminar.peers.follow_stream` (``ctx.follow`` in a service).
+    """
+
+    def __init__(self, manager: RpcClient, apply: Callable[[ChainView], None]) -> None:
+        self._chain = remote(RelayChainApi, manager)
+        self._apply = apply
+        self.seen = ChainView()
+
+    def subscribe(self) -> AsyncIterator[ChainView]:
+        return self._chain.watch_chain.options(timeout=QUIET_STREAM_TIMEOUT_S).stream(
+            ChainWatch(since_epoch=self.seen.epoch, incarnation=self.seen.incarnation)
+        )
+
+    def apply(self, view: ChainView) -> None:
+        if view.supersedes(self.seen):
+            self.seen = view
+            self._apply(view)
+
+
 async def follow_chain(
     manager: RpcClient,
     apply: Callable[[ChainView], None],
@@ -107,22 +131,13 @@ async def follow_chain(
     on_error: Callable[[Exception], None],
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> None:
-    """Call ``apply`` with every new chain view, until cancelled (relays and the trainer).
+    """Call ``apply`` with every new chain view, until cancelled (for a follower that is not a
+    service, the trainer's publisher; a service uses ``ctx.follow`` with a :class:`ChainFollower`).
 
-    A broken watch (the manager restarted, a network blip) is reported to ``on_error`` and
-    re-subscribed after ``retry_s``, from the last view applied, so no view is applied twice; a
-    restarted manager's views are taken whatever their epochs (:meth:`ChainView.supersedes`).
+    A broken watch is reported to ``on_error`` (once per outage) and re-subscribed after
+    ``retry_s`` from the last view applied.
     """
-    chain = remote(RelayChainApi, manager)
-    seen = ChainView()
-    while True:
-        try:
-            async for view in chain.watch_chain.options(timeout=QUIET_STREAM_TIMEOUT_S).stream(
-                ChainWatch(since_epoch=seen.epoch, incarnation=seen.incarnation)
-            ):
-                if view.supersedes(seen):
-                    seen = view
-                    apply(view)
-        except (PeerUnavailable, CallTimeout, RemoteError, transport.TransportError) as exc:
-            on_error(exc)
-        await sleep(retry_s)
+    follower = ChainFollower(manager, apply)
+    await follow_stream(
+        follower.subscribe, follower.apply, backoff=retry_s, sleep=sleep, outage=Outage(on_error)
+    )

@@ -1,4 +1,9 @@
-"""Named torch tensors <-> a version's flat buffer, by the manifest. No copies on the way out."""
+"""Named torch tensors <-> a version's flat buffer, by the manifest. No copies on the way out.
+
+Torch is imported here and nowhere else on the weight path: the trainer (through the publisher)
+and the engines that load tensors use this module, the control plane never does (which is why the
+segment check lives in :mod:`.shared`).
+"""
 
 from __future__ import annotations
 
@@ -7,29 +12,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..transport.shm import map_segment
-from .manifest import WeightManifest, layout, verify
+from .manifest import WeightManifest, layout
+from .shared import CorruptVersion, map_verified
 
-
-class CorruptVersion(ValueError):
-    """Bytes that do not match the manifest's CRCs (nothing may be loaded from them)."""
-
-    def __init__(self, version: int, names: list[str]) -> None:
-        super().__init__(f"version {version} failed its checksums: {names[:4]}")
-        self.names = names
-
-
-def map_verified(segment: str, manifest: WeightManifest) -> memoryview:
-    """Map a relay's ``segment`` read-only and check every tensor's CRC before anyone loads it.
-
-    Raises :class:`~laminar.transport.shm.SegmentGone` when the relay evicted it meanwhile (ask
-    for the newest version again) and :class:`CorruptVersion` when the bytes are wrong.
-    """
-    view = map_segment(segment, 0, manifest.total_bytes)
-    bad = verify(manifest, view)
-    if bad:
-        raise CorruptVersion(manifest.version, bad)
-    return view
+__all__ = ["CorruptVersion", "copy_into", "map_verified", "plan_tensors", "tensors_from"]
 
 
 def plan_tensors(named: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightManifest:

@@ -159,6 +159,12 @@ class VersionStore:
     async def wait_changed(self) -> None:
         await self._changed.wait()
 
+    @property
+    def changed(self) -> asyncio.Event:
+        """The event the next change sets. Take it before looking at the store and wait on it
+        after, so a change that lands in between (while the caller awaited) is not missed."""
+        return self._changed
+
     def _evict(self) -> None:
         done = sorted(v for v, vb in self.versions.items() if vb.verified)
         newest_done = done[-1] if done else -1

@@ -13,14 +13,14 @@ round state below and the store change together.
   round waiting for it would never end. It leaves the round (neither kept nor deferred) and a
   fresh group takes its place; with no fresh prompts left, the round keeps fewer groups.
 * **Ending**: after each report, complete groups are counted; at :func:`round_over` the groups
-  :func:`split_round` defers are *parked*: their partial tokens and any finished members are
-  withdrawn (a deferred prompt restarts from scratch, on the version of a later long round, so
-  the batch stays on-policy) and their samples are leased to the pseudo-rollout ``~deferred``.
-  A rollout still generating one learns it at its next report (``drop``: it aborts it), and a
-  completion of a parked sample that arrives later is ignored (:meth:`filter_completed`).
+  :func:`split_round` defers are *parked* (``store.parking``): their partial tokens and any
+  finished members are withdrawn (a deferred prompt restarts from scratch, on the version of a
+  later long round, so the batch stays on-policy) and their samples are neither queued nor
+  leased. A rollout still generating one learns it at its next report (``drop``: it aborts it),
+  and a completion of a parked sample that arrives later is ignored (:meth:`filter_completed`).
 
-The state lives in memory: a data role that restarts mid-run starts with a fresh round (parked
-samples of the old one are released to the queue at start-up like any dead rollout's leases).
+The round state lives in memory: a data role that restarts mid-run starts with a fresh round
+(the service releases parked samples of the old one to the queue at start-up).
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ from laminar.schedules import (
 from laminar.trajectory import Assignment, Trajectory
 
 from .store import Store
-
-PARKED = "~deferred"  # the pseudo-rollout holding deferred samples between rounds
 
 
 class RoundGate:
@@ -85,15 +83,10 @@ class RoundGate:
         )
         if plan.deferred:
             groups, self.deferred = self.deferred[: plan.deferred], self.deferred[plan.deferred :]
-            self._unpark(store, groups)
+            store.unpark(groups)
         else:
             store.refill(plan.fresh * self.samples, self.samples, self.seed, self.epochs)
-            groups = [
-                pid
-                for (pid,) in store.db.execute(
-                    "SELECT DISTINCT prompt_id FROM samples WHERE state = 'queued'"
-                )
-            ]
+            groups = store.queued_groups()
         if not groups:
             return  # the data is exhausted: no more rounds
         fresh = len(groups) if plan.fresh else 0  # the last epoch may queue fewer groups
@@ -110,15 +103,9 @@ class RoundGate:
         self, store: Store, trajectories: Iterable[Trajectory]
     ) -> list[Trajectory]:
         """Drop completions of parked samples: their round ended without them."""
-        out = []
-        for t in trajectories:
-            row = store.db.execute(
-                "SELECT rollout, state FROM samples WHERE trajectory_id = ?", (t.trajectory_id,)
-            ).fetchone()
-            if row is not None and row[0] == PARKED and row[1] == "leased":
-                continue
-            out.append(t)
-        return out
+        trajectories = list(trajectories)
+        parked = store.parked_ids(t.trajectory_id for t in trajectories)
+        return [t for t in trajectories if t.trajectory_id not in parked]
 
     def note_completed(self, store: Store, new_ids: Iterable[str]) -> None:
         """Count newly complete trajectories; end the open round when it is over."""
@@ -145,9 +132,8 @@ class RoundGate:
             del self.groups[group]
             queued = store.queued_count()
             if store.refill(queued + self.samples, self.samples, self.seed, self.epochs):
-                (pid,) = store.db.execute(
-                    "SELECT prompt_id FROM samples WHERE state = 'queued' ORDER BY seq DESC LIMIT 1"
-                ).fetchone()
+                pid = store.last_queued_group()
+                assert pid is not None  # the refill just queued its group
                 self.groups[pid] = 0
                 fresh += 1
         plan = self.plan
@@ -161,7 +147,7 @@ class RoundGate:
             return
         if round_over(self.plan, len(self.completed)):
             kept, deferred = split_round(self.plan, self.completed, list(self.groups))
-            self._park(store, deferred)
+            store.park(deferred)
             self.deferred += deferred
             self.history.append(
                 {
@@ -173,39 +159,6 @@ class RoundGate:
                 }
             )
             self.open = False
-
-    # -- parking -----------------------------------------------------------------------------
-
-    def _park(self, store: Store, groups: list[str]) -> None:
-        with store.db:
-            store.db.execute("BEGIN")
-            for pid in groups:
-                tids = [
-                    tid
-                    for (tid,) in store.db.execute(
-                        "SELECT trajectory_id FROM samples WHERE prompt_id = ?", (pid,)
-                    )
-                ]
-                for tid in tids:
-                    store.db.execute("DELETE FROM partials WHERE trajectory_id = ?", (tid,))
-                    store.db.execute(
-                        "DELETE FROM trajectories WHERE trajectory_id = ? AND consumed = 0", (tid,)
-                    )
-                store.db.execute(
-                    "UPDATE samples SET state = 'leased', rollout = ?, version = NULL, "
-                    "started_at = NULL WHERE prompt_id = ?",
-                    (PARKED, pid),
-                )
-
-    def _unpark(self, store: Store, groups: list[str]) -> None:
-        with store.db:
-            store.db.execute("BEGIN")
-            for pid in groups:
-                store.db.execute(
-                    "UPDATE samples SET state = 'queued', rollout = NULL, version = NULL "
-                    "WHERE prompt_id = ? AND rollout = ?",
-                    (pid, PARKED),
-                )
 
     def stats(self) -> dict[str, float]:
         plan = self.plan

@@ -23,10 +23,9 @@ import asyncio
 import contextlib
 import hmac
 import json
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import generate_latest
@@ -46,9 +45,7 @@ from .openapi import (
     RolloutActionResult,
     openapi_document,
 )
-
-if TYPE_CHECKING:
-    from .service import ManagerService
+from .view import ManagerView
 
 DASHBOARD = Path(__file__).with_name("dashboard")
 ACTION_TIMEOUT_S = 10.0  # drain / resume
@@ -93,7 +90,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class AdminServer:
-    def __init__(self, manager: ManagerService) -> None:
+    def __init__(self, manager: ManagerView) -> None:
         self.manager = manager
         self._runner: web.AppRunner | None = None
         self._gauges: ScrapeGauges | None = None
@@ -322,21 +319,22 @@ class AdminServer:
         if me is not None:
             self._streams.add(me)
         feeder = asyncio.create_task(pump())
+        clock = self.manager.ctx.clock
         try:
             await resp.write(b"retry: 1000\n: connected\n\n")
-            last_write = time.monotonic()
+            last_write = clock.time()
             while not self._closing.is_set():
-                timeout = max(0.0, SSE_HEARTBEAT_S - (time.monotonic() - last_write))
+                timeout = max(0.0, SSE_HEARTBEAT_S - (clock.time() - last_write))
                 try:
                     event = await asyncio.wait_for(queue.get(), timeout)
                 except TimeoutError:
                     await resp.write(b": keepalive\n\n")
-                    last_write = time.monotonic()
+                    last_write = clock.time()
                     continue
                 data = event.model_dump_json()
                 chunk = f"id: {event.seq}\nevent: {event.kind}\ndata: {data}\n\n"
                 await resp.write(chunk.encode())
-                last_write = time.monotonic()
+                last_write = clock.time()
         except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
             pass
         finally:

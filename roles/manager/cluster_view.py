@@ -1,25 +1,27 @@
 """What the admin API shows of the cluster: ``/v1/status`` and the scrape-time gauges.
 
-Read from the manager's live view (members and their heartbeat stats, the relay chain, the event
-log), refined by asking the data role, the trainer, the relays and the rollouts concurrently with
-a short timeout each: a role that does not answer is null and named in ``errors``, never a 500.
+Read from the manager's live view (``view.ManagerView``: members and their heartbeat stats,
+typed by ``laminar.stats``; the relay chain; the event log), refined by asking the data role, the
+trainer, the relays and the rollouts concurrently with a short timeout each: a role that does not
+answer is null and named in ``errors``, never a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict
 
 from laminar.endpoint import endpoint
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
-from laminar.membership import Member, rollout_phase
+from laminar.membership import Member
 from laminar.roles.data.api import DataApi, DataStatus
 from laminar.roles.relay import RelayApi, RelayStatus
 from laminar.roles.rollout.api import RolloutApi, RolloutState
+from laminar.stats import RolloutStats
 
 from .openapi import (
     AdminStatus,
@@ -29,9 +31,7 @@ from .openapi import (
     StalenessSummary,
     TrainerView,
 )
-
-if TYPE_CHECKING:
-    from .service import ManagerService
+from .view import ManagerView
 
 STATUS_TIMEOUT_S = 1.0  # per role
 
@@ -54,18 +54,19 @@ class _TrainerApi:
         raise NotImplementedError
 
 
-def rollout_state(member: Member) -> str:
+def rollout_state(member: Member, stats: RolloutStats | None) -> str:
+    """Its membership state unless alive; then its phase (``unknown`` before its first beat)."""
     if member.state != "alive":
         return member.state
-    if not member.stats:
+    if stats is None:
         return "unknown"
-    return rollout_phase(member.stats)
+    return stats.phase
 
 
 class ScrapeGauges:
     """Gauges computed when scraped, from the manager's live view."""
 
-    def __init__(self, manager: ManagerService) -> None:
+    def __init__(self, manager: ManagerView) -> None:
         self.manager = manager
 
     def describe(self) -> list[Any]:
@@ -81,13 +82,15 @@ class ScrapeGauges:
             counts[(m.role, m.state)] = counts.get((m.role, m.state), 0) + 1
         for (role, state), n in sorted(counts.items()):
             by_state.add_metric([role, state], n)
-        rollouts = [m for m in members if m.role == "rollout" and m.state == "alive"]
+        rollouts = [
+            (m, m.rollout_stats()) for m in members if m.role == "rollout" and m.state == "alive"
+        ]
         by_rstate = GaugeMetricFamily(
             "laminar_admin_rollouts", "Live rollouts by state", labels=["state"]
         )
         rstates: dict[str, int] = {}
-        for m in rollouts:
-            state = rollout_state(m)
+        for m, st in rollouts:
+            state = rollout_state(m, st)
             rstates[state] = rstates.get(state, 0) + 1
         for state, n in sorted(rstates.items()):
             by_rstate.add_metric([state], n)
@@ -97,20 +100,19 @@ class ScrapeGauges:
             labels=["version"],
         )
         versions: dict[int, int] = {}
-        for m in rollouts:
-            if "version" in m.stats:
-                v = int(m.stats["version"])
-                versions[v] = versions.get(v, 0) + 1
+        for _, st in rollouts:
+            if st is not None:
+                versions[st.version] = versions.get(st.version, 0) + 1
         for v, n in sorted(versions.items()):
             by_version.add_metric([str(v)], n)
         kv = GaugeMetricFamily(
             "laminar_admin_rollout_kv_cache_usage", "KV-cache use per rollout", labels=["rollout"]
         )
         uses = []
-        for m in rollouts:
-            if "kv_cache_usage" in m.stats:
-                kv.add_metric([m.instance], m.stats["kv_cache_usage"])
-                uses.append(m.stats["kv_cache_usage"])
+        for m, st in rollouts:
+            if st is not None:
+                kv.add_metric([m.instance], st.kv_cache_usage)
+                uses.append(st.kv_cache_usage)
         mean = GaugeMetricFamily(
             "laminar_admin_kv_cache_usage_mean", "Mean KV-cache use of the live rollouts"
         )
@@ -118,15 +120,15 @@ class ScrapeGauges:
         in_flight = GaugeMetricFamily(
             "laminar_admin_in_flight", "Trajectories in flight over all live rollouts"
         )
-        in_flight.add_metric([], sum(m.stats.get("in_flight", 0.0) for m in rollouts))
+        in_flight.add_metric([], sum(st.in_flight for _, st in rollouts if st is not None))
         epoch = GaugeMetricFamily("laminar_admin_chain_epoch", "Relay chain epoch")
-        epoch.add_metric([], self.manager._chain.epoch)
+        epoch.add_metric([], self.manager.relay_chain.epoch)
         last = GaugeMetricFamily("laminar_admin_last_event", "Sequence number of the newest event")
         last.add_metric([], self.manager.events.last_seq)
         return [by_state, by_rstate, by_version, kv, mean, in_flight, epoch, last]
 
 
-async def cluster_status(m: ManagerService) -> AdminStatus:
+async def cluster_status(m: ManagerView) -> AdminStatus:
     """Everything ``GET /v1/status`` shows; roles that do not answer in time are null."""
     ctx = m.ctx
     now = ctx.clock.wall()
@@ -175,7 +177,8 @@ async def cluster_status(m: ManagerService) -> AdminStatus:
     views = [
         _rollout_view(r, st, now) for r, st in zip(rollouts, states, strict=True)
     ]  # fmt: skip
-    positions = {info.instance: i for i, info in enumerate(m._chain.relays)}
+    chain = m.relay_chain
+    positions = {info.instance: i for i, info in enumerate(chain.relays)}
     relay_views = []
     for r, st in zip(relays, relay_st, strict=True):
         verified = [v.version for v in st.versions if v.verified] if st else None
@@ -205,8 +208,9 @@ async def cluster_status(m: ManagerService) -> AdminStatus:
         {v.version for v in views if v.member_state == "alive" and v.version is not None}
     )
     trainer_version = trainer.version if trainer is not None else None
-    if trainer_version is None and trainer_m and "version" in trainer_m[0].stats:
-        trainer_version = int(trainer_m[0].stats["version"])
+    beat = trainer_m[0].trainer_stats() if trainer_m else None
+    if trainer_version is None and beat is not None:
+        trainer_version = beat.version
     staleness = StalenessSummary(
         trainer_version=trainer_version,
         max_trained=trainer.max_staleness if trainer is not None else None,
@@ -219,7 +223,6 @@ async def cluster_status(m: ManagerService) -> AdminStatus:
     for x in members:
         by = counts.setdefault(x.role, {})
         by[x.state] = by.get(x.state, 0) + 1
-    chain = m._chain
     return AdminStatus(
         cluster=ctx.cluster.name,
         manager=ctx.instance,
@@ -243,34 +246,24 @@ async def cluster_status(m: ManagerService) -> AdminStatus:
 
 
 def _rollout_view(member: Member, state: RolloutState | None, now: float) -> RolloutView:
-    s = member.stats
-
-    def num(key: str) -> int | None:
-        return int(s[key]) if key in s else None
-
-    name = rollout_state(member)
-    in_flight = num("in_flight")
-    version = num("version")
-    if state is not None and member.state == "alive":
-        name = state.phase
-        in_flight = state.in_flight
-        version = state.version
-    return RolloutView(
+    """From its last heartbeat (no numbers before the first), refined by its ``state`` answer."""
+    st = member.rollout_stats()
+    view = RolloutView(
         id=member.instance,
         host=member.host,
         address=member.address,
         member_state=member.state,
-        state=name,  # type: ignore[arg-type]
-        version=version,
-        kv_cache_usage=s.get("kv_cache_usage"),
-        running=num("running"),
-        waiting=num("waiting"),
-        in_flight=in_flight,
-        generated_tokens=num("generated_tokens"),
-        completed=num("completed"),
+        state=rollout_state(member, st),  # type: ignore[arg-type]
         last_seen_s=max(0.0, now - member.last_seen),
         incarnation=member.incarnation,
     )
+    if st is not None:
+        view.version, view.kv_cache_usage = st.version, st.kv_cache_usage
+        view.running, view.waiting, view.in_flight = st.running, st.waiting, st.in_flight
+        view.generated_tokens, view.completed = st.generated_tokens, st.completed
+    if state is not None and member.state == "alive":
+        view.state, view.in_flight, view.version = state.phase, state.in_flight, state.version
+    return view
 
 
 async def _none() -> None:

@@ -5,7 +5,7 @@ module owns everything with time and I/O in it:
 
 * **Loads.** Every rollout heartbeat carries its stats (KV use, in flight, waiting, version,
   whether it takes prompts). :meth:`RepackController.observe` keeps the last two samples per
-  rollout: the planner's ``C_used`` and ``C_prev``.
+  rollout, typed (``laminar.stats.RolloutStats``): the planner's ``C_used`` and ``C_prev``.
 * **Triggers.** A periodic check every ``policy.period_s``, and one right after each weight
   publish (``policy.on_publish``): a publish is when rollouts start draining for the new
   version, which is when their tails become worth consolidating. The manager learns of publishes
@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, Field
 
+from laminar.clock import Clock
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.membership import Member
 from laminar.repack import RepackPlan, RepackPolicy, RolloutLoad, plan_repack
 from laminar.roles.rollout.api import MigrateReport, MigrateRequest, RolloutApi
+from laminar.stats import RolloutStats
 
 from .events import EventLog
 
@@ -60,16 +61,18 @@ class RepackController:
         policy: RepackPolicy,
         events: EventLog,
         connect: Callable[[str], RolloutApi],
-        wall: Callable[[], float],
+        clock: Clock,
         registry: CollectorRegistry,
         log: Any,
     ) -> None:
         self.policy = policy
         self.events = events
         self._connect = connect
-        self._wall = wall
+        self._clock = clock
+        self._wall = clock.wall
         self._log = log
-        self._samples: dict[str, tuple[dict[str, float], dict[str, float]]] = {}  # prev, now
+        # prev, now; None: a heartbeat with no stats (the rollout has nothing to say yet)
+        self._samples: dict[str, tuple[RolloutStats | None, RolloutStats | None]] = {}
         self._rollouts: dict[str, Member] = {}
         self._lock = asyncio.Lock()
         self._policy_changed = asyncio.Event()
@@ -96,16 +99,18 @@ class RepackController:
         """A rollout heartbeat arrived (``member.stats`` is the new sample)."""
         if member.role != "rollout":
             return
+        now = member.rollout_stats()
         prev = self._samples.get(member.instance)
-        self._samples[member.instance] = (prev[1] if prev else member.stats, member.stats)
+        self._samples[member.instance] = (prev[1] if prev else now, now)
         self._rollouts[member.instance] = member
-        if prev is not None and prev[1].get("version") != member.stats.get("version"):
+        before = prev[1] if prev else None
+        if prev is not None and _version(before) != _version(now):
             self.events.publish(
                 "pull",
                 self._wall(),
                 rollout=member.instance,
-                version=int(member.stats.get("version", 0)),
-                previous=int(prev[1].get("version", 0)),
+                version=_version(now) or 0,
+                previous=_version(before) or 0,
             )
 
     def forget(self, instance: str) -> None:
@@ -116,20 +121,18 @@ class RepackController:
         out = []
         for instance, (prev, now) in sorted(self._samples.items()):
             member = self._rollouts[instance]
-            if member.state != "alive" or not now:
+            if member.state != "alive" or now is None:
                 continue
             out.append(
                 RolloutLoad(
                     rollout=instance,
-                    version=int(now.get("version", 0)),
-                    kv_used=float(now.get("kv_cache_usage", 0.0)),
-                    kv_prev=float(prev.get("kv_cache_usage", 0.0)),
-                    n_reqs=int(now.get("in_flight", 0)),
-                    waiting=int(now.get("waiting", 0)),
-                    draining=any(
-                        now.get(k, 0) for k in ("paused_for_weights", "operator_drain", "starved")
-                    ),
-                    accepting=not now.get("operator_drain", 0) and not now.get("migrating", 0),
+                    version=now.version,
+                    kv_used=now.kv_cache_usage,
+                    kv_prev=prev.kv_cache_usage if prev is not None else 0.0,
+                    n_reqs=now.in_flight,
+                    waiting=now.waiting,
+                    draining=now.paused_for_weights or now.operator_drain or now.starved,
+                    accepting=not now.operator_drain and not now.migrating,
                 )
             )
         return out
@@ -155,7 +158,7 @@ class RepackController:
         """Plan from the current loads and carry the plan out."""
         async with self._lock:
             self._ids += 1
-            started, t0 = self._wall(), time.perf_counter()
+            started, t0 = self._wall(), self._clock.time()
             plan = self.plan()
             outcome = RepackOutcome(id=self._ids, reason=reason, at=started, plan=plan)
             if plan.moves:
@@ -171,7 +174,7 @@ class RepackController:
                         outcome.released.append(report.source)
                     if report.moved:
                         self._moved.labels(report.mode).inc(len(report.moved))
-                outcome.overhead_s = time.perf_counter() - t0
+                outcome.overhead_s = self._clock.time() - t0
                 self._overhead.observe(outcome.overhead_s)
                 self._released.inc(len(outcome.released))
             self._repacks.labels(reason).inc()
@@ -209,7 +212,7 @@ class RepackController:
 
     # -- triggers ----------------------------------------------------------------------------
 
-    async def run_periodic(self, sleep: Callable[[float], Any]) -> None:
+    async def run_periodic(self) -> None:
         """Repack every ``policy.period_s`` while enabled; a policy change restarts the wait."""
         while True:
             self._policy_changed.clear()
@@ -223,6 +226,10 @@ class RepackController:
         self.events.publish("publish", self._wall(), version=version)
         if self.policy.enabled and self.policy.on_publish:
             await self.repack("publish")
+
+
+def _version(stats: RolloutStats | None) -> int | None:
+    return stats.version if stats is not None else None
 
 
 def _summary(outcome: RepackOutcome) -> dict[str, Any]:

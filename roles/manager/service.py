@@ -20,10 +20,16 @@ to), so its chain counts epochs afresh and followers take its views by the incar
 (``ChainView.supersedes``); and ``status.started_at`` tells readers of the member list, such as the
 data role, whether it has had time to fill up again (``ClusterStatus.unsettled_s``).
 
+Heartbeat stats stay a ``dict[str, float]`` on the wire; the manager reads them only through the
+typed models of ``laminar.stats``. Stats that do not parse as the member's role's model (a
+fractional count, a flag other than 0/1) are refused with a warning naming the key, and the last
+good ones kept: every reader of the member table sees stats that parse, and a member's liveness
+never depends on its numbers.
+
 Repack (``repack.RepackController``) runs here: rollout heartbeats are its loads, the head
 relay's version stream is its publish trigger. The admin HTTP API and the dashboard
-(``admin.AdminServer``) read and steer all of it; everything they show also goes on the event log
-(``events.EventLog``).
+(``admin.AdminServer``) read and steer all of it through ``view.ManagerView``; everything they
+show also goes on the event log (``events.EventLog``).
 """
 
 from __future__ import annotations
@@ -35,11 +41,10 @@ import socket
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint, stream
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.membership import (
     ClusterStatus,
     Heartbeat,
@@ -53,19 +58,17 @@ from laminar.membership import (
     WatchRequest,
 )
 from laminar.repack import RepackPolicy
-from laminar.roles.relay import LatestRequest, RelayApi
+from laminar.roles.relay import LatestRequest, RelayApi, SharedVersion
 from laminar.roles.rollout.api import RolloutApi
 from laminar.rpc import current_call
 from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S
 from laminar.service import Service, ServiceContext
+from laminar.stats import TrainerStats, parse_stats
 from laminar.weights.chain import ChainView, ChainWatch, RelayChainApi, RelayInfo, plan_chain
 
 from .admin import AdminServer
 from .events import EventLog
 from .repack import RepackController
-
-# Heartbeat counters that stay at 0 in a healthy run: growth becomes an "alert" event.
-ALERT_COUNTERS = ("excluded_trajectories", "skipped_steps")
 
 
 class ManagerConfig(ServiceConfig):
@@ -91,16 +94,18 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
         self._connections: dict[int, str] = {}  # RPC connection id -> instance heard on it
         self._watchers: set[asyncio.Queue[MemberEvent]] = set()
         self._stopping = False
+        self._refused: dict[str, str] = {}  # instance -> why its last stats were refused
         self.incarnation = secrets.token_hex(8)
         self.started_at = ctx.clock.wall()
         self._chain = ChainView(incarnation=self.incarnation)
         self._chain_changed = asyncio.Event()
+        self._published = -1  # the newest version seen at the head relay (publishes follower)
         self.events = EventLog()
         self.repack = RepackController(
             self.config.repack,  # type: ignore[attr-defined]
             self.events,
             lambda address: ctx.connect(RolloutApi, address),
-            ctx.clock.wall,
+            ctx.clock,
             ctx.registry,
             self.log,
         )
@@ -125,13 +130,18 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
             endpoints=endpoints,
         )
         self.spawn(self._check_liveness(), name="liveness")
-        self.spawn(self.repack.run_periodic(self.ctx.clock.sleep), name="repack")
-        self.spawn(self._follow_publishes(), name="publishes")
+        self.spawn(self.repack.run_periodic(), name="repack")
+        self.ctx.follow("publishes", self._head_versions, self._on_head_version, backoff=0.5)
 
     async def on_stop(self) -> None:
         self._stopping = True  # our own listener closing drops every connection: not a death
         if self.admin is not None:
             await self.admin.stop()
+
+    @property
+    def relay_chain(self) -> ChainView:
+        """The relay chain as last planned (``view.ManagerView``)."""
+        return self._chain
 
     # -- endpoints --
 
@@ -166,9 +176,7 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
         if member is None or member.state == "left":
             return HeartbeatAck(rejoin=True)
         member.last_seen = self.ctx.clock.wall()
-        previous, member.stats = member.stats, req.stats
-        self._alert_on_growth(member, previous)
-        self.repack.observe(member)
+        self._take_stats(member, req.stats)
         self._remember_connection(req.instance)
         if member.state == "dead":
             member.state, member.reason = "alive", ""
@@ -176,21 +184,39 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
             self.log.info("member revived", member=req.instance)
         return HeartbeatAck()
 
-    def _alert_on_growth(self, member: Member, previous: dict[str, float]) -> None:
+    def _take_stats(self, member: Member, raw: dict[str, float]) -> None:
+        try:
+            stats = parse_stats(member.role, raw)
+        except ValidationError as exc:
+            why = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            if self._refused.get(member.instance) != why:  # once per distinct fault, not per beat
+                self.log.warning("heartbeat stats refused", member=member.instance, error=why)
+            self._refused[member.instance] = why
+            return
+        self._refused.pop(member.instance, None)
+        previous, member.stats = member.stats, raw
+        if isinstance(stats, TrainerStats):
+            self._alert_on_growth(member, stats, TrainerStats.parse(previous))
+        self.repack.observe(member)
+
+    def _alert_on_growth(
+        self, member: Member, now: TrainerStats, before: TrainerStats | None
+    ) -> None:
         """Counters that must stay at 0 in a healthy run become events when they grow, so an
         operator watching the event log (or the dashboard) sees silent data loss the moment it
         happens. After a manager restart the first heartbeat re-announces the totals once."""
-        for key in ALERT_COUNTERS:
-            grew = member.stats.get(key, 0.0) - previous.get(key, 0.0)
+        was = before.alert_counters() if before is not None else {}
+        for what, total in now.alert_counters().items():
+            grew = total - was.get(what, 0)
             if grew > 0:
                 self.events.publish(
                     "alert",
                     self.ctx.clock.wall(),
                     member=member.instance,
                     member_role=member.role,
-                    what=key,
-                    new=grew,
-                    total=member.stats[key],
+                    what=what,
+                    new=float(grew),
+                    total=float(total),
                 )
 
     @endpoint
@@ -279,27 +305,21 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
 
     # -- publishes --
 
-    async def _follow_publishes(self) -> None:
-        """Follow the head relay's newest version: each new one is a publish (a repack trigger)."""
-        seen = -1
-        while True:
-            head = self._chain.relays[0] if self._chain.relays else None
-            if head is None:
-                await self._chain_changed.wait()
-                continue
-            try:
-                relay = self.ctx.connect(RelayApi, head.address)
-                stream = relay.versions.options(timeout=QUIET_STREAM_TIMEOUT_S).stream(
-                    LatestRequest(newer_than=seen)
-                )
-                async for shared in stream:
-                    if shared.available and shared.version > seen:
-                        first, seen = seen < 0, shared.version
-                        if not first:  # the version the head had when we started is no news
-                            await self.repack.on_publish(shared.version)
-            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
-                self.log.info("publish follower: head relay lost", error=str(exc))
-            await self.ctx.clock.sleep(0.5)
+    async def _head_versions(self) -> AsyncIterator[SharedVersion]:
+        """The head relay's versions newer than the last one seen (whichever relay heads now)."""
+        while not self._chain.relays:  # no relay yet: wait for the chain to name a head
+            await self._chain_changed.wait()
+        relay = self.ctx.connect(RelayApi, self._chain.relays[0].address)
+        return relay.versions.options(timeout=QUIET_STREAM_TIMEOUT_S).stream(
+            LatestRequest(newer_than=self._published)
+        )
+
+    async def _on_head_version(self, shared: SharedVersion) -> None:
+        """Each new version at the head is a publish (a repack trigger)."""
+        if shared.available and shared.version > self._published:
+            first, self._published = self._published < 0, shared.version
+            if not first:  # the version the head had when we started is no news
+                await self.repack.on_publish(shared.version)
 
     # -- liveness --
 

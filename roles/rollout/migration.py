@@ -19,6 +19,10 @@ The order of steps is what keeps a trajectory whole (nothing lost, one version, 
    once made the data role hand the leases back after a weight load, to an engine of another
    version, which refused them for good: issue 15's chaos benchmark.)
 
+The source is ``migrating`` (:mod:`.state`) from step 1 to the end of step 4, so no weight load
+starts in between; a destination accepts only while its version cannot change (not while starting
+or loading). Migration sees the rollout through :class:`MigratingRollout`, not the service.
+
 If the source dies between 2 and 3, the destination's grace period runs out and the data role
 re-delivers the trajectories from their acknowledged tokens (the usual resume). If the
 destination dies, the data role releases its leases like any dead rollout's.
@@ -26,43 +30,69 @@ destination dies, the data role releases its leases like any dead rollout's.
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from laminar.clock import Clock
+from laminar.engines import Engine
 from laminar.engines.base import EngineError
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
-from laminar.roles.data.api import LeaseTransfer
+from laminar.roles.data.api import DataApi, LeaseTransfer
 
 from .api import Handoff, HandoffReply, MigratedSequence, MigrateReport, MigrateRequest, RolloutApi
-
-if TYPE_CHECKING:
-    from .service import RolloutService, _Flight
+from .flights import Flight, FlightTable
+from .state import RolloutPhases, TransitionError
 
 HANDOFF_TIMEOUT_S = 120.0  # the destination's accept: KV bytes in, import
 
 
-async def migrate_out(svc: RolloutService, req: MigrateRequest) -> MigrateReport:
+class MigratingRollout(Protocol):
+    """What a migration needs of a rollout, and no more (``RolloutService`` is one)."""
+
+    @property
+    def instance(self) -> str: ...
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def log(self) -> Any: ...
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def flights(self) -> FlightTable: ...
+
+    @property
+    def phases(self) -> RolloutPhases: ...
+
+    async def data_api(self) -> DataApi: ...
+
+    def peer(self, address: str) -> RolloutApi:
+        """The rollout at ``address``."""
+        ...
+
+
+async def migrate_out(svc: MigratingRollout, req: MigrateRequest) -> MigrateReport:
     """The source side: steps 1-4 of the module docstring."""
-    report = MigrateReport(
-        source=svc.ctx.instance, destination=req.destination, version=req.version
-    )
-    t0 = time.perf_counter()
-    if req.destination == svc.ctx.instance:
+    report = MigrateReport(source=svc.instance, destination=req.destination, version=req.version)
+    t0 = svc.clock.time()
+    if req.destination == svc.instance:
         report.error = "a rollout cannot migrate to itself"
         return report
     if svc.engine.version != req.version:
         report.error = f"holds version {svc.engine.version}, not {req.version}"
         return report
-    if svc.migrating:
-        report.error = "a migration is already under way"
-        return report
-    svc.migrating = True
     try:
-        ids = list(svc.flights)
-        seqs = await svc.engine.export_sequences(ids, with_kv=req.kv)
-        report.export_s = time.perf_counter() - t0
-        flights = {s.request_id: svc.flights.pop(s.request_id) for s in seqs}
-        svc.flights_changed()
+        svc.phases.begin_migration()
+    except TransitionError as exc:
+        report.error = str(exc)
+        return report
+    try:
+        seqs = await svc.engine.export_sequences(svc.flights.snapshot(), with_kv=req.kv)
+        report.export_s = svc.clock.time() - t0
+        flights = svc.flights.pop_many([s.request_id for s in seqs])
+        seqs = [s for s in seqs if s.request_id in flights]
         if not seqs:
             return report
         moving = [
@@ -76,9 +106,9 @@ async def migrate_out(svc: RolloutService, req: MigrateRequest) -> MigrateReport
             for s in seqs
             for f in [flights[s.request_id]]
         ]
-        t1 = time.perf_counter()
+        t1 = svc.clock.time()
         accepted, refused, kept = await _hand_off(svc, req, moving)
-        report.handoff_s = time.perf_counter() - t1
+        report.handoff_s = svc.clock.time() - t1
         report.moved = accepted
         back = [m for m in moving if m.sequence.request_id in refused]
         if back:
@@ -98,9 +128,8 @@ async def migrate_out(svc: RolloutService, req: MigrateRequest) -> MigrateReport
         report.mode = ("kv" if kv else "reprefill") if moved else "none"
         return report
     finally:
-        svc.migrating = False
-        svc.flights_changed()
-        report.total_s = time.perf_counter() - t0
+        svc.phases.end_migration()
+        report.total_s = svc.clock.time() - t0
         if report.moved or report.error:
             svc.log.info(
                 "migrated",
@@ -115,12 +144,12 @@ async def migrate_out(svc: RolloutService, req: MigrateRequest) -> MigrateReport
 
 
 async def _hand_off(
-    svc: RolloutService, req: MigrateRequest, moving: list[MigratedSequence]
+    svc: MigratingRollout, req: MigrateRequest, moving: list[MigratedSequence]
 ) -> tuple[list[str], dict[str, str], dict[str, str]]:
     """Steps 2-3: returns (accepted ids, refused id -> why, id whose lease never moved -> why)."""
     ids = [m.sequence.request_id for m in moving]
     try:
-        moved = await _transfer(svc, ids, svc.ctx.instance, req.destination)
+        moved = await _transfer(svc, ids, svc.instance, req.destination)
     except (PeerUnavailable, CallTimeout, RemoteError) as exc:
         # A timeout could hide a transfer the data role did make; then our later reports of
         # these trajectories are refused and the data role re-delivers them from their
@@ -134,9 +163,9 @@ async def _hand_off(
     if not sending:
         return [], {}, {}
     try:
-        dest = svc.ctx.connect(RolloutApi, req.address)
+        dest = svc.peer(req.address)
         reply = await dest.accept.options(timeout=HANDOFF_TIMEOUT_S).call(
-            Handoff(source=svc.ctx.instance, version=req.version, sequences=sending)
+            Handoff(source=svc.instance, version=req.version, sequences=sending)
         )
     except (PeerUnavailable, CallTimeout, RemoteError) as exc:
         reply = HandoffReply(refused=f"destination: {exc}")
@@ -147,15 +176,15 @@ async def _hand_off(
 
 
 async def _take_back(
-    svc: RolloutService,
+    svc: MigratingRollout,
     destination: str,
     back: list[MigratedSequence],
-    flights: dict[str, _Flight],
+    flights: dict[str, Flight],
 ) -> list[str]:
     """Step 4: leases back from ``destination``, sequences back into our engine."""
     ids = [m.sequence.request_id for m in back]
     try:
-        ours = await _transfer(svc, ids, destination, svc.ctx.instance)
+        ours = await _transfer(svc, ids, destination, svc.instance)
     except (PeerUnavailable, CallTimeout, RemoteError) as exc:
         # The leases stay with the destination; the data role re-delivers them from their
         # acknowledged tokens when the handoff grace period ends. Nothing is lost.
@@ -165,49 +194,51 @@ async def _take_back(
 
 
 async def _reimport(
-    svc: RolloutService, returning: list[MigratedSequence], flights: dict[str, _Flight]
+    svc: MigratingRollout, returning: list[MigratedSequence], flights: dict[str, Flight]
 ) -> list[str]:
     """Sequences whose leases are ours back into our engine (without KV: re-prefilled)."""
     for m in returning:
-        svc.flights[m.sequence.request_id] = flights[m.sequence.request_id]
+        svc.flights.add(m.sequence.request_id, flights[m.sequence.request_id])
     try:
         await svc.engine.import_sequences(
             [m.sequence.model_copy(update={"kv": None}) for m in returning]
         )
     except EngineError:
         for m in returning:
-            svc.flights.pop(m.sequence.request_id, None)
+            svc.flights.pop(m.sequence.request_id)
         raise
     return [m.sequence.request_id for m in returning]
 
 
-async def _transfer(svc: RolloutService, ids: list[str], source: str, destination: str) -> set[str]:
+async def _transfer(
+    svc: MigratingRollout, ids: list[str], source: str, destination: str
+) -> set[str]:
     data = await svc.data_api()
     request = LeaseTransfer(trajectory_ids=ids, source=source, destination=destination)
     return set((await data.transfer.call(request)).moved)
 
 
-async def accept_in(svc: RolloutService, req: Handoff) -> HandoffReply:
+async def accept_in(svc: MigratingRollout, req: Handoff) -> HandoffReply:
     """The destination side of step 3."""
-    from .service import _Flight
-
+    if not svc.phases.accepting:  # starting, or loading a version: it would change under them
+        return HandoffReply(refused=f"not accepting: {svc.phases.phase.value}")
     if svc.engine.version != req.version:
         return HandoffReply(refused=f"holds version {svc.engine.version}, not {req.version}")
     here = [m for m in req.sequences if m.sequence.request_id in svc.flights]
     new = [m for m in req.sequences if m.sequence.request_id not in svc.flights]
     for m in new:
         seq = m.sequence
-        flight = _Flight(m.assignment, m.version, m.started_at)
-        flight.tokens, flight.logprobs = list(seq.response_token_ids), list(seq.response_logprobs)
-        flight.acked = min(m.acked, len(flight.tokens))
-        svc.flights[seq.request_id] = flight
+        tokens, logprobs = list(seq.response_token_ids), list(seq.response_logprobs)
+        acked = min(m.acked, len(tokens))
+        flight = Flight(m.assignment, m.version, m.started_at, tokens, logprobs, acked)
+        svc.flights.add(seq.request_id, flight)
     try:
         await svc.engine.import_sequences([m.sequence for m in new])
     except EngineError as exc:
         for m in new:
-            svc.flights.pop(m.sequence.request_id, None)
+            svc.flights.pop(m.sequence.request_id)
         return HandoffReply(
             accepted=[m.sequence.request_id for m in here], refused=f"import failed: {exc}"
         )
-    svc.flights_changed()
+    svc.flights.changed()
     return HandoffReply(accepted=[m.sequence.request_id for m in req.sequences])

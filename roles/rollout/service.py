@@ -8,68 +8,66 @@ Three owned tasks, each with one job:
 * **outputs** — consume the engine's output stream: append tokens and logprobs to each
   trajectory; a finished one becomes a :class:`Trajectory` (one version, per-token behaviour
   logprobs, timestamps, finish reason) waiting to be reported.
-* **flush** — every ``flush_interval_s``, one ``report`` call carries every in-flight
-  trajectory's new tokens, every finished trajectory and every failed one. Only an acknowledged
-  report advances what counts as sent, so a data role that dies and restarts just sees the same
-  report again (the data role treats repeats as no-ops). Nothing is lost while it is down: tokens
-  pile up here and go out with the first report that succeeds. Items the data role refused
-  (named in the reply, with why) are dropped and logged once, never sent again: one bad item
-  cannot make every report fail.
+* **flush** (:mod:`.reporting`) — every ``flush_interval_s``, one ``report`` call carries every
+  in-flight trajectory's new tokens, every finished and every failed trajectory; only an
+  acknowledged report advances what counts as sent, and items the data role refused are dropped.
 
 * **failures** — a request the engine refuses (a prompt too long for its context, token ids
   outside its vocabulary) fails alone: the engine goes on, and the trajectory is reported as
   failed with the engine's reason; the data role records it and never hands it out again.
 
-* **weights** — follow the local relay's ``versions`` stream. When a newer version is there, stop
-  taking prompts, let the trajectories in flight finish on the version they started with (a
-  trajectory never mixes versions), then load the new version in place from the relay's shared
-  memory (the engine maps it; the bytes never cross a socket) and take prompts again. The relay
-  is the one on this host, or ``relay`` if set; with no relay in the cluster, weights never change.
+* **weights** (:mod:`.switching`) — follow the local relay's ``versions`` stream. When a newer
+  version is there, stop taking prompts, let the trajectories in flight finish on the version they
+  started with (a trajectory never mixes versions), then load the new version in place from the
+  relay's shared memory and take prompts again.
 
-* **repack** (``migration``) — on the manager's word, ``migrate`` moves every trajectory in
+* **repack** (:mod:`.migration`) — on the manager's word, ``migrate`` moves every trajectory in
   flight to another rollout of the same version and this one carries on: with a newer version
   waiting, it loads it at once; otherwise it takes fresh prompts. ``accept`` is the receiving
   end. An operator can ``drain`` a rollout (take no prompts, finish what it has) and ``resume``
   it.
 
-Stats (KV use, running, waiting, in flight, version, draining) ride on the heartbeat to the
-manager; they are the repack planner's input.
+The phase (starting, generating, paused for weights, loading; operator drain and migration on
+the side) lives in one state machine, :mod:`.state`, and changes only through its transitions;
+the flights live in :mod:`.flights`. Tasks wait on :class:`.changes.Changes` for the conditions
+they need. Stats (KV use, running, waiting, in flight, version, draining) ride on the heartbeat to
+the manager; they are the repack planner's input.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
 from pydantic import Field
 
+from laminar.clock import Clock
 from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint
 from laminar.engines import Engine, EngineConfig, EngineRequest, InflightSequence, create_engine
 from laminar.engines.base import EngineError
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.membership import rollout_phase
-from laminar.roles.data.api import DataApi, FailedItem, Report, TakeRequest
-from laminar.roles.relay import LatestRequest, RelayApi
-from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S
+from laminar.roles.data.api import DataApi, TakeRequest
 from laminar.service import Service, ServiceContext
-from laminar.trajectory import Assignment, PartialChunk, Trajectory
+from laminar.trajectory import Assignment
 
 from .api import (
     DrainRequest,
     Handoff,
     HandoffReply,
-    LoadedWeights,
     MigrateReport,
     MigrateRequest,
     RolloutApi,
     RolloutState,
     WeightsHistory,
 )
+from .changes import Changes
+from .flights import Flight, FlightTable
 from .migration import accept_in, migrate_out
+from .reporting import DATA_ERRORS, Reporter
+from .state import RolloutPhases
+from .switching import WeightSwitcher
 
 
 class RolloutConfig(ServiceConfig):
@@ -97,19 +95,6 @@ class RolloutConfig(ServiceConfig):
     )
 
 
-@dataclass
-class _Flight:
-    assignment: Assignment
-    version: int
-    started_at: float
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    acked: int = 0  # tokens the data role has acknowledged
-
-
-LATEST_TIMEOUT_S = 5.0  # asking the local relay for the version to load (see ``_switch``)
-
-
 class RolloutService(Service, RolloutApi):
     role: ClassVar[str] = "rollout"
     config_model: ClassVar[type[ServiceConfig]] = RolloutConfig
@@ -118,35 +103,62 @@ class RolloutService(Service, RolloutApi):
     def __init__(self, ctx: ServiceContext) -> None:
         super().__init__(ctx)
         self.engine: Engine = create_engine(self.config.engine, clock=ctx.clock)
-        self.flights: dict[str, _Flight] = {}
-        self.finished: dict[str, Trajectory] = {}  # not yet acknowledged by the data role
-        self.failed: dict[str, str] = {}  # trajectory id -> why; not yet acknowledged
+        self.changes = Changes()  # every phase change and every flight leaving wakes waiters
+        self.phases = RolloutPhases(on_change=self.changes.notify)
+        self.flights = FlightTable(on_change=self.changes.notify)
+        self.data = ctx.peer("data", DataApi, address=self.config.data)
+        self.reporter = Reporter(ctx.instance, self.flights, self.engine, self.data, self.log)
+        self.finished = self.reporter.finished  # not yet acknowledged by the data role
+        self.failed = self.reporter.failed  # trajectory id -> why; not yet acknowledged
         self.failures = 0  # trajectories that failed here (since start)
-        self._slot_free = asyncio.Event()
-        self._data_address: str | None = self.config.data
         self.completed = 0
         self._take_lock = asyncio.Lock()  # held while leasing and starting; a load waits for it
-        self._paused = False  # a newer version is waiting: take nothing until it is loaded
-        self._resume = asyncio.Event()
-        self._drained = asyncio.Event()
-        self.loads: list[LoadedWeights] = []
-        self.migrating = False  # a repack migration is moving our trajectories out
-        self._operator_drain = False
-        self._starved = False  # the last take found no prompts
+        self.switcher = WeightSwitcher(
+            ctx,
+            self.engine,
+            self.phases,
+            self.flights,
+            self.changes,
+            self._take_lock,
+            relay=self.config.relay,
+            retry_s=self.config.weights_retry_s,
+        )
+
+    # what migration needs of us (``migration.MigratingRollout``)
+
+    @property
+    def instance(self) -> str:
+        return self.ctx.instance
+
+    @property
+    def clock(self) -> Clock:
+        return self.ctx.clock
+
+    def peer(self, address: str) -> RolloutApi:
+        return self.ctx.connect(RolloutApi, address)
+
+    async def data_api(self) -> DataApi:
+        return await self.data.api()
+
+    # -- lifecycle ---------------------------------------------------------------------------
 
     async def on_start(self) -> None:
         await self.engine.start()
         self.log.info("engine ready", backend=self.engine.backend, version=self.engine.version)
+        self.phases.started()
         self.spawn(self._outputs(), name="outputs")
         self.spawn(self._pull(), name="pull")
-        self.spawn(self._flush_loop(), name="flush")
+        self.spawn(self.reporter.loop(self.ctx.clock, self.config.flush_interval_s), name="flush")
         if self.ctx.manager is not None or self.config.relay is not None:
-            self.spawn(self._weights(), name="weights")
+            self.switcher.start()
 
     async def on_stop(self) -> None:
         with contextlib.suppress(Exception):
             await self._flush()  # hand over what we have; the leases are released on leave
         await self.engine.close()
+
+    async def _flush(self) -> None:
+        await self.reporter.flush()
 
     def stats(self) -> dict[str, float]:
         s = self.engine.stats()
@@ -159,15 +171,14 @@ class RolloutService(Service, RolloutApi):
             "generated_tokens": float(s.generated_tokens),
             "completed": float(self.completed),
             "failed": float(self.failures),
-            "paused_for_weights": float(self._paused),
-            "operator_drain": float(self._operator_drain),
-            "migrating": float(self.migrating),
-            "starved": float(self._starved),
+            **self.phases.stats(),  # paused_for_weights, operator_drain, migrating, starved
         }
+
+    # -- endpoints ---------------------------------------------------------------------------
 
     @endpoint
     async def weights(self) -> WeightsHistory:
-        return WeightsHistory(loads=self.loads)
+        return WeightsHistory(loads=self.switcher.loads)
 
     @endpoint
     async def state(self) -> RolloutState:
@@ -176,22 +187,19 @@ class RolloutService(Service, RolloutApi):
             phase=rollout_phase(self.stats()),
             version=self.engine.version,
             in_flight=len(self.flights),
-            operator_drain=self._operator_drain,
+            operator_drain=self.phases.operator_drain,
         )
 
     @endpoint
     async def drain(self, req: DrainRequest) -> RolloutState:
-        if not self._operator_drain:
+        if self.phases.drain():
             self.log.info("draining: taking no prompts", reason=req.reason)
-        self._operator_drain = True
         return await self.state()
 
     @endpoint
     async def resume(self) -> RolloutState:
-        if self._operator_drain:
+        if self.phases.resume():
             self.log.info("resumed: taking prompts again")
-        self._operator_drain = False
-        self._resume.set()
         return await self.state()
 
     @endpoint
@@ -202,41 +210,17 @@ class RolloutService(Service, RolloutApi):
     async def accept(self, req: Handoff) -> HandoffReply:
         return await accept_in(self, req)
 
-    def flights_changed(self) -> None:
-        """Flights left (finished, dropped, migrated) or a migration ended: wake who waits."""
-        self._slot_free.set()
-        if not self.flights and not self.migrating:
-            self._drained.set()
-
-    # -- the data role -----------------------------------------------------------------------
-
-    async def data_api(self) -> DataApi:
-        if self._data_address is None:
-            self._data_address = await self.ctx.find("data")
-            self.log.info("found the data role", address=self._data_address)
-        return self.ctx.connect(DataApi, self._data_address)
-
-    def _lost_data(self, error: Exception) -> None:
-        self.log.warning("data role unreachable; retrying", error=str(error))
-        if self.config.data is None:
-            self._data_address = None  # it may come back elsewhere: ask the manager again
-
     # -- pull --------------------------------------------------------------------------------
 
     async def _pull(self) -> None:
-        cfg = self.config
+        cfg, phases = self.config, self.phases
         while True:
-            if self._paused or self._operator_drain:
-                self._resume.clear()
-                await self._resume.wait()
-                continue
-            free = cfg.concurrency - len(self.flights)
-            if free < cfg.min_take:
-                self._slot_free.clear()
-                await self._slot_free.wait()
-                continue
+            # take when allowed and enough slots are free (batches the pulls)
+            await self.changes.until(
+                lambda: phases.may_take and cfg.concurrency - len(self.flights) >= cfg.min_take
+            )
             async with self._take_lock:
-                await self._take(free)
+                await self._take(cfg.concurrency - len(self.flights))
 
     async def _take(self, free: int) -> None:
         cfg = self.config
@@ -244,17 +228,19 @@ class RolloutService(Service, RolloutApi):
             rollout=self.ctx.instance,
             max_count=free,
             version=self.engine.version,
-            holding=[*self.flights, *self.finished, *self.failed],
+            holding=self.reporter.holding(),
             wait_s=cfg.take_wait_s,
         )
-        try:
-            data = await self.data_api()
-            batch = await data.take.options(timeout=cfg.take_wait_s + 10).call(req)
-        except (PeerUnavailable, CallTimeout, RemoteError) as exc:
-            self._lost_data(exc)
+        try:  # one attempt: the next take asks afresh (free slots, holding, version)
+            batch = await self.data.call(
+                lambda data: data.take.options(timeout=cfg.take_wait_s + 10).call(req),
+                attempts=1,
+                retry_on=DATA_ERRORS,
+            )
+        except DATA_ERRORS:  # noted by the peer (and its address forgotten)
             await self.ctx.clock.sleep(0.5)
             return
-        self._starved = not batch.items  # a long poll came back empty: the pool is dry
+        self.phases.took(len(batch.items))  # a long poll came back empty: the pool is dry
         for assignment in batch.items:
             await self._start(assignment)
 
@@ -263,8 +249,7 @@ class RolloutService(Service, RolloutApi):
         if tid in self.flights or tid in self.finished or tid in self.failed:
             return
         version = self.engine.version
-        flight = _Flight(a, version, a.started_at or self.ctx.clock.wall())
-        self.flights[tid] = flight
+        self.flights.add(tid, Flight(a, version, a.started_at or self.ctx.clock.wall()))
         try:
             await self._submit(a, version)
         except EngineError as exc:  # this trajectory alone: report it failed, keep the engine
@@ -308,153 +293,16 @@ class RolloutService(Service, RolloutApi):
                 flight.tokens += out.token_ids
                 flight.logprobs += out.logprobs
                 if out.finished:
-                    del self.flights[out.request_id]
-                    self.finished[out.request_id] = self._trajectory(flight, out.finish_reason, now)
+                    self.flights.pop(out.request_id)
+                    self.finished[out.request_id] = flight.trajectory(
+                        out.finish_reason, now, self.ctx.instance
+                    )
                     self.completed += 1
-                    self.flights_changed()
 
     def _failed(self, tid: str, why: str) -> None:
         """``tid`` cannot be generated here: report it failed (the data role records it)."""
-        if self.flights.pop(tid, None) is None:
+        if self.flights.pop(tid) is None:
             return
         self.failed[tid] = why
         self.failures += 1
         self.log.warning("trajectory failed in the engine", trajectory=tid, reason=why)
-        self.flights_changed()
-
-    def _trajectory(self, f: _Flight, reason: str | None, now: float) -> Trajectory:
-        a = f.assignment
-        return Trajectory(
-            trajectory_id=a.trajectory_id,
-            prompt_id=a.prompt_id,
-            sample_index=a.sample_index,
-            prompt_token_ids=a.prompt_token_ids,
-            response_token_ids=f.tokens,
-            logprobs=f.logprobs,
-            version=f.version,
-            finish_reason=reason or "stop",  # type: ignore[arg-type]
-            queued_at=a.queued_at,
-            started_at=f.started_at,
-            finished_at=now,
-            rollout=self.ctx.instance,
-        )
-
-    # -- flush -------------------------------------------------------------------------------
-
-    async def _flush_loop(self) -> None:
-        while True:
-            await self.ctx.clock.sleep(self.config.flush_interval_s)
-            try:
-                await self._flush()
-            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
-                self._lost_data(exc)
-
-    async def _flush(self) -> None:
-        partials = [
-            PartialChunk(
-                trajectory_id=tid,
-                version=f.version,
-                offset=f.acked,
-                token_ids=f.tokens[f.acked :],
-                logprobs=f.logprobs[f.acked :],
-            )
-            for tid, f in self.flights.items()
-            if len(f.tokens) > f.acked
-        ]
-        completed = list(self.finished.values())
-        failed = [FailedItem(trajectory_id=tid, reason=why) for tid, why in self.failed.items()]
-        if not partials and not completed and not failed:
-            return
-        data = await self.data_api()
-        reply = await data.report.call(
-            Report(rollout=self.ctx.instance, partials=partials, completed=completed, failed=failed)
-        )
-        refused = {r.trajectory_id for r in reply.rejected if r.item == "partial"}
-        for chunk in partials:
-            flight = self.flights.get(chunk.trajectory_id)
-            if flight is not None and chunk.trajectory_id not in refused:
-                flight.acked = max(flight.acked, chunk.offset + len(chunk.token_ids))
-        for t in completed:  # stored, duplicates or refused: sent for good either way
-            self.finished.pop(t.trajectory_id, None)
-        for f in failed:
-            self.failed.pop(f.trajectory_id, None)
-        for r in reply.rejected:
-            self.log.warning("the data role refused a report item; dropped",
-                             trajectory=r.trajectory_id, item=r.item, reason=r.reason)  # fmt: skip
-        # a refused partial: stop generating it; the data role re-delivers it from what it has
-        for tid in [*reply.drop, *refused]:
-            if self.flights.pop(tid, None) is not None:
-                await self.engine.abort(tid)
-                self.flights_changed()
-        if reply.drop:
-            self.log.warning("dropped trajectories the data role reassigned", ids=reply.drop)
-
-    # -- weights -----------------------------------------------------------------------------
-
-    async def _relay(self) -> RelayApi | None:
-        if self.config.relay is not None:
-            return self.ctx.connect(RelayApi, self.config.relay)
-        relays = [m for m in await self.ctx.members("relay") if m.state == "alive"]
-        mine = [m for m in relays if m.host == socket.gethostname()] or relays
-        if not mine:
-            return None
-        return self.ctx.connect(RelayApi, sorted(mine, key=lambda m: m.instance)[0].address)
-
-    async def _weights(self) -> None:
-        """Follow the relay's newest version; load each one between batches (module docstring)."""
-        while True:
-            try:
-                relay = await self._relay()
-                if relay is None:
-                    await self.ctx.clock.sleep(self.config.weights_retry_s)
-                    continue
-                stream = relay.versions.options(timeout=QUIET_STREAM_TIMEOUT_S).stream(
-                    LatestRequest(newer_than=self.engine.version)
-                )
-                async for shared in stream:
-                    if shared.available and shared.version > self.engine.version:
-                        await self._switch(relay)
-            except (PeerUnavailable, CallTimeout, RemoteError, EngineError) as exc:
-                # includes a segment the relay evicted just before we mapped it: ask again
-                self.log.warning("weight pull failed; retrying", error=str(exc))
-            await self.ctx.clock.sleep(self.config.weights_retry_s)
-
-    async def _switch(self, relay: RelayApi) -> None:
-        """Drain, then load the relay's newest version (newer ones may have come meanwhile)."""
-        noticed = self.ctx.clock.wall()
-        self._paused = True
-        try:
-            async with self._take_lock:  # no lease is half-started while we swap
-                while self.flights or self.migrating:  # a migration may hand some back
-                    self._drained.clear()
-                    await self._drained.wait()
-                drained = self.ctx.clock.wall()
-                # short: the rollout takes no prompts while paused here, and a relay that died
-                # since it announced the version is found again by the caller's retry
-                shared = await relay.latest.options(timeout=LATEST_TIMEOUT_S).call(
-                    LatestRequest(newer_than=self.engine.version)
-                )
-                if not shared.available or shared.manifest is None:
-                    return
-                digest = await self.engine.load_shared(
-                    shared.version, shared.segment, shared.manifest
-                )
-        finally:
-            self._paused = False
-            self._resume.set()
-        loaded = self.ctx.clock.wall()
-        self.loads.append(
-            LoadedWeights(
-                version=shared.version,
-                digest=digest,
-                loaded_at=loaded,
-                load_s=loaded - drained,
-                drain_s=drained - noticed,
-            )
-        )
-        self.log.info(
-            "weights loaded",
-            version=shared.version,
-            drain_s=round(drained - noticed, 3),
-            load_s=round(loaded - drained, 3),
-        )

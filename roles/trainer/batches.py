@@ -21,10 +21,11 @@ batches, so the refusal is not paid again every step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
-from laminar.roles.data.api import DataApi, SampleRequest
+from laminar.roles.data.api import DataApi, SampleRequest, Trajectories
 from laminar.service import ServiceContext
 from laminar.trajectory import Trajectory
 from laminar.transport import MessageTooLarge
@@ -47,6 +48,11 @@ class Gathered:
         return self.scored_reward_sum / self.scored if self.scored else None
 
 
+def _too_large(exc: Exception) -> bool:
+    """The data role refused to send a reply over the frame limit: ask for less, not again."""
+    return isinstance(exc, RemoteError) and exc.cause_type == MessageTooLarge.__name__
+
+
 class BatchTooLarge(RuntimeError):
     """A single group of trajectories is over the cluster's frame limit: no piece can carry it."""
 
@@ -62,18 +68,12 @@ class BatchSource:
         group: int | None = None,
     ) -> None:
         self.ctx, self.log = ctx, log
-        self.configured = address
-        self.address = address
+        self.data = ctx.peer("data", DataApi, address=address)
         self.wait_s = wait_s
         # samples per prompt: pieces hold whole groups (default: the trainer's batch.samples)
         batch = getattr(ctx.config, "batch", None)
         self.group = group or getattr(batch, "samples", 1)
         self.piece: int | None = None  # rows per sample call, once a whole batch was too large
-
-    async def _data(self) -> DataApi:
-        if self.address is None:
-            self.address = await self.ctx.find("data")
-        return self.ctx.connect(DataApi, self.address)
 
     async def next(self, rows: int, version: int, after: int) -> Gathered:
         """Exactly the next ``rows`` trajectories (whole groups) after consume cursor ``after``,
@@ -83,31 +83,28 @@ class BatchSource:
             want = rows - len(got.items)
             if self.piece is not None:
                 want = min(want, self.piece)
+            request = SampleRequest(
+                n=want, trainer_version=version, wait_s=self.wait_s, after=got.cursor,
+                whole_groups=True,
+            )  # fmt: skip
             try:
-                data = await self._data()
-                reply = await data.sample.options(timeout=self.wait_s + 30).call(
-                    SampleRequest(
-                        n=want,
-                        trainer_version=version,
-                        wait_s=self.wait_s,
-                        after=got.cursor,
-                        whole_groups=True,
-                    )
+                reply = await self.data.call(
+                    partial(self._sample, request),
+                    backoff=1.0,
+                    retry_on=(PeerUnavailable, CallTimeout, RemoteError),
+                    unless=_too_large,
                 )
-            except RemoteError as exc:
-                if exc.cause_type == MessageTooLarge.__name__:
-                    self._shrink(want, exc)
-                    continue
-                await self._unreachable(exc)
-                continue
-            except (PeerUnavailable, CallTimeout) as exc:
-                await self._unreachable(exc)
+            except RemoteError as exc:  # only a reply too large to send gets here
+                self._shrink(want, exc)
                 continue
             got.items.extend(reply.items)
             got.cursor = max(got.cursor, reply.cursor)
             got.scored += reply.scored
             got.scored_reward_sum += reply.scored_reward_sum
         return got
+
+    async def _sample(self, request: SampleRequest, data: DataApi) -> Trajectories:
+        return await data.sample.options(timeout=self.wait_s + 30).call(request)
 
     def _shrink(self, asked: int, exc: RemoteError) -> None:
         """The reply for ``asked`` rows was too large to send: ask for half as many groups."""
@@ -125,9 +122,3 @@ class BatchSource:
             piece=self.piece,
             error=exc.cause,
         )
-
-    async def _unreachable(self, exc: Exception) -> None:
-        self.log.warning("data role unreachable; retrying", error=str(exc))
-        if self.configured is None:
-            self.address = None
-        await self.ctx.clock.sleep(1.0)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +92,10 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     source_model: str | Path,
     keep: int,
+    *,
+    saved_at: float,
 ) -> Path:
+    """``saved_at``: the wall time to record (from the service's clock)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"v{state.version:06d}"
@@ -106,7 +108,7 @@ def save_checkpoint(
             shutil.copy2(src, tmp / name)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     (tmp / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in state.history))
-    meta = {"version": state.version, "cursor": state.cursor, "saved_at": time.time()}
+    meta = {"version": state.version, "cursor": state.cursor, "saved_at": saved_at}
     (tmp / "trainer_state.json").write_text(json.dumps(meta))
     for f in tmp.iterdir():
         with f.open("rb") as fh:

@@ -33,28 +33,45 @@ other steps of the global batch still apply (see :class:`StepResult`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from laminar.rl import LossStats, PackedBatch, policy_loss, token_logprobs
+from laminar.rl import (
+    LossStats,
+    PackedBatch,
+    Screened,
+    grpo_advantages,
+    pack,
+    policy_loss,
+    screen_batch,
+    token_logprobs,
+)
+from laminar.trajectory import Trajectory
 
 from .config import TrainerConfig
+from .step import StepResult
+
+__all__ = ["PolicyTrainer", "StepResult", "load_policy", "packed", "prepare"]
 
 
-@dataclass
-class StepResult:
-    """A global batch's update. ``grad_norm`` is the mean over the steps that applied (None when
-    none did); ``skipped_steps`` of ``steps`` optimizer steps were skipped as non-finite."""
+def packed(screened: Screened, config: TrainerConfig) -> PackedBatch:
+    """The kept trajectories as one batch, with GRPO advantages computed over the kept members
+    of each group only (a failed sibling is not a wrong answer: :mod:`laminar.rl.screen`)."""
+    advantages = grpo_advantages(
+        torch.tensor(screened.rewards, dtype=torch.float32),
+        [t.prompt_id for t in screened.kept],
+        normalize_std=config.normalize_advantages,
+    )
+    return pack(screened.kept, advantages.tolist(), pad_id=0)
 
-    stats: dict[str, float]
-    grad_norm: float | None
-    tokens: int
-    steps: int = 0
-    skipped_steps: int = 0
+
+def prepare(batch: list[Trajectory], config: TrainerConfig) -> tuple[Screened, PackedBatch | None]:
+    """Screen a sampled batch and pack what may be trained on (None: nothing may be)."""
+    screened = screen_batch(batch, config.exclude_scope)
+    return screened, packed(screened, config) if screened.kept else None
 
 
 def load_policy(path: str) -> torch.nn.Module:

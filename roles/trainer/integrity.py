@@ -10,36 +10,23 @@ whole run. So each is
   (``excluded_trajectories``, ``skipped_steps``: the manager sees them with every heartbeat);
 * logged at warning (exclusions) or error (skipped steps) level with the version and the ids;
 * recorded in the version's metrics line and history entry.
+
+Both trainers count here (:mod:`.loop`); packing what is kept for the torch update is
+:func:`.compute.prepare`'s.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from prometheus_client import CollectorRegistry, Counter
 
-from laminar.rl import PackedBatch, Screened, grpo_advantages, pack, screen_batch
-from laminar.trajectory import Trajectory
+from .step import StepResult
 
-from .compute import StepResult
-from .config import TrainerConfig
+if TYPE_CHECKING:
+    from laminar.rl import Screened
 
 STEP_NONFINITE = "step_nonfinite"  # history: every step of the batch was skipped
-
-
-def prepare(batch: list[Trajectory], config: TrainerConfig) -> tuple[Screened, PackedBatch | None]:
-    """Screen a sampled batch and pack what may be trained on, with GRPO advantages computed
-    over the kept members of each group only (None: nothing may be trained on)."""
-    screened = screen_batch(batch, config.exclude_scope)
-    if not screened.kept:
-        return screened, None
-    advantages = grpo_advantages(
-        torch.tensor(screened.rewards, dtype=torch.float32),
-        [t.prompt_id for t in screened.kept],
-        normalize_std=config.normalize_advantages,
-    )
-    return screened, pack(screened.kept, advantages.tolist(), pad_id=0)
 
 
 class IntegrityMonitor:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from laminar.config import ClusterConfig
 from laminar.repack import RepackPolicy
 from laminar.status import admin_url, fetch_status
 
+from ..conftest import session_segments
 from ..support.poll import until
 from ..support.procs import TOKEN, env, run_cli
 from ..support.scenario import process_cluster, write_config
@@ -74,17 +74,13 @@ class Live:
         return self.cluster.manager
 
 
-def _shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("laminar-")}
-
-
 def start_live(tmp: Path) -> Iterator[Live]:
     """Start the cluster, wait until every rollout heartbeats with generated tokens.
 
     The cluster outlives single tests, and its processes may hold shared-memory segments (a
     migration's transfer) while a test ends, so the leak check is around the whole cluster.
     """
-    shm_before = _shm()
+    shm_before = session_segments()
     config = cluster_config(tmp)
     with process_cluster(tmp, config) as cluster:
         cluster.serve("manager", "manager")
@@ -96,14 +92,14 @@ def start_live(tmp: Path) -> Iterator[Live]:
             async def probe() -> str | None:
                 status = await fetch_status(cluster.manager, TOKEN.encode(), ClusterConfig())
                 rollouts = [m for m in status.members if m.role == "rollout"]
-                busy = [m for m in rollouts if m.stats.get("generated_tokens", 0) > 0]
+                busy = [m for m in rollouts if (s := m.rollout_stats()) and s.generated_tokens > 0]
                 return admin_url(status) if len(busy) == len(ROLLOUTS) else None
 
             return await until(probe, 60, interval=0.2)
 
         url = asyncio.run(find())
         yield Live(cluster, url, tmp)
-    leaked = _shm() - shm_before
+    leaked = session_segments() - shm_before
     assert not leaked, f"shared-memory segments leaked by the cluster: {sorted(leaked)}"
 
 

@@ -94,6 +94,12 @@ def hf_model(model_dir):
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+async def test_every_vllm_internal_laminar_reads_is_there(engine):
+    """Fails loudly when a vLLM upgrade moves an internal Laminar reads (laminar.engines.vllm_compat):
+    the one test to fix then, rather than a KV migration that silently re-prefills."""
+    assert await engine.compat_problems() == []
+
+
 async def test_sampled_logprobs_match_transformers(engine, model_dir):
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
     results = await generate(engine, PROMPTS, params, prefix="s")

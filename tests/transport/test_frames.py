@@ -7,9 +7,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laminar.transport import Blob, Frame, FrameError, Limits, decode_payload, encode_payload
+from laminar.transport import (
+    Blob,
+    Frame,
+    FrameError,
+    Limits,
+    TransportOptions,
+    connect,
+    decode_payload,
+    encode_payload,
+    listen,
+)
 from laminar.transport.frames import PREFIX, encode_head
 from laminar.transport.reader import FrameReader
+from tests.conftest import TRANSPORTS
 
 metas = st.dictionaries(
     st.sampled_from(["k", "i", "m", "x"]),
@@ -129,3 +140,36 @@ def test_blob_refs_out_of_range_are_refused() -> None:
     payload, _ = encode_payload({"x": Blob(b"abc")})
     with pytest.raises(FrameError, match="buffer 0"):
         decode_payload(payload, [])
+
+
+@pytest.mark.parametrize("bind", TRANSPORTS)
+async def test_every_transport_lands_buffers_where_the_receivers_allocator_says(bind) -> None:  # type: ignore[no-untyped-def]
+    """A relay receives a weight version straight into its shared-memory buffer: the in-process
+    transport must honour the allocator as a socket reader does, not hand over the sender's view."""
+    target = bytearray(4096)
+    got: list[Frame] = []
+
+    def allocator(meta, sizes):  # type: ignore[no-untyped-def]
+        return (
+            [memoryview(target)[: sizes[0]]]
+            if meta.get("k") == "chunk"
+            else [memoryview(bytearray(n)) for n in sizes]
+        )
+
+    async def handler(conn):  # type: ignore[no-untyped-def]
+        got.append(await conn.recv())
+        await conn.send(Frame({"k": "ok"}))
+        await conn.recv()
+
+    options = TransportOptions(token=b"a" * 32).with_allocator(allocator)
+    listener = await listen(bind, options, handler)
+    conn = await connect(listener.address, TransportOptions(token=b"a" * 32))
+    try:
+        payload = bytes(range(256)) * 8
+        await conn.send(Frame({"k": "chunk"}, b"", [memoryview(payload)]))
+        await conn.recv()
+        assert bytes(target[: len(payload)]) == payload
+        assert bytes(got[0].buffers[0]) == payload
+    finally:
+        conn.close()
+        await listener.close()

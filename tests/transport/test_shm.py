@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from laminar.transport import Frame, FrameError, TransportOptions, connect, listen
-from laminar.transport.shm import SHM_DIR, SharedBuffer, map_segment
+from laminar.transport.shm import SHM_DIR, SHM_TAG_ENV, SharedBuffer, map_segment, segment_name
 
 OPTIONS = TransportOptions(token=b"s" * 32)
 
@@ -61,3 +61,17 @@ def test_map_segment_checks_bounds() -> None:
             map_segment(seg.name, 4000, 200)
     finally:
         seg.close()
+
+
+def test_the_session_tag_starts_the_random_part_and_receivers_still_map_it(monkeypatch) -> None:
+    monkeypatch.setenv(SHM_TAG_ENV, "beef")
+    buf = SharedBuffer(4096)
+    try:
+        assert buf.name.startswith(f"laminar-{os.getpid():08x}-beef") and len(buf.name) == 41
+        view = map_segment(buf.name, 0, 4096)
+        assert len(view) == 4096
+    finally:
+        buf.close()
+    monkeypatch.setenv(SHM_TAG_ENV, "not-hex")
+    with pytest.raises(ValueError, match=SHM_TAG_ENV):
+        segment_name()

@@ -11,7 +11,8 @@ import pytest
 from laminar.config import ServiceConfig
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import Service, ServiceContext, ServiceHost
-from tests.support.roles import Calculator, Pair
+from tests.support.poll import until
+from tests.support.roles import Calculator, Pair, Sleep
 
 
 async def test_metrics_endpoint_counts_rpc_calls(serve, options) -> None:  # type: ignore[no-untyped-def]
@@ -54,6 +55,7 @@ class Lifecycle(Service):
 
 class Crashing(Service):
     role: ClassVar[str] = "crashing"
+    events: ClassVar[list[str]] = []
 
     async def on_start(self) -> None:
         self.spawn(self._boom(), name="boom")
@@ -61,6 +63,10 @@ class Crashing(Service):
     async def _boom(self) -> None:
         await asyncio.sleep(0.05)
         raise RuntimeError("background task failed")
+
+    async def on_stop(self) -> None:
+        await asyncio.sleep(0)  # on_stop may await, though its task is being cancelled
+        Crashing.events.append("on_stop")
 
 
 def _host(cls: type[Service], cluster, options) -> ServiceHost:  # type: ignore[no-untyped-def]
@@ -86,8 +92,42 @@ async def test_graceful_stop_runs_on_stop_and_cancels_owned_tasks(cluster, optio
     assert len(asyncio.all_tasks()) == before  # nothing left behind
 
 
-async def test_crashing_owned_task_stops_the_service(cluster, options) -> None:  # type: ignore[no-untyped-def]
+async def test_crashing_owned_task_stops_the_service_and_runs_on_stop(cluster, options) -> None:  # type: ignore[no-untyped-def]
+    Crashing.events.clear()
     host = _host(Crashing, cluster, options)
     with pytest.raises(ExceptionGroup) as info:
         await asyncio.wait_for(host.run(), 5)
     assert info.group_contains(RuntimeError, match="background task failed")
+    assert Crashing.events == ["on_stop"]  # what on_start acquired is released on a crash too
+
+
+async def test_cancelled_run_still_runs_on_stop(cluster, options) -> None:  # type: ignore[no-untyped-def]
+    Lifecycle.events.clear()
+    host = _host(Lifecycle, cluster, options)
+    task = asyncio.create_task(host.run())
+    await host.started()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert Lifecycle.events[0] == "on_stop" and "task cancelled" in Lifecycle.events
+
+
+async def test_local_notifies_are_owned_by_their_service(cluster, options) -> None:  # type: ignore[no-untyped-def]
+    """A local ``notify`` is not left running when the service that received it stops."""
+    host = _host(Calculator, cluster, options)
+    task = asyncio.create_task(host.run())
+    service = await host.started()
+    before = len(asyncio.all_tasks())
+    service.sleep.notify(Sleep(seconds=3600, tag="local"))
+    await until(_async(lambda: service.started == ["local"]), 5)
+    assert len(asyncio.all_tasks()) == before + 1
+    host.stop()
+    await asyncio.wait_for(task, 5)
+    assert service.cancelled == ["local"]
+
+
+def _async(probe):  # type: ignore[no-untyped-def]
+    async def run():  # type: ignore[no-untyped-def]
+        return probe()
+
+    return run

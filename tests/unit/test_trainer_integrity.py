@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from laminar.rl import grpo_advantages, pack, screen_batch
-from laminar.roles.trainer.compute import PolicyTrainer
+from laminar.roles.trainer.compute import PolicyTrainer, prepare
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.dp import DataParallelGroup
-from laminar.roles.trainer.integrity import prepare
 from laminar.trajectory import Trajectory
 
 from ..support.models import tiny_qwen2

@@ -53,9 +53,16 @@ def reward(record, response):
 class Hosted:
     """One service in this event loop; ``start`` fails fast if the service does."""
 
-    def __init__(self, cls: type[Service], role: str, instance: str, config: ServiceConfig):
+    def __init__(
+        self,
+        cls: type[Service],
+        role: str,
+        instance: str,
+        config: ServiceConfig,
+        cluster: ClusterConfig = CLUSTER,
+    ):
         ctx = ServiceContext(
-            role=role, instance=instance, cluster=CLUSTER, config=config, options=OPTIONS
+            role=role, instance=instance, cluster=cluster, config=config, options=OPTIONS
         )
         self.host = ServiceHost(cls, ctx)
         self.task: asyncio.Task[None] | None = None
@@ -82,10 +89,13 @@ class Hosted:
 
 
 class Loop:
-    """A data role and a relay; trainers come and go."""
+    """A data role and a relay; trainers come and go. ``bind``: where every service listens
+    (``inproc://*``: in this event loop, no sockets)."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+    def __init__(
+        self, tmp: Path, cluster: ClusterConfig = CLUSTER, bind: str = "tcp://127.0.0.1:0"
+    ) -> None:
+        self.tmp, self.cluster, self.bind = tmp, cluster, bind
         self.model = tiny_qwen2(tmp / "model")
         (tmp / "reward.py").write_text(REWARD)
         data = DataConfig(
@@ -97,10 +107,11 @@ class Loop:
             store=str(tmp / "data.sqlite"),
             queue_ahead=8,
             metrics=None,
+            bind=bind,
         )
-        self.data = Hosted(DataService, "data", "data", data)
-        relay = RelayConfig(weights_bind="tcp://127.0.0.1:0", keep=2, metrics=None)
-        self.relay = Hosted(RelayService, "relay", "relay-0", relay)
+        self.data = Hosted(DataService, "data", "data", data, cluster)
+        relay = RelayConfig(weights_bind=bind, keep=2, metrics=None, bind=bind)
+        self.relay = Hosted(RelayService, "relay", "relay-0", relay, cluster)
         self.trainer: Hosted | None = None
         self.clients: list[RpcClient] = []
 
@@ -112,7 +123,9 @@ class Loop:
         self.clients.append(RpcClient(address, OPTIONS, timeout=10.0))
         return self.clients[-1]
 
-    async def start_trainer(self, every: int, max_versions: int | None = None) -> TrainerService:
+    async def start_trainer(
+        self, every: int, max_versions: int | None = None, metrics_file: Path | None = None
+    ) -> TrainerService:
         config = TrainerConfig(
             model=str(self.model),
             batch={"prompts": 2, "samples": 4, "micro_batch_rows": 8},
@@ -123,10 +136,11 @@ class Loop:
             checkpoint={"dir": str(self.tmp / "ckpt"), "every": every, "keep": 2},
             publish={"master": self.relay_service.advertise()["weights"], "chunks": 2},
             data=self.data.address,
-            metrics_file=None,
+            metrics_file=str(metrics_file) if metrics_file else None,
             metrics=None,
+            bind=self.bind,
         )
-        self.trainer = Hosted(TrainerService, "trainer", "trainer", config)
+        self.trainer = Hosted(TrainerService, "trainer", "trainer", config, self.cluster)
         return await self.trainer.start()  # type: ignore[no-any-return]
 
     async def stop_trainer(self) -> None:

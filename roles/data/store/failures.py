@@ -32,25 +32,24 @@ as ``orphaned``) rather than waiting there forever. Failures are counted (``fail
 
 from __future__ import annotations
 
-import sqlite3
-import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from .base import StoreBase
 
 FailureKind = str  # "refused" | "invalid" | "quarantined"
 Rejection = tuple[str, str]  # (trajectory id, why it was refused)
 UNKNOWN = "unknown trajectory: this data role never queued it"
 
 
-class FailureLedger:
+class FailureLedger(StoreBase):
     """The ``failures`` table's side of :class:`~laminar.roles.data.store.Store` (a mixin)."""
 
-    db: sqlite3.Connection
+    if TYPE_CHECKING:  # from ``Queue`` (the other mixins of ``Store``)
 
-    def _leased_to(self, rollout: str) -> list[str]:  # Store's: leases of ``rollout``, in order
-        raise NotImplementedError
+        def _leased_to(self, rollout: str) -> list[str]: ...
 
-    def _requeue(self, tids: list[str]) -> None:  # Store's: back to the front of the queue
-        raise NotImplementedError
+        def _requeue(self, tids: list[str]) -> None: ...
 
     def fail(
         self, rollout: str, items: Iterable[Rejection], kind: FailureKind
@@ -62,8 +61,7 @@ class FailureLedger:
         """
         recorded: list[str] = []
         refused: list[Rejection] = []
-        with self.db:
-            self.db.execute("BEGIN")
+        with self._transaction():
             for tid, reason in items:
                 row = self.db.execute(
                     "SELECT state, rollout FROM samples WHERE trajectory_id = ?", (tid,)
@@ -88,8 +86,7 @@ class FailureLedger:
         if not tids:
             return [], []
         quarantined: list[Rejection] = []
-        with self.db:
-            self.db.execute("BEGIN")
+        with self._transaction():
             for tid in tids:
                 self.db.execute(
                     "UPDATE samples SET strikes = CASE WHEN progress THEN 0 ELSE strikes + 1 END "
@@ -115,7 +112,7 @@ class FailureLedger:
             "INSERT OR IGNORE INTO failures "
             "(trajectory_id, prompt_id, kind, reason, rollout, failed_at) "
             "SELECT trajectory_id, prompt_id, ?, ?, ?, ? FROM samples WHERE trajectory_id = ?",
-            (kind, reason, rollout, time.time(), tid),
+            (kind, reason, rollout, self.now(), tid),
         )
         self.db.execute(
             "UPDATE samples SET state = 'done', rollout = ? WHERE trajectory_id = ?", (rollout, tid)

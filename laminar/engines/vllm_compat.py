@@ -1,0 +1,139 @@
+"""Every vLLM internal Laminar reads, in one module, checked against the running vLLM.
+
+Why this module: Laminar uses vLLM's public surfaces wherever they exist (``AsyncLLM``,
+``SamplingParams``, ``collective_rpc``, worker extensions, the KV-connector base class, stat
+loggers). A few things it needs have no public surface and are read from the model runner's
+internals, which change between vLLM releases without notice:
+
+* the request table (``runner.requests``: a request's computed tokens and KV block ids) and the
+  persistent batch's index (``runner.input_batch.req_id_to_index``: is it scheduled now?), for
+  exporting a live request's KV state (repack migration);
+* the id vLLM gives a request: the caller's id plus ``-<suffix>`` since 0.11 (see ``internal_id``);
+* the per-layer KV cache tensors (``compilation_config.static_forward_context[layer].kv_cache``
+  for the layers of ``kv_cache_config.kv_cache_groups``), their block count and block size;
+* ``reload_weights(weights_iterator=...)`` and ``get_model()`` for in-place weight loading.
+
+Nothing else in Laminar names one of these attributes. When vLLM moves one, ``missing_internals``
+names it: the engine asks its workers at start and logs a warning (KV export then answers None
+and migration falls back to re-prefill; a weight load fails loudly), and
+``tests/slow/test_vllm_engine.py`` fails on it, so an upgrade breaks one module and one test.
+
+This module imports no vLLM and no torch: the accessors take the runner vLLM hands the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+# The vLLM release these accessors were written and tested against (major.minor).
+TESTED_MINOR = "0.32"
+
+
+def version_problem(version: str | None) -> str | None:
+    """Why ``version`` (vLLM's ``__version__``) may not work with Laminar; None if tested."""
+    if not version:
+        return "vLLM reports no version"
+    minor = ".".join(version.split("+")[0].split(".")[:2])
+    if minor != TESTED_MINOR:
+        return (
+            f"vLLM {version} is untested (Laminar reads vLLM internals tested on "
+            f"{TESTED_MINOR}.x; see laminar/engines/vllm_compat.py)"
+        )
+    return None
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+def internal_ids(runner: Any) -> dict[str, str]:
+    """The caller's request id -> vLLM's id for it, for every request the runner holds.
+
+    vLLM appends ``-<8 random chars>`` to the ids it is given (unless told not to); both forms
+    map to the runner's key."""
+    held = list(runner.requests)
+    out = {rid.rsplit("-", 1)[0]: rid for rid in held}
+    out.update({rid: rid for rid in held})
+    return out
+
+
+def scheduled_request(runner: Any, internal_id: str) -> Any | None:
+    """The runner's state of a request that is in the persistent batch now, else None (finished,
+    preempted, or not scheduled yet: its KV rows are not all there)."""
+    state = runner.requests.get(internal_id)
+    if state is None or internal_id not in runner.input_batch.req_id_to_index:
+        return None
+    return state
+
+
+def computed_blocks(state: Any) -> tuple[int, list[list[int]]]:
+    """A request state's (tokens whose KV is computed, block ids per KV cache group).
+
+    ``num_computed_tokens`` is the value at the start of the last step."""
+    return int(state.num_computed_tokens), [list(g) for g in state.block_ids]
+
+
+# -- the KV cache ------------------------------------------------------------------------------
+
+
+def layer_kv_caches(runner: Any) -> Iterator[tuple[str, Any]]:
+    """(layer name, its KV cache tensor) for every attention layer, in cache-group order.
+
+    Layers that share one storage are all yielded; the caller dedupes."""
+    context = runner.compilation_config.static_forward_context
+    for group in runner.kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            kv = getattr(context.get(name), "kv_cache", None)
+            if isinstance(kv, list):  # older vLLM: one tensor per virtual engine
+                kv = kv[0]
+            yield name, kv
+
+
+def num_blocks(runner: Any) -> int:
+    return int(runner.kv_cache_config.num_blocks)
+
+
+def block_size(runner: Any) -> int:
+    return int(runner.cache_config.block_size)
+
+
+# -- weights -----------------------------------------------------------------------------------
+
+
+def reload_weights(runner: Any, weights: Iterable[tuple[str, Any]]) -> None:
+    """Load HF-named tensors into the running model in place."""
+    runner.reload_weights(weights_iterator=iter(weights))
+
+
+def model(runner: Any) -> Any:
+    return runner.get_model()
+
+
+# -- the check ---------------------------------------------------------------------------------
+
+
+def missing_internals(runner: Any) -> list[str]:
+    """The internals above that this runner lacks (empty: every accessor works here)."""
+    missing: list[str] = []
+
+    def need(obj: Any, path: str) -> Any:
+        for part in path.split("."):
+            if not hasattr(obj, part):
+                missing.append(f"model_runner.{path}")
+                return None
+            obj = getattr(obj, part)
+        return obj
+
+    for path in ("requests", "input_batch.req_id_to_index", "reload_weights", "get_model"):
+        need(runner, path)
+    context = need(runner, "compilation_config.static_forward_context")
+    groups = need(runner, "kv_cache_config.kv_cache_groups")
+    need(runner, "kv_cache_config.num_blocks")
+    need(runner, "cache_config.block_size")
+    if context is not None and groups is not None:
+        layers = [name for group in groups for name in getattr(group, "layer_names", [])]
+        if not layers:
+            missing.append("kv_cache_config.kv_cache_groups[*].layer_names")
+        elif all(getattr(context.get(n), "kv_cache", None) is None for n in layers):
+            missing.append("static_forward_context[layer].kv_cache")
+    return missing

@@ -1,0 +1,291 @@
+"""One way to start a role process: ``laminar serve``'s command line and environment, its own
+session, its output as lines, its ready line, and its end.
+
+Two launchers start roles: ``laminar run``'s supervisor (:mod:`laminar.supervisor`, with restarts,
+on the event loop: :mod:`laminar.children`) and :class:`laminar.launch.ProcessCluster` (tests and
+benchmarks, blocking). They differ in what they do *around* a process, not in the process: both
+build the command here, give it the environment made here, start it in a session of its own, read
+its stdout through :class:`~laminar.linesplit.LineSplitter` and take its address from the line
+:func:`parse_ready_line` recognises.
+
+* **The command** (:func:`serve_command`) is a pure function of a :class:`ServeSpec`, so what a
+  role is started with can be checked without starting it.
+* **The environment** (:func:`launch_env`) marks every process of one launch with a fresh
+  ``LAMINAR_LAUNCH`` value, inherited by whatever the role starts, and keeps that mark readable
+  through ``setproctitle`` (:mod:`laminar.procfs`): only marked processes are ever signalled by
+  session, because a session id is recycled once the session is empty. A launch needs one cluster
+  token for all its roles (:func:`ensure_token`); a role pinned to cores gets its slot's thread
+  settings (:func:`cpu_env`).
+* **The session**: the role leads a new session (its id is the role's pid), so everything it
+  starts (a rollout's vLLM engine core and workers) can be found and ended with it
+  (:func:`kill_role`, :func:`laminar.procfs.end_session`).
+* **The output** is read in chunks and split into lines of at most 64 KiB, never with
+  ``readline``: a longer line is cut with a marker, and the reading goes on, so a chatty role never
+  blocks on a full pipe (:class:`OutputLines` without an event loop, :func:`pump_lines` with one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import selectors
+import subprocess
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from .config import new_token, token_problem
+from .cpus import CpuSlot
+from .errors import ConfigError, LaminarError
+from .linesplit import LineSplitter
+from .procfs import KEEP_ENVIRON, MARK_ENV, end_session
+from .service import READY_PREFIX
+
+#: Bytes read from a role's output at a time.
+CHUNK = 1 << 16
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """What one ``laminar serve`` is started with."""
+
+    role: str  # manager, ..., or module:Class / file.py:Class
+    instance: str
+    config: str | Path
+    section: str | None = None  # its config section, when it is not the role's name
+    join: str | None = None  # the manager's address: every role but the manager joins one
+    standalone: bool = False  # serve without joining a manager (tests, debugging)
+    sets: tuple[str, ...] = ()  # ``--set KEY=VALUE`` overrides, in order: a later one wins
+    bind: str | None = None  # a pinned listen address (a restarted manager keeps its port)
+    args: tuple[str, ...] = ()  # more arguments, last and verbatim
+    prefix: tuple[str, ...] = ()  # wraps the command (``ip netns exec NS``); it must exec it
+    python: str = sys.executable
+
+
+def serve_command(spec: ServeSpec) -> list[str]:
+    """The argv that starts ``spec``; a clear error for a member with no manager to join."""
+    if spec.role != "manager" and spec.join is None and not spec.standalone:
+        raise LaminarError(
+            f"{spec.instance}: start the manager first (a {spec.role} joins it), "
+            "or serve it standalone"
+        )
+    cmd = [*spec.prefix, spec.python, "-m", "laminar", "serve", "--role", spec.role]
+    cmd += ["--config", str(spec.config), "--instance", spec.instance]
+    if spec.section is not None:
+        cmd += ["--section", spec.section]
+    if spec.role != "manager":
+        cmd += ["--standalone"] if spec.standalone else ["--join", str(spec.join)]
+    sets = list(spec.sets)
+    if spec.bind is not None:
+        sets.append(f"{spec.section or spec.role}.bind={spec.bind}")
+    for item in sets:
+        cmd += ["--set", item]
+    return [*cmd, *spec.args]
+
+
+def config_sets(prefix: str, value: Any) -> list[str]:
+    """``--set`` items that give a config section (``prefix``) the values of ``value``, a nested
+    dict, one leaf each (``rollout.engine.max_tokens=64``; values as JSON)."""
+    if isinstance(value, dict):
+        out: list[str] = []
+        for key, sub in value.items():
+            out += config_sets(f"{prefix}.{key}", sub)
+        return out
+    return [f"{prefix}={json.dumps(value)}"]
+
+
+# -- the environment -------------------------------------------------------------------------------
+
+
+def launch_env(
+    base: Mapping[str, str], extra: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], str]:
+    """The environment of every role of one launch, and its mark (``NAME=value``, for the session
+    helpers of :mod:`laminar.procfs`): ``base`` and ``extra`` (which wins), unbuffered output,
+    and the launch's own mark, kept readable through ``setproctitle``."""
+    mark = uuid.uuid4().hex
+    env = {
+        **base,
+        "PYTHONUNBUFFERED": "1",
+        **(extra or {}),
+        **KEEP_ENVIRON,
+        MARK_ENV: mark,
+    }
+    return env, f"{MARK_ENV}={mark}"
+
+
+def ensure_token(env: dict[str, str], token_env: str) -> None:
+    """One cluster token for every role of a launch: the one ``env`` holds, checked now (a weak one
+    is refused before anything starts, not by each role in turn, restarts and all), or, when there
+    is none, a new random one put in ``env``."""
+    value = env.get(token_env)
+    if not value:
+        env[token_env] = new_token()
+        return
+    problem = token_problem(value)
+    if problem is not None:
+        make = f"`export {token_env}=$(python -c 'import secrets; print(secrets.token_hex(16))')`"
+        raise ConfigError(
+            f"the cluster token in {token_env} {problem}; make a random one, e.g. {make}"
+        )
+
+
+def cpu_env(env: Mapping[str, str], slot: CpuSlot | None, role: str) -> dict[str, str]:
+    """``env`` for a process on ``slot``: its thread count and cores, and for a rollout the cores
+    vLLM binds its OpenMP threads to (:mod:`laminar.cpus`)."""
+    return dict(env) if slot is None else {**env, **slot.env(role)}
+
+
+# -- the ready line --------------------------------------------------------------------------------
+
+
+def parse_ready_line(line: str) -> dict[str, Any] | None:
+    """The info of a ``LAMINAR_READY`` line (address, pid, ...: :func:`laminar.service.
+    print_ready`); None for any other line; an error naming the line if its payload is not a JSON
+    object."""
+    if not line.startswith(READY_PREFIX):
+        return None
+    payload = line[len(READY_PREFIX) :]
+    try:
+        info = json.loads(payload)
+    except ValueError as exc:
+        raise LaminarError(f"malformed ready line {line[:200]!r}: {exc}") from None
+    if not isinstance(info, dict):
+        raise LaminarError(f"malformed ready line {line[:200]!r}: not a JSON object")
+    return info
+
+
+# -- starting and ending ---------------------------------------------------------------------------
+
+
+def start(
+    argv: list[str],
+    env: Mapping[str, str],
+    *,
+    stderr: IO[Any] | int = subprocess.PIPE,
+    cwd: str | Path | None = None,
+) -> subprocess.Popen[str]:
+    """Start ``argv`` in a session of its own (its id is the pid), stdout piped: read it with
+    :class:`OutputLines` (through its file descriptor, never through ``proc.stdout``)."""
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=dict(env),
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+async def start_async(
+    argv: list[str],
+    env: Mapping[str, str],
+    *,
+    preexec_fn: Callable[[], None] | None = None,
+) -> asyncio.subprocess.Process:
+    """:func:`start` on the event loop, stdout and stderr piped (read them with
+    :func:`pump_lines`). ``preexec_fn`` runs in the child before exec: no imports in it."""
+    return await asyncio.create_subprocess_exec(
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=dict(env),
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
+
+
+def kill_role(proc: subprocess.Popen[Any], mark: str, grace: float = 5.0) -> None:
+    """SIGKILL the role's own process, then end what its session still holds (SIGTERM, SIGKILL
+    after ``grace``). A grace period even after SIGKILL: a shared-memory tracker
+    (multiprocessing's resource tracker ignores SIGTERM) unlinks its segments once its clients are
+    gone, unless it is killed with them."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+    end_session(proc.pid, grace=grace, mark=mark)
+
+
+# -- the output ------------------------------------------------------------------------------------
+
+
+class OutputLines:
+    """A started role's stdout as lines, for a caller without an event loop: :meth:`until_ready`,
+    then :meth:`drain` (in a thread) for the rest, nothing lost between them."""
+
+    def __init__(self, proc: subprocess.Popen[Any]) -> None:
+        assert proc.stdout is not None
+        self.proc = proc
+        self._fd = proc.stdout.fileno()
+        self._split = LineSplitter()
+        self._lines: deque[str] = deque()  # read, not yet handed out
+        self._ended = False
+
+    def _read(self) -> None:
+        try:
+            chunk = os.read(self._fd, CHUNK)
+        except OSError:  # closed under us: as good as the end
+            chunk = b""
+        if chunk:
+            self._lines.extend(self._split.feed(chunk))
+        else:
+            self._lines.extend(self._split.close())
+            self._ended = True
+
+    def until_ready(self, timeout: float, on_line: Callable[[str], None]) -> dict[str, Any] | None:
+        """Read until the ready line; its info, or None if the output ended, the process exited or
+        ``timeout`` passed first. Every line read (the ready line too) goes to ``on_line``."""
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._fd, selectors.EVENT_READ)
+            while True:
+                while self._lines:
+                    line = self._lines.popleft()
+                    on_line(line)
+                    info = parse_ready_line(line)
+                    if info is not None:
+                        return info
+                left = deadline - time.monotonic()
+                if self._ended or left <= 0:
+                    return None
+                if sel.select(timeout=min(0.1, left)):
+                    self._read()
+                elif self.proc.poll() is not None:
+                    return None
+
+    def drain(self, on_line: Callable[[str], None]) -> None:
+        """Hand every further line to ``on_line`` until the output ends (blocks: a thread's)."""
+        while True:
+            while self._lines:
+                on_line(self._lines.popleft())
+            if self._ended:
+                return
+            self._read()
+
+
+def read_ready_line(
+    proc: subprocess.Popen[Any], timeout: float, on_line: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """Read ``proc``'s stdout until its ``LAMINAR_READY`` line; its info, or None if the process
+    exited or ``timeout`` passed first. Every line read (the ready line too) goes to ``on_line``,
+    with its newline."""
+    return OutputLines(proc).until_ready(timeout, lambda line: on_line(line + "\n"))
+
+
+async def pump_lines(stream: asyncio.StreamReader, on_line: Callable[[str], None]) -> None:
+    """Hand each line of ``stream`` to ``on_line`` until it ends."""
+    lines = LineSplitter()
+    while chunk := await stream.read(CHUNK):
+        for text in lines.feed(chunk):
+            on_line(text)
+    for text in lines.close():
+        on_line(text)

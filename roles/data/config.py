@@ -1,0 +1,125 @@
+"""The data role's configuration (the ``data`` section of a run's config)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from laminar.config import ServiceConfig, Strict
+
+from .rewards import RewardSandbox
+
+
+class PolicySpec(Strict):
+    kind: str = Field(description="A built-in name or module:Class / file.py:Class.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the policy's constructor."
+    )
+
+
+class SamplingConfig(Strict):
+    max_tokens: Annotated[int, Field(ge=1)] = Field(256, description="Most response tokens.")
+    temperature: Annotated[float, Field(ge=0)] = Field(
+        1.0, description="Sampling temperature (keep trainer.temperature equal)."
+    )
+    top_p: Annotated[float, Field(gt=0, le=1)] = Field(1.0, description="Nucleus sampling mass.")
+    top_k: Annotated[int, Field(ge=0)] = Field(0, description="Top-k sampling; 0 = off.")
+    seed: int | None = Field(
+        None,
+        description="Set: each trajectory samples with its own seed derived from this and its id "
+        "(reproducible runs). null: engine randomness.",
+    )
+    ignore_eos: bool = Field(
+        False,
+        description="Generate max_tokens every time, past EOS (fixed-length benchmarks, tests).",
+    )
+
+
+class StalenessConfig(Strict):
+    bound: Annotated[int, Field(ge=0)] | None = Field(
+        None,
+        description="Max trainer_version - trajectory version a sample may hand out; null = off.",
+    )
+    action: Literal["drop", "hold"] = Field(
+        "drop",
+        description="drop: evict staler trajectories for good (counted); hold: skip them but keep "
+        "them buffered (a later, larger bound can still use them).",
+    )
+
+
+class DataConfig(ServiceConfig):
+    prompts: str = Field(description="Prompt dataset: .jsonl or .parquet (relative to the cwd).")
+    tokenizer: str = Field(description="Model directory (or tokenizer.json) to tokenize prompts.")
+    reward: str = Field(description="Reward function: module:function or file.py:function.")
+    max_prompt_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="Leave out prompts longer than this many tokens (a curriculum, or a bound on "
+        "the prompt part of the context); null: keep all. Those left out are counted "
+        "(`prompts_left_out` in the stats).",
+    )
+    max_model_len: Annotated[int, Field(ge=2)] | None = Field(
+        None,
+        description="The rollouts' context length; unset, it is taken from the same file's "
+        "rollout.engine.max_model_len (laminar.config.DERIVED). Set: a prompt "
+        "that leaves no room for a response (tokens >= this) is an error at load naming the "
+        "record (to leave such prompts out instead, set max_prompt_tokens below it); a prompt "
+        "that fits but leaves less than sampling.max_tokens gets a response cut at the limit "
+        "(finish reason length, counted in the log). null in both: not checked at load; a "
+        "rollout's engine refuses such a prompt and its trajectories are recorded as failed.",
+    )
+    id_key: str = Field("id", description="Record field holding the prompt's unique id.")
+    prompt_key: str = Field("prompt", description="Record field holding the prompt text.")
+    samples_per_prompt: Annotated[int, Field(ge=1)] = Field(
+        4, description="Trajectories per prompt (a group, for group-relative advantages)."
+    )
+    epochs: Annotated[int, Field(ge=1)] | None = Field(1, description="null = cycle forever.")
+    seed: int = Field(0, description="Seeds the per-epoch prompt order.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    store: str = Field(
+        "runs/latest/data.sqlite",
+        description="SQLite file of the prompt, partial-response and experience pools (durable).",
+    )
+    store_synchronous: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL",
+        description="SQLite synchronous setting of the store. NORMAL: an acknowledged report, "
+        "take or sample survives the data role being killed (kill -9, a crash), but an OS crash "
+        "or power loss can drop the last ones acknowledged. FULL: each is fsynced before it is "
+        "acknowledged, so it also survives an OS crash or power loss (one fsync per call).",
+    )
+    quarantine_after: Annotated[int, Field(ge=1)] = Field(
+        2,
+        description="A trajectory whose rollouts died this many times in a row while holding it "
+        "(no token acknowledged in between) is recorded as failed (quarantined) instead of "
+        "being handed to the next rollout: a poison prompt cannot take down every rollout.",
+    )
+    queue_ahead: Annotated[int, Field(ge=1)] = Field(
+        256, description="Samples kept queued ahead of demand (whole prompt groups)."
+    )
+    max_ahead: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="Backpressure: at most this many trajectories in generation or finished but "
+        "not yet trained on; rollouts get no new prompts beyond it. When generation outpaces "
+        "training, an unbounded backlog makes staleness grow without limit (FIFO consumption); "
+        "about 2 global batches keeps it at 1-3 versions. Unset: no limit.",
+    )
+    reward_workers: Annotated[int, Field(ge=1)] = Field(
+        1, description="Worker processes running the reward function."
+    )
+    reward_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        10.0, description="A reward call running longer is killed (the trajectory gets no reward)."
+    )
+    reward_sandbox: RewardSandbox = Field(
+        default_factory=RewardSandbox,
+        description="What a reward worker may use: memory, CPU seconds, processes, environment "
+        "(roles/data/rewards.py).",
+    )
+    drop_constant_groups: bool = Field(
+        False,
+        description="Dynamic sampling (DAPO): evict complete groups whose rewards are all equal "
+        "(advantage 0 for every member) instead of training on them; counted in `filtered`. "
+        "Applies to whole-group samples (the trainer's).",
+    )
+    sampler: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="fifo"))
+    eviction: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="none"))
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)

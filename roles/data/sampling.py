@@ -1,0 +1,96 @@
+"""The trainer's side of the experience buffer: the writer that scores, and ``sample``.
+
+The writer scores each new trajectory with the reward plug-in in a worker process (off the event
+loop, with a timeout) and records the reward or the reason there is none. ``sample`` hands the
+trainer scored trajectories chosen by the sampler (``buffer.ExperienceBuffer``: the consume
+cursor, whole groups, the staleness bound), long-polling up to the request's ``wait_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from .api import SampleRequest, Trajectories
+from .buffer import Batch, ExperienceBuffer
+from .context import DataContext
+from .rewards import RewardPool
+
+
+class Sampling:
+    """Scores what ``to_score`` gets; ``wake`` tells waiting takes that consumption made room."""
+
+    def __init__(
+        self, ctx: DataContext, to_score: asyncio.Queue[str], wake: Callable[[], None]
+    ) -> None:
+        self.ctx = ctx
+        self.to_score = to_score
+        self._wake = wake
+        self.buffer: ExperienceBuffer | None = None
+        self._rewards: RewardPool | None = None
+        self._tokenizer: Any = None
+        self._ready = asyncio.Event()  # set when scored trajectories arrive
+        self._scored = (0, 0.0)  # trajectories scored since the last sample, their reward sum
+
+    def open(self, buffer: ExperienceBuffer, rewards: RewardPool, tokenizer: Any) -> None:
+        """What the service made at start-up (before the score loops run)."""
+        self.buffer, self._rewards, self._tokenizer = buffer, rewards, tokenizer
+
+    async def sample(self, req: SampleRequest) -> Trajectories:
+        self.ctx.need_store()
+        buffer = self.buffer
+        assert buffer is not None
+        buffer.check(req.n, req.whole_groups)
+        clock = self.ctx.clock
+        deadline = clock.time() + req.wait_s
+        while True:
+            self._ready.clear()
+            final = clock.time() >= deadline
+            batch = await self.ctx.db(self._sample_batch, buffer, req, final)
+            if self.ctx.config.max_ahead is not None and (
+                buffer.filtered or (batch and batch.items)
+            ):
+                self._wake()  # consumption or filtering made room: waiting takes re-check
+            if batch is not None and (batch.items or final):
+                (scored, reward_sum), self._scored = self._scored, (0, 0.0)
+                return Trajectories(
+                    items=batch.items,
+                    seqs=batch.seqs,
+                    cursor=batch.cursor,
+                    redelivered=batch.redelivered,
+                    scored=scored,
+                    scored_reward_sum=reward_sum,
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), max(deadline - clock.time(), 0.0))
+
+    @staticmethod
+    def _sample_batch(buffer: ExperienceBuffer, req: SampleRequest, final: bool) -> Batch | None:
+        return buffer.sample(
+            req.n,
+            req.trainer_version,
+            after=req.after,
+            whole_groups=req.whole_groups,
+            partial=final,
+        )
+
+    async def score_loop(self) -> None:
+        store, rewards, db = self.ctx.need_store(), self._rewards, self.ctx.db
+        assert rewards is not None
+        while True:
+            tid = await self.to_score.get()
+            try:
+                t = await db(store.trajectory, tid)
+            except KeyError:  # withdrawn meanwhile (a deferred prompt of tail_batching)
+                continue
+            record = await db(store.record_of, tid)
+            text = self._tokenizer.decode(t.response_token_ids, skip_special_tokens=True)
+            result = await rewards.score(record, text)
+            if result.error is not None:
+                self.ctx.log.warning("reward failed", trajectory=tid, error=result.error)
+            await db(store.set_rewards, [(tid, result.reward, result.error)])
+            if result.reward is not None:
+                self._scored = (self._scored[0] + 1, self._scored[1] + result.reward)
+            self._ready.set()

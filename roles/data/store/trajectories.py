@@ -1,0 +1,241 @@
+"""The ``trajectories`` table: the experience buffer.
+
+Finished trajectories (msgpack body), their reward (NULL until scored), whether the trainer
+consumed them and whether eviction dropped them. ``consume_seq`` numbers consumed trajectories
+1, 2, 3, ... in the order the trainer got them (the trainer's *cursor*: after a crash it asks
+again from its last committed cursor and gets the ones it had taken but not committed, in the
+same order). NULL until consumed; the counter is ``MAX(consume_seq)``, so it is as durable as the
+rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import msgpack
+
+from laminar.trajectory import Trajectory
+
+from .base import StoreBase
+from .failures import UNKNOWN, Rejection
+
+
+@dataclass(frozen=True, slots=True)
+class BufferEntry:
+    """What samplers and eviction policies see of a buffered trajectory (no token payload)."""
+
+    seq: int
+    trajectory_id: str
+    prompt_id: str
+    version: int
+    n_tokens: int
+    finished_at: float
+    reward: float | None
+    sample_index: int = 0  # position in its prompt's group (``prompt_id`` is the group)
+
+
+class Trajectories(StoreBase):
+    def complete(
+        self, rollout: str, trajectories: Iterable[Trajectory]
+    ) -> tuple[list[str], int, list[Rejection]]:
+        """Record finished trajectories exactly once.
+
+        Returns (new ids, duplicates ignored, refused and why): a trajectory this store never
+        queued is refused alone; the others are stored. A completion of a sample that is done
+        (generated, or failed) is a duplicate.
+        """
+        new: list[str] = []
+        dupes = 0
+        refused: list[Rejection] = []
+        with self._transaction():
+            for t in trajectories:
+                row = self.db.execute(
+                    "SELECT state FROM samples WHERE trajectory_id = ?", (t.trajectory_id,)
+                ).fetchone()
+                if row is None:
+                    refused.append((t.trajectory_id, UNKNOWN))
+                    continue
+                if row[0] == "done":
+                    dupes += 1
+                    continue
+                body = msgpack.packb(t.model_dump(mode="json"))
+                self.db.execute(
+                    "INSERT INTO trajectories "
+                    "(trajectory_id, prompt_id, version, n_tokens, finished_at, body) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        t.trajectory_id,
+                        t.prompt_id,
+                        t.version,
+                        len(t.response_token_ids),
+                        t.finished_at,
+                        body,
+                    ),
+                )
+                self.db.execute(
+                    "UPDATE samples SET state = 'done', rollout = ? WHERE trajectory_id = ?",
+                    (rollout, t.trajectory_id),
+                )
+                self.db.execute("DELETE FROM partials WHERE trajectory_id = ?", (t.trajectory_id,))
+                new.append(t.trajectory_id)
+        return new, dupes, refused
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    def unscored(self) -> list[str]:
+        return [
+            r[0] for r in self.db.execute("SELECT trajectory_id FROM trajectories WHERE scored = 0")
+        ]
+
+    def set_rewards(self, results: Iterable[tuple[str, float | None, str | None]]) -> None:
+        with self._transaction():
+            self.db.executemany(
+                "UPDATE trajectories SET reward = ?, reward_error = ?, scored = 1 "
+                "WHERE trajectory_id = ?",
+                ((reward, error, tid) for tid, reward, error in results),
+            )
+
+    def trajectory(self, tid: str) -> Trajectory:
+        row = self.db.execute(
+            "SELECT body, reward, reward_error FROM trajectories WHERE trajectory_id = ?", (tid,)
+        ).fetchone()
+        if row is None:
+            raise KeyError(tid)
+        return self._decode(*row)
+
+    @staticmethod
+    def _decode(body: bytes, reward: float | None, error: str | None) -> Trajectory:
+        t = Trajectory.model_validate(msgpack.unpackb(body))
+        return t.model_copy(update={"reward": reward, "reward_error": error})
+
+    # -- consumption -------------------------------------------------------------------------
+
+    def ready_entries(self) -> list[BufferEntry]:
+        """Scored, unconsumed, not evicted: what the trainer may sample, oldest first."""
+        return [
+            BufferEntry(*row)
+            for row in self.db.execute(
+                "SELECT t.seq, t.trajectory_id, t.prompt_id, t.version, t.n_tokens, "
+                "t.finished_at, t.reward, COALESCE(s.sample_index, 0) "
+                "FROM trajectories t LEFT JOIN samples s ON s.trajectory_id = t.trajectory_id "
+                "WHERE t.scored = 1 AND t.consumed = 0 AND t.evicted = 0 ORDER BY t.seq"
+            )
+        ]
+
+    def consume(self, tids: Sequence[str]) -> list[Trajectory]:
+        return [t for _, t in self.consume_numbered(tids)]
+
+    def consume_numbered(self, tids: Sequence[str]) -> list[tuple[int, Trajectory]]:
+        """Mark ``tids`` consumed, in this order, each with the next consume seq.
+
+        Returns (consume seq, trajectory) pairs; ids unknown or already consumed are skipped.
+        """
+        with self._transaction():
+            out = []
+            seq = self.consume_cursor()
+            for tid in tids:
+                row = self.db.execute(
+                    "SELECT body, reward, reward_error FROM trajectories "
+                    "WHERE trajectory_id = ? AND consumed = 0",
+                    (tid,),
+                ).fetchone()
+                if row is None:
+                    continue
+                seq += 1
+                self.db.execute(
+                    "UPDATE trajectories SET consumed = 1, consume_seq = ? WHERE trajectory_id = ?",
+                    (seq, tid),
+                )
+                out.append((seq, self._decode(*row)))
+        return out
+
+    def consumed_after(self, after: int, limit: int) -> list[tuple[int, Trajectory]]:
+        """Already consumed trajectories with consume seq > ``after``, in consume order."""
+        return [
+            (seq, self._decode(body, reward, error))
+            for seq, body, reward, error in self.db.execute(
+                "SELECT consume_seq, body, reward, reward_error FROM trajectories "
+                "WHERE consume_seq > ? ORDER BY consume_seq LIMIT ?",
+                (after, limit),
+            )
+        ]
+
+    def consume_cursor(self) -> int:
+        """The highest consume seq handed out so far (0 before the first)."""
+        (cursor,) = self.db.execute(
+            "SELECT COALESCE(MAX(consume_seq), 0) FROM trajectories"
+        ).fetchone()
+        return int(cursor)
+
+    # -- eviction ----------------------------------------------------------------------------
+
+    def evict(
+        self,
+        tids: Sequence[str],
+        *,
+        stale: bool = False,
+        filtered: bool = False,
+        orphaned: bool = False,
+    ) -> None:
+        """Drop ``tids`` from the buffer for good; ``stale`` counts them in ``stale_dropped``,
+        ``filtered`` in ``filtered``, ``orphaned`` in ``orphaned``."""
+        with self._transaction():
+            dropped = 0
+            for tid in tids:
+                dropped += self.db.execute(
+                    "UPDATE trajectories SET evicted = 1 "
+                    "WHERE trajectory_id = ? AND evicted = 0 AND consumed = 0",
+                    (tid,),
+                ).rowcount
+            if stale and dropped:
+                self._set_meta("stale_dropped", self.stale_dropped() + dropped)
+            if filtered and dropped:
+                self._set_meta("filtered", self.filtered() + dropped)
+            if orphaned and dropped:
+                self._set_meta("orphaned", self.orphaned() + dropped)
+
+    def stale_dropped(self) -> int:
+        return self._meta_int("stale_dropped")
+
+    def filtered(self) -> int:
+        return self._meta_int("filtered")
+
+    def orphaned(self) -> int:
+        return self._meta_int("orphaned")
+
+    # -- summaries ---------------------------------------------------------------------------
+
+    def mean_reward(self) -> float | None:
+        (mean,) = self.db.execute(
+            "SELECT AVG(reward) FROM trajectories WHERE reward IS NOT NULL"
+        ).fetchone()
+        return mean
+
+    def completed_ids(self) -> list[str]:
+        return [
+            r[0] for r in self.db.execute("SELECT trajectory_id FROM trajectories ORDER BY seq")
+        ]
+
+    def buffer_counts(self) -> dict[str, int]:
+        """Trajectories stored, scored, consumed, evicted, without a reward, and their tokens."""
+        row = self.db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(scored), 0), COALESCE(SUM(consumed), 0), "
+            "COALESCE(SUM(evicted), 0), COALESCE(SUM(reward_error IS NOT NULL), 0), "
+            "COALESCE(SUM(n_tokens), 0) FROM trajectories"
+        ).fetchone()
+        return dict(
+            trajectories=row[0],
+            scored=row[1],
+            consumed=row[2],
+            evicted=row[3],
+            reward_errors=row[4],
+            tokens=row[5],
+        )
+
+    def waiting_count(self) -> int:
+        """Finished trajectories neither consumed nor evicted."""
+        (waiting,) = self.db.execute(
+            "SELECT COUNT(*) FROM trajectories WHERE consumed = 0 AND evicted = 0"
+        ).fetchone()
+        return int(waiting)

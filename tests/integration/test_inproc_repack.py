@@ -1,0 +1,196 @@
+"""Repack migration on the in-process cluster (``tests/support/inproc.py``): manager, data and sim
+rollouts in one event loop on virtual time.
+
+The same scenarios and checks as the process tests in ``test_repack.py`` (the first of which
+stays there as the ground truth over real processes and sockets): sim tokens are a hash of seed,
+id and position, so "the tokens it would have had without the move" is computed by a local
+engine running the same ids uninterrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from laminar.roles.data.api import DataApi, SampleRequest
+from laminar.roles.rollout import MigrateRequest, RolloutApi
+from laminar.roles.rollout.api import DrainRequest
+
+from ..support.inproc import InprocCluster, inproc_cluster, run_inproc
+from ..support.poll import until
+from ..support.task import write_prompts, write_tokenizer
+from .test_repack import MAX_TOKENS, PROMPTS, SAMPLES, SIM, reference
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def sections(tmp: Path, repack: dict | None = None, engine: dict | None = None) -> dict[str, Any]:
+    return {
+        "manager": {"repack": repack or {"enabled": False}},
+        "data": {
+            "prompts": str(write_prompts(tmp / "prompts.jsonl", PROMPTS)),
+            "tokenizer": str(write_tokenizer(tmp / "tok")),
+            "reward": "tests.support.task:reward_len",
+            "samples_per_prompt": SAMPLES,
+            "epochs": 1,
+            "store": str(tmp / "data.sqlite"),
+            "sampling": {"max_tokens": MAX_TOKENS},
+        },
+        "rollout": {
+            "concurrency": 8,
+            "flush_interval_s": 0.1,
+            "take_wait_s": 0.5,
+            "engine": engine or SIM,
+        },
+    }
+
+
+def members(*rollouts: str) -> list[tuple[str, str]]:
+    return [("data", "data")] + [("rollout", name) for name in rollouts]
+
+
+async def _in_flight(rollout: RolloutApi, at_least: int) -> bool:
+    return (await rollout.state.call()).in_flight >= at_least
+
+
+async def _finished(data: DataApi):  # type: ignore[no-untyped-def]
+    status = await data.status.call()
+    return status if status.finished else None
+
+
+def outcome(trajectories: list) -> list[tuple]:
+    """What two runs of one seed must agree on: who generated what, when, of which length."""
+    return sorted(
+        (t.trajectory_id, t.rollout, t.version, len(t.response_token_ids), t.finished_at)
+        for t in trajectories
+    )
+
+
+async def migrate_scenario(tmp: Path, seed: int) -> list[tuple]:
+    async with inproc_cluster(
+        sections(tmp), seed=seed, members=members("rollout-a", "rollout-b")
+    ) as cluster:
+        a = cluster.proxy(RolloutApi, "rollout-a")
+        data = cluster.proxy(DataApi, "data")
+
+        # a has a full batch in flight, with tokens generated; it takes no more from now on
+        await until(lambda: _in_flight(a, at_least=8), timeout=30)
+        await asyncio.sleep(0.2)  # every sequence has tokens (0.01 s steps), none finished
+        await a.drain.call(DrainRequest(reason="test"))
+        report = await a.migrate.call(
+            MigrateRequest(destination="rollout-b", address=cluster.address("rollout-b"), version=0)
+        )
+        assert report.error == "" and not report.returned, report
+        assert len(report.moved) >= 8 and report.mode == "reprefill", report
+        assert report.tokens > 0
+        assert (await a.state.call()).in_flight == 0
+
+        status = await until(lambda: _finished(data), timeout=90)
+        assert status.trajectories == PROMPTS * SAMPLES
+        done = (await data.sample.call(SampleRequest(n=PROMPTS * SAMPLES))).items
+        assert len({t.trajectory_id for t in done}) == PROMPTS * SAMPLES
+        moved = [t for t in done if t.trajectory_id in set(report.moved)]
+        assert len(moved) == len(report.moved)
+        ref = await reference(moved, seed)
+        for t in moved:
+            assert t.rollout == "rollout-b" and t.version == 0
+            tokens, logprobs = ref[t.trajectory_id]
+            assert t.response_token_ids == tokens, t.trajectory_id
+            assert t.logprobs == pytest.approx(logprobs, abs=1e-6)
+        return outcome(done)
+
+
+def test_migrate_moves_in_flight_trajectories_unchanged(tmp_path: Path) -> None:
+    run_inproc(lambda: migrate_scenario(tmp_path, seed=3), seed=3)
+
+
+async def refuse_scenario(tmp: Path, seed: int) -> list[tuple]:
+    async with inproc_cluster(
+        sections(tmp), seed=seed, members=members("rollout-a", "rollout-b")
+    ) as cluster:
+        a = cluster.proxy(RolloutApi, "rollout-a")
+        await until(lambda: _in_flight(a, at_least=1), timeout=30)
+        before = (await a.state.call()).in_flight
+        report = await a.migrate.call(
+            MigrateRequest(destination="rollout-b", address=cluster.address("rollout-b"), version=7)
+        )
+        assert "holds version 0" in report.error and not report.moved
+        report = await a.migrate.call(
+            MigrateRequest(destination="rollout-a", address=cluster.address("rollout-a"), version=0)
+        )
+        assert "itself" in report.error
+        assert (await a.state.call()).in_flight >= min(before, 1)
+        # The data role down: the leases cannot move, so the sequences go straight back into
+        # a's engine (they used to be dropped, and came back later to an engine of another
+        # version, which refused them for good).
+        await cluster.kill("data")
+        await until(lambda: _in_flight(a, at_least=1), timeout=30)
+        report = await a.migrate.call(
+            MigrateRequest(destination="rollout-b", address=cluster.address("rollout-b"), version=0)
+        )
+        assert "data role" in report.error and not report.moved, report
+        assert report.returned and (await a.state.call()).in_flight >= len(report.returned)
+        await cluster.restart("data")
+        data = cluster.proxy(DataApi, "data")
+        status = await until(lambda: _finished(data), timeout=90)
+        assert status.trajectories == PROMPTS * SAMPLES
+        assert status.failed == 0, status
+        done = (await data.sample.call(SampleRequest(n=PROMPTS * SAMPLES))).items
+        return outcome(done)
+
+
+def test_migrate_refuses_a_wrong_version_and_keeps_everything(tmp_path: Path) -> None:
+    run_inproc(lambda: refuse_scenario(tmp_path, seed=3), seed=3)
+
+
+async def ramp_down_scenario(tmp: Path, seed: int) -> list[tuple]:
+    """Prompts run out (epochs: 1), rollouts starve and ramp down; the manager's periodic repack
+    consolidates their tails. Every trajectory completes once, on one version."""
+    # Slow steps, so the tails outlive the time it takes to notice the ramp-down: an empty long
+    # poll (take_wait_s), a heartbeat, a repack period.
+    slow = {**SIM, "cost": {"batch_points": [[1, 0.03], [256, 0.035]], "prefill_s_per_token": 0}}
+    config = sections(tmp, {"enabled": True, "period_s": 0.25, "batch_limit": 64}, engine=slow)
+    rollouts = ("rollout-a", "rollout-b", "rollout-c")
+    async with inproc_cluster(config, seed=seed, members=members(*rollouts)) as cluster:
+        data = cluster.proxy(DataApi, "data")
+        status = await until(lambda: _finished(data), timeout=120)
+        assert status.trajectories == PROMPTS * SAMPLES
+        done = (await data.sample.call(SampleRequest(n=PROMPTS * SAMPLES))).items
+        assert len({t.trajectory_id for t in done}) == PROMPTS * SAMPLES
+        assert all(t.version == 0 for t in done)
+        events = repack_events(cluster)
+        assert events, "no repack happened"
+        moved = {tid for e in events for tid in e["trajectories"]}
+        assert moved and not any(e["errors"] for e in events)
+        by_id = {t.trajectory_id: t for t in done}
+        destinations = {m["destination"] for e in events for m in e["moves"]}
+        ref = await reference([by_id[tid] for tid in moved], seed)
+        for tid in moved:
+            assert by_id[tid].rollout in destinations
+            assert by_id[tid].response_token_ids == ref[tid][0]
+        return [*outcome(done), ("repacks", len(events), tuple(sorted(moved)))]
+
+
+def repack_events(cluster: InprocCluster) -> list[dict[str, Any]]:
+    """The manager's repack events (what its admin API serves at ``/v1/events``)."""
+    manager = cluster.service("manager")
+    return [e.data for e in manager.events.recent(kinds={"repack"})]
+
+
+def test_manager_repacks_a_ramping_down_cluster(tmp_path: Path) -> None:
+    run_inproc(lambda: ramp_down_scenario(tmp_path, seed=3), seed=3)
+
+
+def test_a_seed_fixes_the_run(tmp_path: Path) -> None:
+    """Two runs of one seed agree on every trajectory's rollout, length and finishing time (and
+    on the repacks); another seed is another run."""
+    runs = []
+    for i, seed in enumerate((3, 3, 4)):
+        tmp = tmp_path / str(i)
+        tmp.mkdir()
+        runs.append(run_inproc(lambda tmp=tmp, seed=seed: ramp_down_scenario(tmp, seed), seed=seed))
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
