@@ -32,7 +32,7 @@ run: runs/arith/train.jsonl runs/models/arith-sft/config.json
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --dist loadgroup
 
 bench: $(STAMP)
 	$(PY) benchmarks/transport.py --json runs/bench/transport.json

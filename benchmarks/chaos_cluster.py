@@ -1,6 +1,6 @@
 """The chaos benchmark's cluster: emulated hosts, the roles on them, and an orchestrator.
 
-Hosts. With network namespaces (root, iproute2) every host is a ``laminar.netns.NetLab``
+Hosts. With network namespaces (root, iproute2) every host is a ``laminar.harness.netns.NetLab``
 namespace with its own hostname (a UTS namespace, as in ``tests/support/multihost.py``), so
 rollouts find "the relay on my host" as on a cluster and one rollout's link can be cut without
 touching anyone else's. Host 0 holds the control plane (manager, data, trainer); hosts 1..R one
@@ -33,9 +33,9 @@ from typing import Any
 
 import yaml
 
-from laminar.launch import ProcessCluster
-from laminar.netns import NetLab, probe
-from laminar.procfs import end_session, session_members
+from laminar.harness.launch import ProcessCluster
+from laminar.harness.netns import NetLab, probe
+from laminar.proc.procfs import end_session, session_members
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "chaos-benchmark-token-0123456789abcdef"

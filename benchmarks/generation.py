@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from laminar.engines.configs import VllmEngineConfig  # noqa: E402
 from laminar.engines.vllm_engine import engine_args, eos_token_ids  # noqa: E402
-from laminar.launch import ProcessCluster  # noqa: E402
+from laminar.harness.launch import ProcessCluster  # noqa: E402
 from laminar.roles.data.api import DataApi, SampleRequest  # noqa: E402
 from laminar.roles.data.prompts import load_tokenizer, read_records  # noqa: E402
 from laminar.roles.data.service import trajectory_seed  # noqa: E402

@@ -6,7 +6,7 @@ Two settings, both with real relay processes and Laminar's transfer protocol:
    scaling. ``loopback_p2p_gbps`` (trainer -> one relay) against ``memcpy_gbps`` (the machine's
    limit), per transport (tcp, and ucx where ucxx is installed).
 2. **netns** — one network namespace per node, veth links shaped to ``--rate-mbit`` with tc
-   (``laminar.netns``), so links, not cores, are the bottleneck as on a cluster (default 500
+   (``laminar.harness.netns``), so links, not cores, are the bottleneck as on a cluster (default 500
    Mbit/s: at 1 Gbit/s a chain of 8 relays pushes 16 Gbit/s through veths and the bridge, and
    this machine's 2 cores, not the links, become the limit):
    ``p2p_s`` (one transfer between two hosts, the ideal), ``chain_s`` for 1, 2, 4 and 8 relays
@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from laminar import transport  # noqa: E402
 from laminar.config import ClusterConfig  # noqa: E402
-from laminar.launch import ProcessCluster  # noqa: E402
-from laminar.netns import NetLab, probe  # noqa: E402
+from laminar.harness.launch import ProcessCluster  # noqa: E402
+from laminar.harness.netns import NetLab, probe  # noqa: E402
 from laminar.roles.relay import RelayApi  # noqa: E402
 from laminar.rpc_client import RpcClient, remote  # noqa: E402
 from laminar.service import transport_options  # noqa: E402

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from laminar.config import ClusterConfig  # noqa: E402
-from laminar.launch import ProcessCluster  # noqa: E402
+from laminar.harness.launch import ProcessCluster  # noqa: E402
 from laminar.rpc_client import RpcClient  # noqa: E402
 from laminar.service import transport_options  # noqa: E402
 from laminar.weights.publisher import PublishConfig, WeightPublisher  # noqa: E402

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from laminar.config import ClusterConfig  # noqa: E402
-from laminar.launch import ProcessCluster  # noqa: E402
+from laminar.harness.launch import ProcessCluster  # noqa: E402
 from laminar.membership import MembershipApi  # noqa: E402
 from laminar.rpc_client import RpcClient, remote  # noqa: E402
 from laminar.service import transport_options  # noqa: E402

@@ -18,7 +18,7 @@ from .config import ConfigError, LaminarConfig, load_config
 from .errors import LaminarError
 
 if TYPE_CHECKING:
-    from .status import AdminClient
+    from .devmode.status import AdminClient
 
 #: what `laminar doctor` checks when no config is given (and it exists)
 DEFAULT_EXAMPLE = "examples/arith/config.yaml"
@@ -81,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .supervisor import Supervisor
+    from .devmode.supervisor import Supervisor
 
     overrides = list(args.set)
     if args.duration is not None:
@@ -152,7 +152,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .plots import plot_run
+    from .devmode.plots import plot_run
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -186,7 +186,7 @@ def _find_cluster(args: argparse.Namespace) -> tuple[str, bytes, LaminarConfig]:
 def _admin(args: argparse.Namespace, status: object = None) -> AdminClient:
     """A client of the manager's admin HTTP API: ``--admin URL``, or the URL the manager
     published in its own member record (asked over RPC)."""
-    from .status import AdminClient, admin_url, fetch_status
+    from .devmode.status import AdminClient, admin_url, fetch_status
 
     if args.admin:
         config = load_config(args.config, args.set)
@@ -203,7 +203,7 @@ def _admin(args: argparse.Namespace, status: object = None) -> AdminClient:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import fetch_status, render_admin_summary, render_status
+    from .devmode.status import fetch_status, render_admin_summary, render_status
 
     if args.admin and not args.join:  # the admin API alone
         admin = _admin(args)
@@ -230,7 +230,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_repack(args: argparse.Namespace) -> int:
-    from .status import render_outcome, render_plan
+    from .devmode.status import render_outcome, render_plan
 
     admin = _admin(args)
     console = _console()
@@ -250,7 +250,7 @@ def cmd_repack(args: argparse.Namespace) -> int:
 
 
 def cmd_repack_policy(args: argparse.Namespace) -> int:
-    from .status import render_policy
+    from .devmode.status import render_policy
 
     admin = _admin(args)
     change = {

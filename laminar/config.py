@@ -202,7 +202,7 @@ class RunConfig(Strict):
     cpus: Literal["auto", "off"] = Field(
         "auto",
         description="auto: divide this machine's cores between rollouts and the trainer "
-        "(laminar.cpus); off: leave placement to the OS and the engines.",
+        "(laminar.proc.cpus); off: leave placement to the OS and the engines.",
     )
     plots: bool = Field(True, description="Draw <run_dir>/plots/*.png when the run ends.")
 

@@ -17,7 +17,8 @@ TRANSPORTS = ["tcp://127.0.0.1:0", "inproc://*", "shm://*"]
 # Every shared-memory segment this session (and every process it starts) creates carries this tag
 # (transport/shm.py), so the leak checks below see only this session's segments, not those of a
 # benchmark, a dev run or another test session (a parallel worker) sharing /dev/shm.
-SHM_TAG = os.environ.setdefault(SHM_TAG_ENV, secrets.token_hex(4))
+# Set in every process that loads this file (each pytest-xdist worker too, not inherited).
+SHM_TAG = os.environ[SHM_TAG_ENV] = secrets.token_hex(4)
 
 
 def session_segments() -> set[str]:
@@ -27,6 +28,14 @@ def session_segments() -> set[str]:
         for n in os.listdir("/dev/shm")
         if n.startswith("laminar-") and n.split("-", 2)[-1].startswith(SHM_TAG)
     }
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2 --dist loadgroup``) the vLLM tests run one after another on one
+    worker: each takes every core it can get, and two at once only slow both down."""
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("vllm"))
 
 
 @pytest.fixture

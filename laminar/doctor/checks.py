@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..config import token_problem
-from ..cpus import CpuSlot, plan_cpus
 from ..engines.kvcache import format_bytes
+from ..proc.cpus import CpuSlot, plan_cpus
 from .facts import MachineFacts
 from .findings import Finding, Severity
 from .needs import RolloutNeed, RunNeeds
@@ -31,7 +31,7 @@ PREPARE_HINT = "run `make run` (it prepares the example's data, model and SFT wa
 
 
 def check_cores(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
-    """One core per vLLM rollout is the plan of :mod:`laminar.cpus`; fewer and they share."""
+    """One core per vLLM rollout is the plan of :mod:`laminar.proc.cpus`; fewer and they share."""
     cores, vllm = len(facts.cores), len(needs.vllm_rollouts)
     if vllm == 0:
         return [Finding("ok", "cores", f"{cores} cores (no vLLM rollout)")]
@@ -59,7 +59,7 @@ def check_cores(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
 
 def rollout_nodes(facts: MachineFacts, needs: RunNeeds) -> dict[int, list[RolloutNeed]]:
     """The NUMA node each vLLM rollout's KV cache lands on: vLLM's CPU worker uses the node of
-    the first core it may run on, which is the first core of the slot :mod:`laminar.cpus` plans
+    the first core it may run on, which is the first core of the slot :mod:`laminar.proc.cpus` plans
     (``laminar run`` with ``run.cpus: auto``), else the first core of this process."""
     slots: dict[str, CpuSlot] = {}
     if needs.mode == "run" and needs.cpus == "auto" and facts.cores and needs.processes:

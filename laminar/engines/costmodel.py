@@ -119,8 +119,8 @@ def prefill_time(tokens: int, model: CostModel | None = None) -> float:
 
 # -- training -------------------------------------------------------------------------------------
 #
-# The sim trainer (roles/trainer/sim_compute.py) sleeps for ``TrainCostModel.train_time(tokens)``. The
-# default constants describe the paper's 7B setting (Qwen2.5-7B, FSDP on H800s):
+# The sim trainer (roles/trainer/sim_compute.py) sleeps for ``TrainCostModel.train_time(tokens)``.
+# The default constants describe the paper's 7B setting (Qwen2.5-7B, FSDP on H800s):
 #
 # * FLOPs per trained token: 6 N for forward + backward plus 2 N for the forward that recomputes
 #   the old policy's logprobs (GRPO; no reference model), N = 7.6e9 parameters -> 8 N = 6.1e10.

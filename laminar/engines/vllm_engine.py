@@ -28,7 +28,7 @@ The other way round, the engine's processes die with the rollout however it ends
 included: :meth:`VllmEngine.start` names the rollout in ``LAMINAR_ENGINE_OWNER`` while the engine
 starts and a watch in :mod:`laminar.engines.vllm_worker` (loaded in vLLM's processes) kills them
 when it exits. It also sets ``SPT_NOENV``, so vLLM's process titles leave the environment marks
-that ``laminar run`` finds a role's processes by in place (:mod:`laminar.procfs`).
+that ``laminar run`` finds a role's processes by in place (:mod:`laminar.proc.procfs`).
 """
 
 from __future__ import annotations
@@ -190,11 +190,11 @@ class VllmEngine(Engine):
                 pass
 
         args = engine_args(cfg)
-        from ..procfs import KEEP_ENVIRON
+        from ..proc.procfs import KEEP_ENVIRON
         from .vllm_worker import OWNER_ENV, owner_token
 
         # vLLM's setproctitle would wipe its processes' /proc environ, and with it the marks
-        # the supervisor finds them by (see laminar.procfs).
+        # the supervisor finds them by (see laminar.proc.procfs).
         os.environ.update(KEEP_ENVIRON)
         # Inherited by vLLM's engine core and workers, whose watch kills them when this process
         # is gone (see vllm_worker): without it a rollout killed with -9 orphans its engine.

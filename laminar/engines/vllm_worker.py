@@ -44,7 +44,7 @@ is named by pid *and* start time, and the pidfd is opened before the start time 
 recycled pid reads as "gone" only if the rollout really is; each victim's start time is checked
 again right before its kill. A process whose own environment lacks the value (the rollout itself,
 any unrelated import) watches nothing. The module imports only the standard library and
-:mod:`laminar.procfs` for the watch (``torch`` is vLLM's own import anyway).
+:mod:`laminar.proc.procfs` for the watch (``torch`` is vLLM's own import anyway).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ import torch
 
 import laminar.engines.vllm_compat as vllm_compat  # not via the package: it leads back here
 
-from .. import procfs
+from ..proc import procfs
 
 
 class LaminarWorkerExtension:
@@ -207,8 +207,8 @@ def engine_processes(owner: int, start: int) -> list[tuple[int, int]]:
     The ancestors strictly between this process and the owner (the rollout, ``owner`` started at
     ``start``) are the owner's descendants: the engine core, when this is a worker process of its
     own. Found by parent pids, not by environment: vLLM's ``setproctitle`` may have wiped
-    ``/proc/<pid>/environ`` (see :mod:`laminar.procfs`). If the owner is not among the ancestors
-    (gone already, this process re-parented), none is taken: only this process."""
+    ``/proc/<pid>/environ`` (see :mod:`laminar.proc.procfs`). If the owner is not among the
+    ancestors (gone already, this process re-parented), none is taken: only this process."""
     me = procfs.stat(os.getpid())
     mine = (os.getpid(), me.start if me else 0)
     chain: list[tuple[int, int]] = []

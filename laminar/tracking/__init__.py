@@ -1,8 +1,9 @@
 """Experiment tracking: a run's numbers in TensorBoard (always, offline) and W&B (when configured).
 
 Why: people compare runs in TensorBoard or Weights & Biases, not in JSONL files. The JSONL the
-trainer writes (``trainer.metrics_file``) stays the record of truth that :mod:`laminar.plots`
-and the benchmarks read; a tracker is a second, lossy view of the same numbers for those tools.
+trainer writes (``trainer.metrics_file``) stays the record of truth that
+:mod:`laminar.devmode.plots` and the benchmarks read; a tracker is a second, lossy view of the same
+numbers for those tools.
 
 **Who writes what.** The numbers are written by the process that has them, so the same thing
 works under ``laminar run`` and when roles run as separate ``laminar serve`` processes on a
@@ -12,7 +13,8 @@ cluster, with nothing to aggregate afterwards:
   tracker for its version records and evaluations; it is the only process that has them, and it
   runs in both modes. Step = the trainer version, so runs line up by "how much training", and
   TensorBoard's wall/relative axes give the time view (every event has its wall time);
-* in dev mode the **supervisor** (:mod:`laminar.runview`) adds the cluster's view, which it already
+* in dev mode the **supervisor** (:mod:`laminar.devmode.runview`) adds the cluster's view, which it
+already
   samples every second for its display: generated and trained tokens/s, rollout phases, KV use,
   queue lengths (:func:`cluster_scalars`). Step = whole seconds since the run first started (a
   run continued with ``--resume`` goes on from its ``cluster.jsonl``): time series with no

@@ -10,8 +10,8 @@ from typing import Any
 
 # progress.py's own test of a live member (a private name: its owner may rename it, and then
 # this import says so at once); one filter, so the display and the curves agree on who is up
-from ..progress import Progress
-from ..progress import _alive as alive
+from ..devmode.progress import Progress
+from ..devmode.progress import _alive as alive
 from .config import TrackingConfig
 from .plan import TrackingPlan
 from .worker import open_tracker

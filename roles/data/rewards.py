@@ -41,10 +41,10 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from laminar import procfs
 from laminar.config import Strict
 from laminar.errors import ConfigError
 from laminar.plugins import load_object
+from laminar.proc import procfs
 from laminar.reward_worker import WORKER_MARK
 
 MAX_REPLY_BYTES = 64 * 1024

@@ -18,8 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from laminar.config import ClusterConfig
+from laminar.devmode.status import admin_url, fetch_status
 from laminar.repack import RepackPolicy
-from laminar.status import admin_url, fetch_status
 
 from ..conftest import session_segments
 from ..support.poll import until

@@ -21,7 +21,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from laminar.netns import NetLab, probe
+from laminar.harness.netns import NetLab, probe
 
 from ..support.models import tiny_qwen2
 from ..support.multihost import MultiHostCluster, observe, on_host

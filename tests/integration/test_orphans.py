@@ -14,9 +14,9 @@ node): the engine's processes kill themselves when the rollout is killed with -9
 rollout's engine alone, and say nothing when the rollout closed its engine before it exited.
 ``tests/slow/test_vllm_orphans.py`` does the same with the real engine.
 
-Last, the parts on their own: the session helpers (:mod:`laminar.procfs`) with and without
+Last, the parts on their own: the session helpers (:mod:`laminar.proc.procfs`) with and without
 pidfds, ``ProcessCluster.shutdown`` (all sessions in one grace period), and a child's lifecycle
-(:mod:`laminar.children`) under both event loops and every exit-detection fallback.
+(:mod:`laminar.proc.children`) under both event loops and every exit-detection fallback.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from typing import Any
 import pytest
 import uvloop
 
-from laminar import procfs
-from laminar.children import SETTLE_S, Child, ChildProcesses
 from laminar.config import ClusterConfig, RoleSpec, load_config
-from laminar.launch import ProcessCluster
-from laminar.procfs import KEEP_ENVIRON, MARK_ENV, end_session, session_members
-from laminar.status import fetch_status
+from laminar.devmode.status import fetch_status
+from laminar.harness.launch import ProcessCluster
+from laminar.proc import procfs
+from laminar.proc.children import SETTLE_S, Child, ChildProcesses
+from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_session, session_members
 from tests.support.devrun import kill_session, run_manager, spawn, start_run, write_run_config
 from tests.support.procs import ROOT, TOKEN, env
 
@@ -335,7 +335,7 @@ def test_cluster_shutdown_ends_every_session_in_one_grace_period(
                 proc.wait(timeout=5)
 
 
-# -- a child's lifecycle (laminar.children), in this process -----------------------------------------
+# -- a child's lifecycle (laminar.proc.children), in this process -----------------------------------------
 
 # A role that fails at once, leaving behind a process that escaped its session still holding its
 # stdout and stderr; it reports the parent-death signal the supervisor armed (15: SIGTERM).
@@ -463,7 +463,7 @@ def test_a_watcher_that_fails_says_so_and_gives_up(tmp_path: Path) -> None:
 def test_a_run_that_fails_before_starting_leaves_no_signal_handlers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from laminar import supervisor
+    from laminar.devmode import supervisor
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("tracking is broken")

@@ -11,10 +11,10 @@ import time
 import pytest
 
 from laminar.config import ClusterConfig
+from laminar.devmode.status import fetch_status
 from laminar.errors import PeerUnavailable
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import transport_options
-from laminar.status import fetch_status
 from tests.support.devrun import kill_session, run_manager, start_run, write_run_config
 from tests.support.procs import SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
 from tests.support.roles import Calculator, Pair, Sleep

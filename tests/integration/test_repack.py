@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from laminar.engines import EngineRequest, SimEngineConfig, create_engine
-from laminar.launch import ProcessCluster
+from laminar.harness.launch import ProcessCluster
 from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.rollout import MigrateRequest, RolloutApi
 from laminar.roles.rollout.api import DrainRequest

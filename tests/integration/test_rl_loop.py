@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from laminar.launch import ProcessCluster
+from laminar.harness.launch import ProcessCluster
 from laminar.roles.rollout import RolloutService, WeightsHistory
 from laminar.roles.trainer.checkpoint import latest_checkpoint, load_state
 from laminar.roles.trainer.service import TrainerService, TrainerStatus

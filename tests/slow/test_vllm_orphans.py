@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from laminar import procfs
+from laminar.proc import procfs
 from tests.support.models import tiny_qwen2
 from tests.support.scenario import process_cluster, write_config
 
@@ -118,7 +118,14 @@ async def test_the_owner_value_is_set_only_while_the_engine_starts(
         seen.append((os.environ.get(OWNER_ENV), os.environ.get("SPT_NOENV")))
         # what the engine reads back after the start: its resolved limits
         model_config = SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 32)
-        return SimpleNamespace(shutdown=lambda: None, model_config=model_config)
+
+        async def collective_rpc(method: str, *a: Any, **k: Any) -> list[dict[str, Any]]:
+            assert method == "laminar_compat"  # the one worker call a start makes
+            return [{"version": "0.32.0", "version_problem": None, "missing": []}]
+
+        return SimpleNamespace(
+            shutdown=lambda: None, model_config=model_config, collective_rpc=collective_rpc
+        )
 
     monkeypatch.setattr(AsyncLLM, "from_engine_args", from_engine_args)
     config = VllmEngineConfig(model=str(tmp_path), warmup=False, kv_cache_bytes="32MiB")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from laminar.config import ClusterConfig
-from laminar.launch import ProcessCluster
+from laminar.harness.launch import ProcessCluster
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import transport_options
 

@@ -1,4 +1,4 @@
-"""A Laminar cluster spread over emulated hosts (``laminar.netns.NetLab``), for the multi-host test.
+"""A Laminar cluster spread over emulated hosts (``laminar.harness.netns.NetLab``), for the multi-host test.
 
 Each host is a network namespace *and* a UTS namespace with its own hostname, as separate machines
 have: roles find "the relay on my host" by the hostname they report when joining, so hosts that
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from laminar.config import ClusterConfig
-from laminar.launch import ProcessCluster
+from laminar.harness.launch import ProcessCluster
+from laminar.harness.netns import NetLab
 from laminar.membership import MembershipApi
-from laminar.netns import NetLab
 from laminar.roles.relay import RelayApi
 from laminar.roles.rollout import RolloutService
 from laminar.roles.trainer.service import TrainerService

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from laminar.spawn import read_ready_line
+from laminar.proc.spawn import read_ready_line
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORT_ROLES = str(ROOT / "tests" / "support" / "roles.py")

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from laminar.config import ClusterConfig
-from laminar.launch import ProcessCluster
+from laminar.harness.launch import ProcessCluster
 from laminar.roles.data.api import DataApi, DataStatus, SampleRequest
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import transport_options

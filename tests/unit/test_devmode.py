@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from laminar.cpus import plan_cpus
+from laminar.devmode.plots import plot_run
+from laminar.devmode.progress import TrainerLog, progress_line, summarize
+from laminar.devmode.rundir import prepare_run_dir
 from laminar.errors import ConfigError
-from laminar.plots import plot_run
-from laminar.progress import TrainerLog, progress_line, summarize
-from laminar.rundir import prepare_run_dir
+from laminar.proc.cpus import plan_cpus
 
 from ..support.processes import ARITH_PROCESSES
 

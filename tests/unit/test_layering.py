@@ -46,7 +46,7 @@ ALIASES = {"roles": "laminar.roles", "transport": "laminar.transport"}
 
 #: modules that must import neither torch nor vLLM: the CLI, the role contracts and the control
 #: plane (the manager, its admin API and the data role run where there is no GPU).
-TORCH_FREE_RUNTIME = ["laminar.cli", "laminar.status"]
+TORCH_FREE_RUNTIME = ["laminar.cli", "laminar.devmode.status"]
 TORCH_FREE_ROLES = [
     "laminar.roles.manager.service",
     "laminar.roles.manager.admin",
@@ -201,7 +201,20 @@ def layering_violations(graph: Mapping[str, Mapping[str, int]]) -> list[str]:
                 bad.append(f"{module}:{line} imports {target} (transport knows nothing above it)")
             elif not _in(module, "laminar.roles") and _in(target, "laminar.roles"):
                 bad.append(f"{module}:{line} imports {target} (laminar may not import roles)")
+            elif _in(target, "laminar.harness") and not _in(module, "laminar.harness"):
+                bad.append(f"{module}:{line} imports {target} (only tests use the harnesses)")
+            elif _in(target, "laminar.devmode") and not _may_use_devmode(module):
+                bad.append(f"{module}:{line} imports {target} (the dev mode sits on top)")
     return bad
+
+
+#: who may import the dev mode (laminar.devmode): itself, the CLI that starts it, and the tracking
+#: records the supervisor writes from its samples.
+DEVMODE_USERS = ("laminar.devmode", "laminar.cli", "laminar.tracking.records")
+
+
+def _may_use_devmode(module: str) -> bool:
+    return any(_in(module, user) for user in DEVMODE_USERS)
 
 
 # -- raw time ----------------------------------------------------------------------------------
@@ -406,6 +419,16 @@ def test_no_import_cycles_through_roles() -> None:
 def test_transport_imports_nothing_above_it() -> None:
     bad = [v for v in layering_violations(_graph()[0]) if v.startswith("laminar.transport")]
     assert not bad, "\n".join(bad)
+
+
+def test_the_dev_mode_and_the_harnesses_sit_on_top() -> None:
+    """roles, the runtime and the process layer never import ``laminar.devmode`` or
+    ``laminar.harness`` (the package picture in docs/architecture.md)."""
+    graph = _graph()[0]
+    bad = [v for v in layering_violations(graph) if "dev mode" in v or "harnesses" in v]
+    assert not bad, "\n".join(bad)
+    assert layering_violations({"laminar.proc.spawn": {"laminar.devmode.status": 3}})
+    assert layering_violations({"laminar.roles.relay": {"laminar.harness.launch": 9}})
 
 
 def test_laminar_imports_no_role() -> None:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from laminar.netns import NetLab, NetLabError, probe
+from laminar.harness.netns import NetLab, NetLabError, probe
 
 _REASON = probe()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"netns unavailable: {_REASON}")
@@ -110,7 +110,7 @@ def test_tc_shows_configured_rate() -> None:
 
 
 def test_setup_error_is_clear_and_cleans_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    import laminar.netns as netns
+    import laminar.harness.netns as netns
 
     bogus = [["tc", "qdisc", "replace", "dev", "eth0", "root", "nosuchqdisc"]]
     monkeypatch.setattr(netns, "_shape_cmds", lambda *a: bogus)
@@ -125,7 +125,7 @@ def test_cleanup_stale_removes_namespaces_of_dead_process() -> None:
     prefix = "lmnstale"
     code = (
         "import sys, time; sys.path.insert(0, sys.argv[1]);"
-        "from laminar.netns import NetLab;"
+        "from laminar.harness.netns import NetLab;"
         f"lab = NetLab(2, rate_mbit=None, prefix={prefix!r});"
         "print(lab.namespace(0), flush=True); time.sleep(60)"
     )
@@ -148,7 +148,7 @@ def test_cleanup_stale_removes_namespaces_of_dead_process() -> None:
 def test_atexit_cleans_up() -> None:
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]);"
-        "from laminar.netns import NetLab;"
+        "from laminar.harness.netns import NetLab;"
         "lab = NetLab(1, rate_mbit=None, prefix='lmnexit');"
         "p = lab.popen(0, ['sleep', '60']); print(lab.namespace(0), p.pid, flush=True)"
     )

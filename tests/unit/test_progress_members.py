@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from laminar.progress import cluster_sample, progress_line, render_progress, summarize
+from laminar.devmode.progress import cluster_sample, progress_line, render_progress, summarize
 
 
 def _member(name: str, state: str, version: int) -> SimpleNamespace:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from laminar import procfs
+from laminar.proc import procfs
 from laminar.reward_worker import as_reward
 from laminar.roles.data.rewards import RewardPool, RewardResult, RewardSandbox
 from tests.support.poll import until

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from laminar.children import Child, ChildProcesses
 from laminar.config import RoleSpec, load_config
-from laminar.procfs import KEEP_ENVIRON, MARK_ENV
-from laminar.rundir import prepare_run_dir
-from laminar.supervisor import Supervisor
+from laminar.devmode.rundir import prepare_run_dir
+from laminar.devmode.supervisor import Supervisor
+from laminar.proc.children import Child, ChildProcesses
+from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV
 from tests.support.procs import env
 
 

@@ -1,7 +1,7 @@
-"""The one launcher (:mod:`laminar.spawn`): the command line and environment a role is started
+"""The one launcher (:mod:`laminar.proc.spawn`): the command line and environment a role is started
 with, its ready line, its output, and a real role started, seen ready and ended with its session.
 
-Both ``laminar run`` (:class:`laminar.supervisor.Supervisor`) and :class:`laminar.launch.
+Both ``laminar run`` (:class:`laminar.devmode.supervisor.Supervisor`) and :class:`laminar.harness.launch.
 ProcessCluster` go through it; the tests of their command lines check the argv they give, and that
 ``laminar serve``'s own parser takes it.
 """
@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from laminar import procfs
 from laminar.cli import build_parser
 from laminar.config import load_config, token_problem
-from laminar.cpus import CpuSlot
+from laminar.devmode.supervisor import Supervisor
 from laminar.errors import ConfigError, LaminarError
-from laminar.launch import ProcessCluster
-from laminar.linesplit import MAX_LINE_BYTES
-from laminar.procfs import KEEP_ENVIRON, MARK_ENV
-from laminar.service import READY_PREFIX
-from laminar.spawn import (
+from laminar.harness.launch import ProcessCluster
+from laminar.proc import procfs
+from laminar.proc.cpus import CpuSlot
+from laminar.proc.linesplit import MAX_LINE_BYTES
+from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV
+from laminar.proc.spawn import (
     OutputLines,
     ServeSpec,
     config_sets,
@@ -41,7 +41,7 @@ from laminar.spawn import (
     serve_command,
     start,
 )
-from laminar.supervisor import Supervisor
+from laminar.service import READY_PREFIX
 from tests.support.poll import until
 from tests.support.procs import ROOT, TOKEN, env
 

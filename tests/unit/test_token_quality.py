@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from laminar.config import ClusterConfig, load_config, new_token, token_problem
+from laminar.devmode.supervisor import Supervisor
 from laminar.errors import ConfigError
-from laminar.supervisor import Supervisor
 from tests.support.procs import TOKEN
 
 REFUSED = {

@@ -18,8 +18,8 @@ import pytest
 from pydantic import ValidationError
 
 from laminar.config import load_config
-from laminar.progress import Progress
-from laminar.runview import RunView
+from laminar.devmode.progress import Progress
+from laminar.devmode.runview import RunView
 from laminar.tracking import (
     ThreadedTracker,
     TrackingConfig,
@@ -425,7 +425,7 @@ async def test_run_view_writes_the_cluster_run(tmp_path: Path, monkeypatch) -> N
     resumed run (cluster.jsonl already there) continues from its first sample."""
     from rich.console import Console
 
-    import laminar.runview as runview
+    import laminar.devmode.runview as runview
 
     (tmp_path / "cluster.jsonl").write_text(json.dumps({"time": 1000.0, "rollouts": {}}) + "\n")
     clock = iter([1100.0, 1101.0, 1102.0])

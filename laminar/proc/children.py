@@ -9,11 +9,12 @@ owns the life of its process, one incarnation after another:
   module is imported: loading a library between fork and exec, in a process with other threads,
   can deadlock on the loader's lock. With umask 077, so what it writes (the data role's SQLite
   file, checkpoints, logs) is readable by this user only. Its output is read in chunks and split
-  into lines of at most 64 KiB (:func:`laminar.spawn.pump_lines`: a longer one is cut, with a
+  into lines of at most 64 KiB (:func:`laminar.proc.spawn.pump_lines`: a longer one is cut, with a
   marker, and never stops the reading, so the child never blocks on a full pipe): the
   ``LAMINAR_READY`` line gives its address, the rest goes to the supervisor's ``echo``; its log
-  file is 0600. Starting it, reading it and its ready line are :mod:`laminar.spawn`'s, shared with
-  :class:`laminar.launch.ProcessCluster`.
+  file is 0600. Starting it, reading it and its ready line are :mod:`laminar.proc.spawn`'s, shared
+  with
+  :class:`laminar.harness.launch.ProcessCluster`.
 * **exit**: noticed on a pidfd of the process, not by its output closing (what it started inherits
   its stdout and stderr, so after a kill -9 the pipes stay open as long as they live; CPython
   3.11's ``Process.wait()`` resolves only once they close). ``waitid(WNOWAIT)`` reads the status
@@ -25,9 +26,9 @@ owns the life of its process, one incarnation after another:
 * **end of session**: what the process left in its session gets a moment to end by itself
   (:data:`SETTLE_S`: a vLLM engine kills itself once its rollout is gone), then SIGTERM, SIGKILL
   after ``run.shutdown_grace_s``, and the supervisor says so
-  (:func:`laminar.procfs.end_session`, in a thread: ``/proc`` is polled, never on the event loop).
-  Only processes carrying the run's mark are signalled (see :mod:`laminar.procfs`). Then the
-  process's pipes are closed, so one that escaped the session still holding them costs no file
+  (:func:`laminar.proc.procfs.end_session`, in a thread: ``/proc`` is polled, never on the event
+  loop). Only processes carrying the run's mark are signalled (see :mod:`laminar.proc.procfs`). Then
+  the process's pipes are closed, so one that escaped the session still holding them costs no file
   descriptors per restart.
 * **restart**: by the role's ``restart`` policy (``on-failure``: any non-zero exit or a signal,
   kill -9 included; ``max_restarts`` times, with a growing pause), decided and said once, as soon
@@ -55,11 +56,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .config import RoleSpec
-from .cpus import CpuSlot
-from .errors import LaminarError
-from .procfs import end_session, signal_session
-from .spawn import cpu_env, parse_ready_line, pump_lines, start_async
+from laminar.config import RoleSpec
+from laminar.errors import LaminarError
+from laminar.proc.cpus import CpuSlot
+from laminar.proc.procfs import end_session, signal_session
+from laminar.proc.spawn import cpu_env, parse_ready_line, pump_lines, start_async
 
 #: Seconds what a child left behind gets to end by itself before SIGTERM (a vLLM engine's watch
 #: kills it 1 s after its rollout is gone, see :mod:`laminar.engines.vllm_worker`).

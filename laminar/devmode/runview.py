@@ -1,4 +1,5 @@
-"""The supervisor's eyes on a dev-mode run: sample, record, display (see :mod:`laminar.progress`).
+"""The supervisor's eyes on a dev-mode run: sample, record, display (see
+:mod:`laminar.devmode.progress`).
 
 :class:`RunView` runs for the life of ``laminar run``. Every ``run.view_interval_s`` it asks the
 manager for the membership view (heartbeat stats of every member), appends one sample to
@@ -35,16 +36,22 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from .errors import LaminarError
-from .progress import (
+from laminar.devmode.progress import (
     TrainerLog,
     cluster_sample,
     progress_line,
     render_progress,
     summarize,
 )
-from .status import AdminClient, fetch_status, render_status
-from .tracking import NullTracker, ThreadedTracker, TrackingPlan, cluster_scalars, open_tracker
+from laminar.devmode.status import AdminClient, fetch_status, render_status
+from laminar.errors import LaminarError
+from laminar.tracking import (
+    NullTracker,
+    ThreadedTracker,
+    TrackingPlan,
+    cluster_scalars,
+    open_tracker,
+)
 
 #: how long :meth:`RunView.close_tracking` waits for the tracker to write what it has and close
 TRACKER_CLOSE_S = 5.0

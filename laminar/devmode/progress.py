@@ -3,8 +3,9 @@
 The supervisor samples the cluster every ``run.view_interval_s``: the membership view (each
 member's heartbeat stats, over RPC), the trainer's metrics file (one JSON line per version, plus
 ``eval`` lines) and the manager's event log (over the admin API). Each sample is appended to
-``<run_dir>/cluster.jsonl`` and events to ``<run_dir>/events.jsonl``; :mod:`laminar.plots` draws
-from those files and the trainer's, so a plot never depends on what the console happened to show.
+``<run_dir>/cluster.jsonl`` and events to ``<run_dir>/events.jsonl``; :mod:`laminar.devmode.plots`
+draws from those files and the trainer's, so a plot never depends on what the console happened to
+show.
 
 Everything here except :class:`TrainerLog` (which reads a file) is pure: a sample in, a view out.
 """
@@ -21,7 +22,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .stats import RolloutStats
+from laminar.stats import RolloutStats
 
 PHASE_STYLE = {"running": "green", "switching": "yellow", "draining": "magenta"}
 

@@ -12,12 +12,14 @@ roles' sessions included (all sessions at once: one grace period, not one each).
 :meth:`ProcessCluster.kill9` kills only the role's own process, the way a crash does, so tests can
 watch what happens to the rest (a vLLM engine kills itself, see :mod:`laminar.engines.vllm_worker`).
 The command line, the environment, the session, the output lines and the ready line come from
-:mod:`laminar.spawn`, shared with ``laminar run``; the session helpers from :mod:`laminar.procfs`.
+:mod:`laminar.proc.spawn`, shared with ``laminar run``; the session helpers from
+:mod:`laminar.proc.procfs`.
 
 Rollouts are pinned one core each, round robin (``pin_rollouts``), the way ``laminar run``'s CPU
-plan pins them (:mod:`laminar.cpus`): left alone, every vLLM CPU engine binds its OpenMP threads
-to the same cores, and two engines' spinning threads starved each other so badly that a second
-engine took over 180 s to start on a 2-core machine (issue 15's CI failure). Sim engines ignore it.
+plan pins them (:mod:`laminar.proc.cpus`): left alone, every vLLM CPU engine binds its OpenMP
+threads to the same cores, and two engines' spinning threads starved each other so badly that a
+second engine took over 180 s to start on a 2-core machine (issue 15's CI failure). Sim engines
+ignore it.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from .cpus import CpuSlot, available_cores
-from .errors import LaminarError
-from .procfs import end_sessions
-from .spawn import (
+from laminar.errors import LaminarError
+from laminar.proc.cpus import CpuSlot, available_cores
+from laminar.proc.procfs import end_sessions
+from laminar.proc.spawn import (
     OutputLines,
     ServeSpec,
     cpu_env,

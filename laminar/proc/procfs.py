@@ -1,9 +1,9 @@
 """Processes as ``/proc`` shows them, and sessions: a role and everything it started.
 
 Standard library only, on purpose: :mod:`laminar.engines.vllm_worker` imports this inside vLLM's
-worker processes. Used by ``laminar run`` (:mod:`laminar.children`), :class:`laminar.launch.
-ProcessCluster`, the vLLM engine's owner watch, the reward pool (:func:`signal_marked`: what a
-reward worker left behind), and tests.
+worker processes. Used by ``laminar run`` (:mod:`laminar.proc.children`),
+:class:`laminar.harness.launch. ProcessCluster`, the vLLM engine's owner watch, the reward pool
+(:func:`signal_marked`: what a reward worker left behind), and tests.
 
 A process is named for good by its pid *and* start time (a recycled pid starts later).
 

@@ -16,12 +16,12 @@ from typing import Any
 
 from rich.table import Table
 
-from .config import ClusterConfig
-from .errors import LaminarError
-from .membership import ClusterStatus, MembershipApi
-from .rpc_client import RpcClient, remote
-from .service import transport_options
-from .stats import RolloutStats, VersionedStats
+from laminar.config import ClusterConfig
+from laminar.errors import LaminarError
+from laminar.membership import ClusterStatus, MembershipApi
+from laminar.rpc_client import RpcClient, remote
+from laminar.service import transport_options
+from laminar.stats import RolloutStats, VersionedStats
 
 _STATE_STYLE = {"alive": "green", "dead": "bold red", "left": "dim"}
 _PHASE_STYLE = {"running": "green", "draining": "yellow", "switching": "cyan"}

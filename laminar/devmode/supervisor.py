@@ -4,7 +4,7 @@ The manager starts first; its ``LAMINAR_READY`` line gives the address every oth
 Each child's output goes to ``<run_dir>/logs/<name>.log`` (and to the console, prefixed with its
 instance name in a stable colour, by ``run.display``).
 
-A role's processes live and die together (:mod:`laminar.children` has the lifecycle of each
+A role's processes live and die together (:mod:`laminar.proc.children` has the lifecycle of each
 child's process). Each child runs in its own session, so a terminal's Ctrl-C reaches only the
 supervisor, which shuts them down in order, and whatever the child starts (a rollout's vLLM engine
 core and workers) stays in that session. The supervisor notices a child's exit on a pidfd, not by
@@ -21,19 +21,19 @@ so no process of the run outlives it. Then the run's tracker is closed (TensorBo
 stopping the roles never waits on it. Only processes started with the run's ``LAMINAR_LAUNCH``
 value in their environment are signalled, so a recycled session id never hits someone else's; every
 child gets ``SPT_NOENV=1`` so that vLLM's process titles do not wipe that value from ``/proc``
-(:mod:`laminar.procfs`). Children die with the supervisor if it is killed (``PR_SET_PDEATHSIG``:
-SIGTERM, and each then stops what it started; a vLLM engine also kills itself when its rollout is
-gone, see :mod:`laminar.engines.vllm_worker`).
+(:mod:`laminar.proc.procfs`). Children die with the supervisor if it is killed
+(``PR_SET_PDEATHSIG``: SIGTERM, and each then stops what it started; a vLLM engine also kills itself
+when its rollout is gone, see :mod:`laminar.engines.vllm_worker`).
 
 **Private files.** The run directory is 0700; the token file, ``cluster.json`` and the logs are
 0600; the supervisor and every child run with umask 077, so what the roles write (the data role's
 SQLite file and its WAL, checkpoints) is this user's only. A token given in the environment is
 checked before anything starts (:func:`laminar.config.token_problem`).
 
-Each run gets its own directory (:mod:`laminar.rundir`; ``--resume`` continues one), the cores are
-divided between the processes that compute (:mod:`laminar.cpus`), progress is displayed and
-recorded while the run lasts (:mod:`laminar.runview`), and the plots are drawn when it ends
-(:mod:`laminar.plots`).
+Each run gets its own directory (:mod:`laminar.devmode.rundir`; ``--resume`` continues one), the
+cores are divided between the processes that compute (:mod:`laminar.proc.cpus`), progress is
+displayed and recorded while the run lasts (:mod:`laminar.devmode.runview`), and the plots are drawn
+when it ends (:mod:`laminar.devmode.plots`).
 """
 
 from __future__ import annotations
@@ -47,15 +47,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from .children import Child, ChildProcesses
-from .config import LaminarConfig
-from .cpus import available_cores, plan_cpus
-from .errors import ConfigError
-from .roles_registry import load_role
-from .rundir import prepare_run_dir
-from .runview import RunView
-from .spawn import ServeSpec, config_sets, ensure_token, launch_env, serve_command
-from .tracking import TrackingPlan, plan_for_run
+from laminar.config import LaminarConfig
+from laminar.devmode.rundir import prepare_run_dir
+from laminar.devmode.runview import RunView
+from laminar.errors import ConfigError
+from laminar.proc.children import Child, ChildProcesses
+from laminar.proc.cpus import available_cores, plan_cpus
+from laminar.proc.spawn import ServeSpec, config_sets, ensure_token, launch_env, serve_command
+from laminar.roles_registry import load_role
+from laminar.tracking import TrackingPlan, plan_for_run
 
 # A child line worth showing even when children's output goes only to their log files.
 ALARMS = ("Traceback", "[error", "[critical", "Error:", "error:")
@@ -259,7 +259,7 @@ class Supervisor:
         )
 
     def _plots(self, view: RunView) -> None:
-        from .plots import plot_run
+        from laminar.devmode.plots import plot_run
 
         try:
             written = plot_run(self.run_dir, view.trainer.path if view.trainer else None)

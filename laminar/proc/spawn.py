@@ -1,24 +1,25 @@
 """One way to start a role process: ``laminar serve``'s command line and environment, its own
 session, its output as lines, its ready line, and its end.
 
-Two launchers start roles: ``laminar run``'s supervisor (:mod:`laminar.supervisor`, with restarts,
-on the event loop: :mod:`laminar.children`) and :class:`laminar.launch.ProcessCluster` (tests and
-benchmarks, blocking). They differ in what they do *around* a process, not in the process: both
-build the command here, give it the environment made here, start it in a session of its own, read
-its stdout through :class:`~laminar.linesplit.LineSplitter` and take its address from the line
+Two launchers start roles: ``laminar run``'s supervisor (:mod:`laminar.devmode.supervisor`, with
+restarts, on the event loop: :mod:`laminar.proc.children`) and
+:class:`laminar.harness.launch.ProcessCluster` (tests and benchmarks, blocking). They differ in what
+they do *around* a process, not in the process: both build the command here, give it the environment
+made here, start it in a session of its own, read its stdout through
+:class:`~laminar.proc.linesplit.LineSplitter` and take its address from the line
 :func:`parse_ready_line` recognises.
 
 * **The command** (:func:`serve_command`) is a pure function of a :class:`ServeSpec`, so what a
   role is started with can be checked without starting it.
 * **The environment** (:func:`launch_env`) marks every process of one launch with a fresh
   ``LAMINAR_LAUNCH`` value, inherited by whatever the role starts, and keeps that mark readable
-  through ``setproctitle`` (:mod:`laminar.procfs`): only marked processes are ever signalled by
+  through ``setproctitle`` (:mod:`laminar.proc.procfs`): only marked processes are ever signalled by
   session, because a session id is recycled once the session is empty. A launch needs one cluster
   token for all its roles (:func:`ensure_token`); a role pinned to cores gets its slot's thread
   settings (:func:`cpu_env`).
 * **The session**: the role leads a new session (its id is the role's pid), so everything it
   starts (a rollout's vLLM engine core and workers) can be found and ended with it
-  (:func:`kill_role`, :func:`laminar.procfs.end_session`).
+  (:func:`kill_role`, :func:`laminar.proc.procfs.end_session`).
 * **The output** is read in chunks and split into lines of at most 64 KiB, never with
   ``readline``: a longer line is cut with a marker, and the reading goes on, so a chatty role never
   blocks on a full pipe (:class:`OutputLines` without an event loop, :func:`pump_lines` with one).
@@ -40,12 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .config import new_token, token_problem
-from .cpus import CpuSlot
-from .errors import ConfigError, LaminarError
-from .linesplit import LineSplitter
-from .procfs import KEEP_ENVIRON, MARK_ENV, end_session
-from .service import READY_PREFIX
+from laminar.config import new_token, token_problem
+from laminar.errors import ConfigError, LaminarError
+from laminar.proc.cpus import CpuSlot
+from laminar.proc.linesplit import LineSplitter
+from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_session
+from laminar.service import READY_PREFIX
 
 #: Bytes read from a role's output at a time.
 CHUNK = 1 << 16
@@ -109,7 +110,7 @@ def launch_env(
     base: Mapping[str, str], extra: Mapping[str, str] | None = None
 ) -> tuple[dict[str, str], str]:
     """The environment of every role of one launch, and its mark (``NAME=value``, for the session
-    helpers of :mod:`laminar.procfs`): ``base`` and ``extra`` (which wins), unbuffered output,
+    helpers of :mod:`laminar.proc.procfs`): ``base`` and ``extra`` (which wins), unbuffered output,
     and the launch's own mark, kept readable through ``setproctitle``."""
     mark = uuid.uuid4().hex
     env = {
@@ -140,7 +141,7 @@ def ensure_token(env: dict[str, str], token_env: str) -> None:
 
 def cpu_env(env: Mapping[str, str], slot: CpuSlot | None, role: str) -> dict[str, str]:
     """``env`` for a process on ``slot``: its thread count and cores, and for a rollout the cores
-    vLLM binds its OpenMP threads to (:mod:`laminar.cpus`)."""
+    vLLM binds its OpenMP threads to (:mod:`laminar.proc.cpus`)."""
     return dict(env) if slot is None else {**env, **slot.env(role)}
 
 
