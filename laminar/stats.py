@@ -42,6 +42,11 @@ class HeartbeatStats(BaseModel):
         """The model of ``raw``, or None for an empty dict (no heartbeat yet)."""
         return cls.model_validate(raw) if raw else None
 
+    def wire(self) -> dict[str, float]:
+        """What a heartbeat carries: every field (and extra) as a float, so a producer that
+        builds its model publishes exactly the keys its readers parse."""
+        return {k: float(v) for k, v in self.model_dump().items()}
+
 
 class VersionedStats(HeartbeatStats):
     """Stats of a role that holds a weight version (rollout, trainer, relay)."""

@@ -50,6 +50,7 @@ from laminar.engines.base import EngineError
 from laminar.membership import rollout_phase
 from laminar.roles.data.api import DataApi, TakeRequest
 from laminar.service import Service, ServiceContext
+from laminar.stats import RolloutStats
 from laminar.trajectory import Assignment
 
 from .api import (
@@ -162,17 +163,17 @@ class RolloutService(Service, RolloutApi):
 
     def stats(self) -> dict[str, float]:
         s = self.engine.stats()
-        return {
-            "kv_cache_usage": s.kv_cache_usage,
-            "running": float(s.running),
-            "waiting": float(s.waiting),
-            "in_flight": float(len(self.flights)),
-            "version": float(self.engine.version),
-            "generated_tokens": float(s.generated_tokens),
-            "completed": float(self.completed),
-            "failed": float(self.failures),
+        return RolloutStats(
+            kv_cache_usage=s.kv_cache_usage,
+            running=s.running,
+            waiting=s.waiting,
+            in_flight=len(self.flights),
+            version=self.engine.version,
+            generated_tokens=s.generated_tokens,
+            completed=self.completed,
+            failed=self.failures,
             **self.phases.stats(),  # paused_for_weights, operator_drain, migrating, starved
-        }
+        ).wire()
 
     # -- endpoints ---------------------------------------------------------------------------
 

@@ -7,9 +7,9 @@ What makes a run deterministic (the same events, in the same order, at the same 
   checks, weight staging) runs the call on the loop, in submission order, ``executor_cost_s``
   of virtual time after it was submitted (1 ms: about an SQLite commit): the in-loop executor
   issue 16 (item 4) asks for, provided here by the loop because role code still picks its own
-  executors. Not zero: a rollout that re-takes a lease it already finished spins against the
-  data role until its next report (a flush interval later); with free database calls that
-  interval never came and the run stood still at one virtual instant.
+  executors. Not zero, so that no loop that polls the store can stand virtual time still (one
+  did while the role code was being rewritten; with the code as it is, every schedule also runs
+  at zero cost, at most two leases per rollout at one instant).
 - **Real I/O freezes virtual time.** The one real I/O left is a reward worker's pipes, waited on
   with ``loop.add_reader``/``add_writer``. While such a wait is registered, an idle loop blocks on
   the real selector instead of jumping its clock (a reward takes zero virtual time), for at most

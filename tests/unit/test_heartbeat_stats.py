@@ -127,3 +127,13 @@ async def test_the_manager_refuses_stats_that_do_not_parse_and_keeps_the_last_go
     assert not ack.rejoin and member.state == "alive" and member.last_seen >= seen
     assert member.stats == ROLLOUT
     assert [(load.version, load.n_reqs) for load in service.repack.loads()] == [(7, 4)]
+
+
+def test_a_model_on_the_wire_parses_back_to_itself_with_every_key() -> None:
+    """What a producer publishes with ``wire()`` is exactly what the readers parse."""
+    sent = RolloutStats(version=3, running=2, kv_cache_usage=0.25, paused_for_weights=True)
+    wire = sent.wire()
+    assert set(wire) == set(RolloutStats.model_fields) and all(
+        isinstance(v, float) for v in wire.values()
+    )
+    assert RolloutStats.parse(wire) == sent
