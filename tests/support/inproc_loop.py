@@ -27,10 +27,10 @@ import contextvars
 import random
 import selectors
 import weakref
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from laminar.clock import VirtualTimeLoop
+from laminar.clock import VirtualTimeLoop, _AutojumpSelector
 
 T = TypeVar("T")
 
@@ -111,12 +111,12 @@ def _fileno(fd: Any) -> int:
     return fd if isinstance(fd, int) else fd.fileno()
 
 
-class _IdleIoSelector(selectors.BaseSelector):
+class _IdleIoSelector(_AutojumpSelector):
     """Real I/O is looked at only when the loop is idle; virtual time jumps only when none is
-    awaited (see the module docstring)."""
+    awaited (see the module docstring). Registration is the clock's selector's (it delegates)."""
 
     def __init__(self, real: selectors.BaseSelector, loop: InprocLoop) -> None:
-        self._real = real
+        super().__init__(real, 0.0, loop._jump)
         self._loop = loop
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
@@ -132,23 +132,8 @@ class _IdleIoSelector(selectors.BaseSelector):
             events = self._real.select(0)
             if events:
                 return events
-        self._loop._jump(timeout)
+        self._jump(timeout)
         return []
-
-    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
-        return self._real.register(fileobj, events, data)
-
-    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
-        return self._real.unregister(fileobj)
-
-    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
-        return self._real.modify(fileobj, events, data)
-
-    def get_map(self) -> Mapping[Any, selectors.SelectorKey]:
-        return self._real.get_map()
-
-    def close(self) -> None:
-        self._real.close()
 
 
 def run_inproc(main: Callable[[], Coroutine[Any, Any, T]], *, seed: int) -> T:

@@ -180,10 +180,8 @@ def test_a_round_replaces_a_group_that_lost_a_member(tmp_path):
 # -- the cluster -------------------------------------------------------------------------------
 
 
-async def test_a_poison_prompt_fails_alone_and_every_rollout_survives(serve, tmp_path):
-    prompts = write_prompts(tmp_path / "prompts.jsonl", 8)
-    with prompts.open("a") as f:  # far longer than the rollouts' context (their KV cache)
-        f.write(json.dumps({"id": "poison", "prompt": "1" * 5000, "answer": 0}) + "\n")
+async def manager_and_data(serve, tmp_path, prompts, **data):  # type: ignore[no-untyped-def]
+    """A manager and a data role ``data-0`` joined to it: (manager address, data host)."""
     mgr_host, _ = await serve(
         ManagerService,
         config=ManagerConfig(bind="tcp://127.0.0.1:0", metrics=None, admin=None),
@@ -199,9 +197,17 @@ async def test_a_poison_prompt_fails_alone_and_every_rollout_survives(serve, tmp
             tokenizer=str(write_tokenizer(tmp_path / "tok")),
             reward="tests.support.task:reward_len",
             store=str(tmp_path / "data.sqlite"),
-            samples_per_prompt=2,
+            **data,
         ),
     )
+    return manager, data_host
+
+
+async def test_a_poison_prompt_fails_alone_and_every_rollout_survives(serve, tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 8)
+    with prompts.open("a") as f:  # far longer than the rollouts' context (their KV cache)
+        f.write(json.dumps({"id": "poison", "prompt": "1" * 5000, "answer": 0}) + "\n")
+    manager, data_host = await manager_and_data(serve, tmp_path, prompts, samples_per_prompt=2)
     engine = SimEngineConfig(
         kv_capacity_tokens=4096, cost=FAST, lengths={"kind": "fixed", "value": 6}
     )
@@ -238,24 +244,9 @@ async def test_a_poison_prompt_fails_alone_and_every_rollout_survives(serve, tmp
 
 async def test_a_lease_that_kills_its_rollouts_is_quarantined(serve, tmp_path, options):
     """The engine did not catch it: each holder dies (a closed connection, no leave)."""
-    mgr_host, _ = await serve(
-        ManagerService,
-        config=ManagerConfig(bind="tcp://127.0.0.1:0", metrics=None, admin=None),
-    )
-    manager = mgr_host.ctx.address
-    data_host, _ = await serve(
-        DataService,
-        instance="data-0",
-        manager=manager,
-        config=DataConfig(
-            metrics=None,
-            prompts=str(write_prompts(tmp_path / "prompts.jsonl", 4)),
-            tokenizer=str(write_tokenizer(tmp_path / "tok")),
-            reward="tests.support.task:reward_len",
-            store=str(tmp_path / "data.sqlite"),
-            samples_per_prompt=1,
-            quarantine_after=2,
-        ),
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
+    manager, data_host = await manager_and_data(
+        serve, tmp_path, prompts, samples_per_prompt=1, quarantine_after=2
     )
     data = data_host.ctx.connect(DataApi, data_host.ctx.address)
 
