@@ -11,8 +11,10 @@ Two runs in one invocation, on the example task's model and prompts, with identi
    stores them durably, stores and scores every trajectory. Tokens / (last finished_at - first
    started_at) of the trajectories the data role holds.
 
-``overhead_ratio = role / bare`` (goal >= 0.95). Both share this machine's cores; the role run
-also pays for the data and manager processes, which is the overhead being measured.
+``overhead_ratio = role / bare`` (goal >= 0.95), measured in alternating pairs
+(``benchmarks/pairs.py``): bare, role, bare, role, ... (``--pairs``, at least three); the figure
+is the median of the pair ratios, with their spread. Both share this machine's cores; the role
+run also pays for the data and manager processes, which is the overhead being measured.
 
     python benchmarks/generation.py --json runs/bench/generation.json
 """
@@ -23,7 +25,6 @@ import argparse
 import asyncio
 import gc
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,9 @@ from laminar.harness.launch import ProcessCluster  # noqa: E402
 from laminar.roles.data.api import DataApi, SampleRequest  # noqa: E402
 from laminar.roles.data.prompts import load_tokenizer, read_records  # noqa: E402
 from laminar.roles.data.service import trajectory_seed  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pairs  # noqa: E402  (benchmarks/pairs.py)
 
 TASK = ROOT / "examples" / "arith" / "task.py"
 
@@ -208,7 +212,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--repeat", type=int, default=2, help="alternate bare and role runs this many times"
+        "--pairs", type=int, default=3, help="alternating bare/role pairs (at least three)"
     )
     parser.add_argument("--work", help="scratch directory (default: a temporary one)")
     parser.add_argument("--json", help="write the figures here")
@@ -217,23 +221,27 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model, prompts = prepare(args, work)
     bares, roles = [], []
-    for run in range(args.repeat):  # alternating, so drift in the machine hits both alike
+    for run in range(args.pairs):  # alternating, so drift in the machine hits both alike
         bares.append(asyncio.run(run_bare(args, model, prompts)))
         roles.append(asyncio.run(run_role(args, model, prompts, work, run)))
     bare_runs = [b["tokens"] / b["seconds"] for b in bares]
     role_runs = [r["tokens"] / r["seconds"] for r in roles]
-    bare_tps, role_tps = statistics.median(bare_runs), statistics.median(role_runs)
+    ratio = pairs.summarise(bare_runs, role_runs)
+    bare_tps, role_tps = ratio["baseline_median"], ratio["subject_median"]
     bare, role = bares[-1], roles[-1]
     figures = {
         "vllm_bare_tokens_per_s": round(bare_tps, 1),
         "rollout_role_tokens_per_s": round(role_tps, 1),
-        "overhead_ratio": round(role_tps / bare_tps, 4),
+        "overhead_ratio": round(ratio["ratio_median"], 4),
+        "overhead_ratio_pairs": [round(r, 4) for r in ratio["ratios"]],
+        "overhead_ratio_spread": round(ratio["spread"], 4),
+        "pairs_agree": ratio["pairs_agree"],
         "bare_runs_tokens_per_s": [round(x, 1) for x in bare_runs],
         "role_runs_tokens_per_s": [round(x, 1) for x in role_runs],
         "bare": bares,
         "role": roles,
         "settings": {
-            "repeat": args.repeat,
+            "pairs": args.pairs,
             "model": str(model),
             "prompts": args.prompts,
             "samples": args.samples,
@@ -246,7 +254,7 @@ def main() -> None:
             f"{name:10s} {tps:9.1f} tokens/s median  (last: {last['tokens']} tokens in "
             f"{last['seconds']:.1f} s)"
         )
-    print(f"overhead_ratio (role / bare) = {role_tps / bare_tps:.3f}   (goal >= 0.95)")
+    print(pairs.describe("overhead_ratio (role / bare)", ratio, goal=0.95))
     print(json.dumps(figures))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,6 @@
-"""Request/reply, one-way and streaming calls over any transport connection: the protocol and the
-serving side. The calling side is :mod:`laminar.rpc_client`.
-
-Frame kinds (meta ``k``), all other meta keys short: ``i`` call id, ``m`` method::
-
-    CALL    i m  payload=request      ->  REPLY i payload=response | ERROR i e
-    NOTIFY    m  payload=request      ->  (nothing; failures are logged on the server)
-    STREAM  i m  payload=request      ->  ITEM i payload=item ... END i | ERROR i e
-    CANCEL  i                         ->  the server cancels the handler task of call i
-    PING                              ->  PONG (liveness of an otherwise quiet connection)
+"""Request/reply, one-way and streaming calls over any transport connection: the serving side.
+The calling side is :mod:`laminar.rpc_client`; the frames both exchange are in
+:mod:`laminar.rpc_wire`.
 
 Guarantees, and why:
 
@@ -26,6 +19,11 @@ Guarantees, and why:
   stops a sender that outpaces the handlers, instead of this process growing a task per frame.
   While it does not read, it sends a PONG every ping interval unasked, so the peer's liveness
   check does not take a busy server for a dead one.
+* A stream sends at most the consumer's window of items ahead of what the consumer has taken
+  (CREDIT frames top it up), so a slow consumer holds its producer (:mod:`laminar.rpc_calls`).
+* Frames are handed to the server and the client as they arrive (``Connection.deliver_to``), not
+  through a reader task: a call's round trip is then one task wake-up on each side, as with a
+  bare asyncio echo, and ``benchmarks/transport.py`` measures it against one.
 * A connection that goes silent (peer host crashed, link cut, process stopped) is closed by the
   client once its pings go unanswered for the transport's ``peer_timeout``; pending calls then
   fail with :class:`PeerUnavailable` and the next call reconnects. Without that, a dead peer that
@@ -39,7 +37,6 @@ Guarantees, and why:
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import time
@@ -53,7 +50,6 @@ import structlog
 from pydantic import BaseModel, ValidationError
 
 from laminar.transport import (
-    WIRE_CONTEXT,
     Connection,
     ConnectionClosed,
     Frame,
@@ -61,26 +57,43 @@ from laminar.transport import (
     Listener,
     MessageTooLarge,
     TransportOptions,
-    decode_payload,
-    encode_payload,
     listen,
 )
 
 from .endpoint import EndpointSpec, endpoints_of
+from .rpc_calls import Calls, Credit
+from .rpc_wire import (
+    K_CALL,
+    K_CANCEL,
+    K_CREDIT,
+    K_END,
+    K_ERROR,
+    K_ITEM,
+    K_NOTIFY,
+    K_PING,
+    K_PONG,
+    K_REPLY,
+    K_STREAM,
+    MAX_IN_FLIGHT,
+    PING_CHECKS,
+    decode_model,
+    encode_model,
+)
+
+__all__ = [
+    "K_CALL",
+    "K_CANCEL",
+    "K_PING",
+    "K_PONG",
+    "K_REPLY",
+    "CallContext",
+    "RpcServer",
+    "current_call",
+    "decode_model",
+    "encode_model",
+]
 
 log = structlog.get_logger("laminar.rpc")
-
-K_CALL, K_REPLY, K_ERROR, K_NOTIFY, K_STREAM, K_ITEM, K_END, K_CANCEL = range(16, 24)
-K_PING, K_PONG = 24, 25
-
-#: Requests (calls, streams, notifies) one connection may have running at once; see
-#: :class:`_Calls`. A stream counts for as long as it is open.
-MAX_IN_FLIGHT = 64
-
-#: Quiet checks per ``peer_timeout`` on the calling side (:mod:`laminar.rpc_client`): a ping goes
-#: out at each of the first ones, the connection is closed at the last, so a healthy peer has two
-#: pings' worth of round trips to answer.
-PING_CHECKS = 3
 
 
 @dataclass(frozen=True)
@@ -94,16 +107,6 @@ class CallContext:
 
 current_call: ContextVar[CallContext] = ContextVar("laminar_current_call")
 _connection_ids = itertools.count(1)
-
-
-def encode_model(model: BaseModel | None) -> tuple[bytes, list[memoryview]]:
-    # WIRE_CONTEXT: ``wire_array`` fields come out as typed arrays, sent as one raw buffer
-    return encode_payload(model.model_dump(context=WIRE_CONTEXT) if model is not None else None)
-
-
-def decode_model(cls: type[BaseModel] | None, frame: Frame) -> Any:
-    data = decode_payload(frame.payload, frame.buffers)
-    return cls.model_validate(data) if cls is not None else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,63 +151,89 @@ class RpcServer:
         self.listeners.clear()
 
     async def serve_connection(self, conn: Connection) -> None:
+        """Serve ``conn`` until it closes; its requests' tasks end with it."""
         conn_id = next(_connection_ids)
+        loop = asyncio.get_running_loop()
+        lost: asyncio.Future[str] = loop.create_future()
+        pong_interval = None
+        if conn.can_stall and self.options.peer_timeout is not None:
+            pong_interval = self.options.peer_timeout / PING_CHECKS
+        paused: list[asyncio.TimerHandle] = []  # the unasked-pong timer while not reading
 
         def handler(frame: Frame) -> Coroutine[Any, Any, None]:
             ctx = CallContext(conn_id, conn.peer, frame.meta["m"])
-            return self._run(conn, ctx, frame.meta["k"], frame.meta.get("i"), frame)
+            return self._run(conn, ctx, frame.meta["k"], frame.meta.get("i"), frame, calls)
 
-        calls = _Calls(self.max_in_flight, handler)
+        def unasked_pong() -> None:
+            # Not reading, so the peer's pings go unread: tell it this side is busy, not dead.
+            calls.spawn_control(self._pong(conn))
+            if pong_interval is not None:
+                paused[:] = [loop.call_later(pong_interval, unasked_pong)]
+
+        def on_room() -> None:
+            if paused and not calls.read_ahead_full():
+                for timer in paused:
+                    timer.cancel()
+                paused.clear()
+                conn.resume_reading()
+
+        calls = Calls(self.max_in_flight, handler, on_room)
+
+        def on_frame(frame: Frame) -> None:
+            meta = frame.meta
+            kind, call_id = meta.get("k"), meta.get("i")
+            if kind == K_CANCEL:
+                calls.cancel(call_id)
+                return
+            if kind == K_CREDIT:
+                n = meta.get("n")
+                if not isinstance(n, int) or n < 1:
+                    raise FrameError(f"bad stream credit {n!r}")
+                calls.grant(call_id, n)
+                return
+            if kind == K_PING:
+                calls.spawn_control(self._pong(conn))
+                return
+            method = meta.get("m")
+            if kind not in (K_CALL, K_NOTIFY, K_STREAM) or not isinstance(method, str):
+                raise FrameError(f"unexpected frame kind {kind!r}")
+            if kind != K_NOTIFY and (not isinstance(call_id, int) or calls.known(call_id)):
+                raise FrameError(f"bad or duplicate call id {call_id!r}")
+            if kind == K_STREAM:
+                window = meta.get("c")
+                if window is not None and (not isinstance(window, int) or window < 1):
+                    raise FrameError(f"bad stream window {window!r}")
+                calls.open_stream(call_id, window)
+            calls.submit(frame)
+            if calls.read_ahead_full() and not paused:
+                conn.pause_reading()
+                paused.append(loop.call_later(pong_interval or 3600.0, unasked_pong))
+
+        def on_closed(reason: str) -> None:
+            if not lost.done():
+                lost.set_result(reason)
+
         self.connections.add(conn)
         try:
-            while True:
-                if calls.read_ahead_full():
-                    await self._wait_for_room(conn, calls)
-                frame = await conn.recv()
-                kind, call_id = frame.meta.get("k"), frame.meta.get("i")
-                if kind == K_CANCEL:
-                    calls.cancel(call_id)
-                    continue
-                if kind == K_PING:
-                    calls.spawn_control(self._pong(conn))
-                    continue
-                method = frame.meta.get("m")
-                if kind not in (K_CALL, K_NOTIFY, K_STREAM) or not isinstance(method, str):
-                    raise FrameError(f"unexpected frame kind {kind!r}")
-                if kind != K_NOTIFY and (not isinstance(call_id, int) or calls.known(call_id)):
-                    raise FrameError(f"bad or duplicate call id {call_id!r}")
-                calls.submit(frame)
-        except ConnectionClosed:
-            pass
-        except FrameError as exc:
-            log.warning("closing connection: protocol error", peer=conn.peer, error=str(exc))
-            conn.close(f"protocol error: {exc}")
+            conn.deliver_to(on_frame, on_closed)
+            await lost
         finally:
+            for timer in paused:
+                timer.cancel()
             self.connections.discard(conn)
+            conn.close("server side finished")
             await calls.cancel_all()
             if self.on_disconnect is not None:
                 self.on_disconnect(conn_id)
 
-    async def _wait_for_room(self, conn: Connection, calls: _Calls) -> None:
-        """Read nothing from ``conn`` until one of its requests finishes and a held one starts.
-
-        Frames then queue in the transport and the kernel, and TCP flow control stops the
-        sender. The pings it sends meanwhile cannot be read, so the connection answers them
-        in advance: a pong every ping interval tells the peer this side is busy, not dead.
-        """
-        interval = None
-        if conn.can_stall and self.options.peer_timeout is not None:
-            interval = self.options.peer_timeout / PING_CHECKS
-        while calls.read_ahead_full():
-            try:
-                calls.room.clear()  # just checked: no finish can be missed
-                async with asyncio.timeout(interval):
-                    await calls.room.wait()
-            except TimeoutError:
-                calls.spawn_control(self._pong(conn))
-
     async def _run(
-        self, conn: Connection, ctx: CallContext, kind: int, call_id: Any, frame: Frame
+        self,
+        conn: Connection,
+        ctx: CallContext,
+        kind: int,
+        call_id: Any,
+        frame: Frame,
+        calls: Calls,
     ) -> None:
         current_call.set(ctx)
         started = time.perf_counter()
@@ -247,7 +276,8 @@ class RpcServer:
                 return
             args = (request,) if spec.request is not None else ()
             if spec.kind == "stream":
-                await self._stream(conn, spec, call_id, fn(self.target, *args))
+                credit = calls.credits.get(call_id) or Credit(None)
+                await self._stream(conn, spec, call_id, fn(self.target, *args), credit)
             else:
                 result = await fn(self.target, *args)
                 if kind == K_CALL:
@@ -287,11 +317,17 @@ class RpcServer:
                 self.observe(ctx.method, outcome, time.perf_counter() - started)
 
     async def _stream(
-        self, conn: Connection, spec: EndpointSpec, call_id: int, items: AsyncIterator[Any]
+        self,
+        conn: Connection,
+        spec: EndpointSpec,
+        call_id: int,
+        items: AsyncIterator[Any],
+        credit: Credit,
     ) -> None:
         try:
             sent = 0
             async for item in items:
+                await credit.take()  # the consumer's window (laminar.rpc_calls)
                 payload, buffers = encode_model(self._checked(spec, item))
                 await conn.send(Frame({"k": K_ITEM, "i": call_id}, payload, buffers))
                 sent += 1
@@ -346,85 +382,3 @@ class RpcServer:
         }
         with contextlib.suppress(ConnectionClosed):
             await conn.send(Frame({"k": K_ERROR, "i": call_id, "e": info}))
-
-
-class _Calls:
-    """The requests of one connection: running (at most ``limit``) and held (read ahead).
-
-    Without a bound, a peer that sends faster than handlers finish grows this process's tasks
-    and memory without limit, and the transport's flow control never engages (every frame is
-    read at once). At the bound, up to ``limit`` more requests are read ahead and held, in
-    arrival order, so CANCELs and pings behind them are still seen; beyond that the connection
-    stops reading. A finishing request starts the oldest held one.
-    """
-
-    def __init__(self, limit: int, handler: Callable[[Frame], Coroutine[Any, Any, None]]) -> None:
-        self.limit = limit
-        self.handler = handler
-        self.running: dict[int, asyncio.Task[None]] = {}  # calls and streams, by call id
-        self.oneway: set[asyncio.Task[None]] = set()  # notifies
-        self.control: set[asyncio.Task[None]] = set()  # pongs: not requests, never bounded
-        self.held: collections.deque[Frame] = collections.deque()
-        self.room = asyncio.Event()  # set whenever a request finishes
-
-    def has_room(self) -> bool:
-        return len(self.running) + len(self.oneway) < self.limit
-
-    def read_ahead_full(self) -> bool:
-        return len(self.held) >= self.limit
-
-    def known(self, call_id: int) -> bool:
-        return call_id in self.running or any(f.meta.get("i") == call_id for f in self.held)
-
-    def submit(self, frame: Frame) -> None:
-        if self.held or not self.has_room():
-            self.held.append(frame)  # nothing overtakes a held request
-        else:
-            self._start(frame)
-
-    def spawn_control(self, coro: Coroutine[Any, Any, None]) -> None:
-        # answered from a task: a full send buffer must not stop the connection reading
-        task = asyncio.create_task(coro)
-        self.control.add(task)
-        task.add_done_callback(self.control.discard)
-
-    def cancel(self, call_id: Any) -> None:
-        task = self.running.get(call_id)
-        if task is not None:
-            task.cancel()
-        else:  # not started yet: drop it, as its caller gave up
-            kept = [
-                f for f in self.held if f.meta.get("k") == K_NOTIFY or f.meta.get("i") != call_id
-            ]
-            self.held = collections.deque(kept)
-
-    async def cancel_all(self) -> None:
-        self.held.clear()
-        pending = [*self.running.values(), *self.oneway, *self.control]
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-
-    def _start(self, frame: Frame) -> None:
-        task = asyncio.create_task(self.handler(frame))
-        if frame.meta.get("k") == K_NOTIFY:
-            self.oneway.add(task)
-            task.add_done_callback(self._oneway_done)
-        else:
-            call_id = frame.meta["i"]
-            self.running[call_id] = task
-            task.add_done_callback(lambda _t, i=call_id: self._done(i))
-
-    def _done(self, call_id: int) -> None:
-        self.running.pop(call_id, None)
-        self._next()
-
-    def _oneway_done(self, task: asyncio.Task[None]) -> None:
-        self.oneway.discard(task)
-        self._next()
-
-    def _next(self) -> None:
-        while self.held and self.has_room():
-            self._start(self.held.popleft())
-        self.room.set()

@@ -1,7 +1,7 @@
 """The calling side of RPC: :class:`RpcClient` (one address, reconnects with backoff, fails fast
 when the connection drops) and typed proxies (``remote(Manager, client).join.call(req)``).
 
-The frame kinds and the guarantees are described in :mod:`laminar.rpc`.
+The frame kinds are in :mod:`laminar.rpc_wire`, the guarantees in :mod:`laminar.rpc`.
 """
 
 from __future__ import annotations
@@ -30,15 +30,17 @@ from laminar.transport.frames import check_outgoing
 
 from .endpoint import EndpointSpec, endpoints_of
 from .errors import REMOTE_ERROR_KINDS, CallTimeout, PeerUnavailable
-from .rpc import (
+from .rpc_wire import (
     K_CALL,
     K_CANCEL,
+    K_CREDIT,
     K_END,
     K_ERROR,
     K_NOTIFY,
     K_PING,
     K_STREAM,
     PING_CHECKS,
+    STREAM_WINDOW,
     decode_model,
     encode_model,
 )
@@ -78,13 +80,16 @@ class RpcClient:
         *,
         timeout: float = 30.0,
         backoff: Backoff | None = None,
+        stream_window: int = STREAM_WINDOW,
     ) -> None:
+        if stream_window < 2:
+            raise ValueError(f"stream_window must be at least 2, got {stream_window}")
         self.address = address
         self.options = options
         self.timeout = timeout
         self.backoff = backoff or Backoff()
+        self.stream_window = stream_window
         self._conn: Connection | None = None
-        self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Frame] | asyncio.Queue[Frame | Exception]] = {}
@@ -126,7 +131,7 @@ class RpcClient:
                     continue
                 self._failures = 0
                 self._conn = conn
-                self._reader = asyncio.create_task(self._read(conn))
+                conn.deliver_to(self._on_frame, lambda reason, c=conn: self._lost(c, reason))
                 if conn.can_stall and self.options.peer_timeout is not None:
                     self._spawn(self._watch(conn, self.options.peer_timeout))
                 return conn
@@ -167,39 +172,33 @@ class RpcClient:
         with contextlib.suppress(ConnectionClosed):
             await conn.send(Frame({"k": K_PING}))
 
-    async def _read(self, conn: Connection) -> None:
-        reason = "connection closed"
-        try:
-            while True:
-                frame = await conn.recv()
-                waiter = self._pending.get(frame.meta.get("i"))  # type: ignore[arg-type]
-                if isinstance(waiter, asyncio.Queue):
-                    waiter.put_nowait(frame)
-                elif waiter is not None and not waiter.done():
-                    waiter.set_result(frame)
-        except ConnectionClosed as exc:
-            reason = exc.reason
-        finally:
-            conn.close(reason)
-            if self._conn is conn:
-                self._conn = None
-            error = PeerUnavailable(self.address, reason)
-            for waiter in list(self._pending.values()):
-                if isinstance(waiter, asyncio.Queue):
-                    waiter.put_nowait(error)
-                elif not waiter.done():
-                    waiter.set_exception(error)
+    def _on_frame(self, frame: Frame) -> None:
+        """A reply or stream item, from the event loop as it arrives: straight to its waiter."""
+        waiter = self._pending.get(frame.meta.get("i"))  # type: ignore[arg-type]
+        if isinstance(waiter, asyncio.Queue):
+            waiter.put_nowait(frame)
+        elif waiter is not None and not waiter.done():
+            waiter.set_result(frame)
+
+    def _lost(self, conn: Connection, reason: str) -> None:
+        """``conn`` closed: every call waiting on it fails now (the next call reconnects)."""
+        if self._conn is conn:
+            self._conn = None
+        error = PeerUnavailable(self.address, reason)
+        for waiter in list(self._pending.values()):
+            if isinstance(waiter, asyncio.Queue):
+                waiter.put_nowait(error)
+            elif not waiter.done():
+                waiter.set_exception(error)
 
     async def close(self) -> None:
         self._closed = True
         for task in list(self._background):
             task.cancel()
-        if self._conn is not None:
-            self._conn.close("client closed")
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        conn = self._conn
+        if conn is not None:
+            conn.close("client closed")
+            await conn.wait_closed()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
 
@@ -275,13 +274,13 @@ class RpcClient:
         self._pending[call_id] = queue
         conn: Connection | None = None
         finished = False
+        taken, half = 0, self.stream_window // 2
         try:
             try:
                 async with asyncio.timeout(timeout if timeout is not None else self.timeout):
                     conn = await self._connection()
-                    await conn.send(
-                        Frame({"k": K_STREAM, "i": call_id, "m": method}, payload, buffers)
-                    )
+                    meta = {"k": K_STREAM, "i": call_id, "m": method, "c": self.stream_window}
+                    await conn.send(Frame(meta, payload, buffers))
             except TimeoutError:
                 raise PeerUnavailable(self.address, self.last_error) from None
             except ConnectionClosed as exc:
@@ -304,6 +303,10 @@ class RpcClient:
                 if kind == K_ERROR:
                     finished = True
                     self._result(item, None)
+                taken += 1
+                if taken == half:  # top the producer's window up (laminar.rpc_calls.Credit)
+                    taken = 0
+                    self._grant(conn, call_id, half)
                 yield decode_model(item_type, item)
         finally:
             self._pending.pop(call_id, None)
@@ -317,6 +320,16 @@ class RpcClient:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _grant(self, conn: Connection | None, call_id: int, n: int) -> None:
+        if conn is None or conn.closed:
+            return
+
+        async def send() -> None:
+            with contextlib.suppress(ConnectionClosed):
+                await conn.send(Frame({"k": K_CREDIT, "i": call_id, "n": n}))
+
+        self._spawn(send())
 
     def _cancel_remote(self, conn: Connection, call_id: int) -> None:
         if conn.closed:

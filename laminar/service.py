@@ -37,6 +37,7 @@ from .clock import Clock, get_clock
 from .config import ClusterConfig, ServiceConfig
 from .endpoint import check_contracts, local_notifies
 from .errors import CallTimeout, PeerUnavailable, RemoteError
+from .executor import Executor, ExecutorFactory, ThreadExecutor
 from .membership import Heartbeat, JoinRequest, LeaveRequest, Member, MembershipApi
 from .metrics import RpcMetrics, start_metrics_server
 from .peers import STREAM_ERRORS, Outage, Peer, follow_stream
@@ -62,7 +63,9 @@ def transport_options(cluster: ClusterConfig, token: bytes) -> TransportOptions:
 
 
 class ServiceContext:
-    """What a service gets from its host: identity, config, clock, logs, metrics, tasks, peers."""
+    """What a service gets from its host: identity, config, clock, logs, metrics, tasks, peers,
+    and executors for blocking work (``executors`` makes them: threads unless a harness says
+    otherwise; :mod:`laminar.executor`)."""
 
     def __init__(
         self,
@@ -73,6 +76,7 @@ class ServiceContext:
         config: ServiceConfig,
         options: TransportOptions,
         clock: Clock | None = None,
+        executors: ExecutorFactory = ThreadExecutor,
     ) -> None:
         self.role = role
         self.instance = instance
@@ -87,6 +91,24 @@ class ServiceContext:
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._clients: dict[str, RpcClient] = {}
+        self._make_executor = executors
+        self._executors: dict[str, tuple[int, Executor]] = {}  # name -> (workers, executor)
+
+    def executor(self, name: str, *, workers: int = 1) -> Executor:
+        """The service's executor ``name`` (made on first use, the same one after; closed when
+        the service stops). Blocking calls go through one: ``await ex.run(fn, *args)``. One
+        worker runs its calls one at a time, in order (what an owner of a connection needs)."""
+        if name not in self._executors:
+            self._executors[name] = (workers, self._make_executor(name, workers))
+        made, executor = self._executors[name]
+        if made != workers:
+            raise ValueError(f"executor {name!r} has {made} workers, not {workers}")
+        return executor
+
+    def close_executors(self) -> None:
+        executors, self._executors = list(self._executors.values()), {}
+        for _, executor in executors:
+            executor.close()
 
     def spawn(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
         """Run ``coro`` as a task owned by the service: cancelled at stop, fatal if it raises."""
@@ -298,6 +320,7 @@ class ServiceHost:
             if self.server is not None:
                 await self.server.close()
             await ctx.close_clients()
+            ctx.close_executors()
             if metrics_runner is not None:
                 await metrics_runner.cleanup()
             if self.handle_signals:

@@ -217,7 +217,9 @@ class RelayService(Service, RelayApi):
     async def _upstream(self, conn: transport.Connection) -> None:
         self.log.info("upstream connected", peer=conn.peer)
         try:
-            await receive_versions(conn, self.store, self._verified)
+            await receive_versions(
+                conn, self.store, self._verified, executor=self.ctx.executor("relay-verify")
+            )
         except (transport.TransportError, TransferError, TimeoutError) as exc:
             self.log.info("upstream gone", peer=conn.peer, reason=str(exc))
 

@@ -30,14 +30,6 @@ def session_segments() -> set[str]:
     }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2 --dist loadgroup``) the vLLM tests run one after another on one
-    worker: each takes every core it can get, and two at once only slow both down."""
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("vllm"))
-
-
 @pytest.fixture
 def cluster() -> ClusterConfig:
     return ClusterConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, rpc_timeout_s=5.0)

@@ -113,6 +113,69 @@ class Connection(abc.ABC):
     @abc.abstractmethod
     async def recv(self) -> Frame: ...
 
+    # -- push delivery ----------------------------------------------------------------------------
+    #
+    # Why a second way to receive: ``await recv()`` in a reader task costs one task wake-up per
+    # frame before the frame reaches whoever it is for (a call's future, a handler task), and the
+    # RPC round trip is a handful of such wake-ups. A sink is called from the event loop as frames
+    # arrive, in order, so a reply sets its caller's future directly. Transports whose frames
+    # arrive in a callback (tcp, shm, inproc) override this to call the sink there; the default
+    # below pumps ``recv()`` in a task owned by the connection, so every transport supports it.
+
+    def deliver_to(self, sink: FrameSink, closed: Callable[[str], None]) -> None:
+        """From now on hand every frame to ``sink(frame)`` instead of queueing it for ``recv()``
+        (frames already queued go first), and call ``closed(reason)`` once after the last one.
+
+        ``sink`` must not block. It may call :meth:`pause_reading` to stop delivery (the transport
+        then stops reading, so the peer's sends wait on flow control) and
+        :meth:`resume_reading` later. A :class:`~.frames.FrameError` raised by ``sink`` closes
+        the connection as a protocol error. Call once, after the handshake; ``recv()`` must not
+        be used afterwards.
+        """
+        if getattr(self, "_pump", None) is not None:
+            raise RuntimeError("deliver_to() was already called on this connection")
+        self._sink_open = asyncio.Event()
+        self._sink_open.set()
+        self._pump: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
+            self._pump_frames(sink, closed)
+        )
+
+    def pause_reading(self) -> None:
+        """Stop handing frames to the sink (see :meth:`deliver_to`)."""
+        self._sink_open.clear()
+
+    def resume_reading(self) -> None:
+        self._sink_open.set()
+
+    async def _pump_frames(self, sink: FrameSink, closed: Callable[[str], None]) -> None:
+        reason = "connection closed"
+        try:
+            while True:
+                if not self._sink_open.is_set():
+                    await self._paused_until_resumed_or_closed()
+                    if not self._sink_open.is_set():
+                        return  # closed while paused: what is still queued is dropped
+                frame = await self.recv()
+                try:
+                    sink(frame)
+                except FrameError as exc:
+                    self.close(f"protocol error: {exc}")
+        except ConnectionClosed as exc:
+            reason = exc.reason
+        finally:
+            closed(self.close_reason or reason)
+
+    async def _paused_until_resumed_or_closed(self) -> None:
+        waits = [
+            asyncio.ensure_future(self._sink_open.wait()),
+            asyncio.ensure_future(self.wait_closed()),
+        ]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
     @abc.abstractmethod
     def close(self, reason: str = "closed locally") -> None: ...
 
@@ -155,6 +218,7 @@ def parse_host_port(scheme: str, rest: str) -> tuple[str, int]:
 
 
 Handler = Callable[[Connection], Awaitable[None]]
+FrameSink = Callable[[Frame], None]
 
 
 class Transport(abc.ABC):
@@ -253,7 +317,12 @@ async def connect(address: str, options: TransportOptions) -> Connection:
         await asyncio.wait_for(client_handshake(conn, options), options.handshake_timeout)
     except BaseException as exc:
         conn.close(f"handshake failed: {exc!r}")
-        if isinstance(exc, (FrameError, TimeoutError)):
+        if isinstance(exc, TimeoutError):
+            # A slow peer (starting up, or its host overloaded), not a refusal: callers retry.
+            raise TimeoutError(
+                f"handshake with {address} took over {options.handshake_timeout:g} s"
+            ) from exc
+        if isinstance(exc, FrameError):
             raise AuthenticationError(f"handshake with {address} failed: {exc}") from exc
         raise
     conn.limits = options.limits

@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
+from collections.abc import Callable
 
 from .base import (
     Connection,
     ConnectionClosed,
+    FrameSink,
     Handler,
     Listener,
     Transport,
@@ -42,6 +44,9 @@ class InprocConnection(Connection):
         self._writable = asyncio.Event()
         self._writable.set()
         self._closed = asyncio.Event()
+        self._sink: FrameSink | None = None  # push delivery (deliver_to), else recv()
+        self._on_closed: Callable[[str], None] | None = None
+        self._sink_paused = False
 
     def _check(self, frame: Frame) -> None:
         # The same limits a socket reader enforces, so tests over inproc mean something.
@@ -87,6 +92,9 @@ class InprocConnection(Connection):
         handed = Frame(dict(frame.meta), bytes(frame.payload), remote._land(frame))
         remote._inbox.append(handed)
         remote._readable.set()
+        if remote._sink is not None:
+            # from the loop, as a socket's data callback would: never inside this send()
+            asyncio.get_running_loop().call_soon(remote._push)
         self.bytes_sent += handed.nbytes
         remote.bytes_received += handed.nbytes
         await asyncio.sleep(0)  # let the peer run, as a socket write would
@@ -102,6 +110,39 @@ class InprocConnection(Connection):
             self._writable.set()
         return frame
 
+    def deliver_to(self, sink: FrameSink, closed: Callable[[str], None]) -> None:
+        if self._sink is not None:
+            raise RuntimeError("deliver_to() was already called on this connection")
+        self._sink, self._on_closed = sink, closed
+        self._push()  # what arrived during the handshake
+        if self.close_reason is not None:
+            self._notify_closed()
+
+    def pause_reading(self) -> None:
+        self._sink_paused = True
+
+    def resume_reading(self) -> None:
+        if self._sink_paused:
+            self._sink_paused = False
+            asyncio.get_running_loop().call_soon(self._push)
+
+    def _push(self) -> None:
+        sink = self._sink
+        while sink is not None and self._inbox and not self._sink_paused:
+            frame = self._inbox.popleft()
+            if len(self._inbox) < _QUEUE_FRAMES:
+                self._writable.set()
+            try:
+                sink(frame)
+            except FrameError as exc:
+                self.close(f"protocol error: {exc}")
+                return
+
+    def _notify_closed(self) -> None:
+        callback, self._on_closed = self._on_closed, None
+        if callback is not None:
+            callback(self.close_reason or "connection closed")
+
     def close(self, reason: str = "closed locally") -> None:
         if self.close_reason is not None:
             return
@@ -109,6 +150,9 @@ class InprocConnection(Connection):
         self._readable.set()
         self._writable.set()
         self._closed.set()
+        if self._sink is not None:
+            # after the pushes already scheduled: frames the peer sent before closing come first
+            asyncio.get_running_loop().call_soon(self._notify_closed)
         if self.remote is not None:
             self.remote.close("peer closed the connection")
 

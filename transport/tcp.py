@@ -29,6 +29,7 @@ import structlog
 from .base import (
     Connection,
     ConnectionClosed,
+    FrameSink,
     Handler,
     Listener,
     Transport,
@@ -60,6 +61,9 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         self._drain_waiter: asyncio.Future[None] | None = None
         self._closed = asyncio.get_running_loop().create_future()
         self._reading_paused = False
+        self._sink: FrameSink | None = None  # push delivery (deliver_to), else recv()
+        self._on_closed: Callable[[str], None] | None = None
+        self._sink_paused = False
         self.on_made: Callable[[], None] | None = None  # server side: starts the handler
 
     # -- Connection --
@@ -93,6 +97,28 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             if self._transport is not None and self.close_reason is None:
                 self._transport.resume_reading()
         return frame
+
+    def deliver_to(self, sink: FrameSink, closed: Callable[[str], None]) -> None:
+        if self._sink is not None:
+            raise RuntimeError("deliver_to() was already called on this connection")
+        self._sink, self._on_closed = sink, closed
+        if self._reading_paused:  # recv()'s queue bound no longer applies
+            self._reading_paused = False
+            self._set_reading(True)
+        self._push()  # what arrived during the handshake
+        if self._closed.done():
+            self._notify_closed()
+
+    def pause_reading(self) -> None:
+        if not self._sink_paused:
+            self._sink_paused = True
+            self._set_reading(False)
+
+    def resume_reading(self) -> None:
+        if self._sink_paused:
+            self._sink_paused = False
+            self._push()
+            self._set_reading(True)
 
     def close(self, reason: str = "closed locally") -> None:
         if self.close_reason is None:
@@ -162,8 +188,12 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             self.close(f"protocol error: {exc}")
 
     def deliver(self, frames: list[Frame]) -> None:
-        """Queue parsed frames for recv(); subclasses may transform them (FrameError closes)."""
+        """Queue parsed frames for recv() or the sink; subclasses may transform them (FrameError
+        closes)."""
         self._frames.extend(frames)
+        if self._sink is not None:
+            self._push()
+            return
         self._wake()
         if len(self._frames) >= _MAX_QUEUED_FRAMES and not self._reading_paused:
             self._reading_paused = True
@@ -196,6 +226,32 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     # -- internals --
 
+    def _push(self) -> None:
+        """Hand queued frames to the sink until it pauses or the queue is empty."""
+        sink = self._sink
+        while sink is not None and self._frames and not self._sink_paused:
+            frame = self._frames.popleft()
+            try:
+                sink(frame)
+            except FrameError as exc:
+                log.warning("closing connection: protocol error", peer=self.peer, error=str(exc))
+                self.close(f"protocol error: {exc}")
+                return
+
+    def _set_reading(self, on: bool) -> None:
+        transport = self._transport
+        if transport is None or self.close_reason is not None:
+            return
+        if on:
+            transport.resume_reading()
+        else:
+            transport.pause_reading()
+
+    def _notify_closed(self) -> None:
+        callback, self._on_closed = self._on_closed, None
+        if callback is not None:
+            callback(self.close_reason or "connection closed")
+
     def _wake(self) -> None:
         waiter = self._recv_waiter
         if waiter is not None and not waiter.done():
@@ -205,6 +261,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         if not self._closed.done():
             self._closed.set_result(None)
         self.resume_writing()
+        self._notify_closed()
 
 
 def set_dead_peer_timeouts(sock: socket.socket, timeout: float) -> None:

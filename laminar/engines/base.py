@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, Field
 
 from ..errors import LaminarError
+from ..executor import LOOP_DEFAULT, Executor
 from ..trajectory import FinishReason, SamplingParams
 from ..transport import Blob
 from ..transport.shm import SegmentGone
@@ -135,6 +136,9 @@ class Engine(abc.ABC):
         self._records: dict[str, _Record] = {}  # by request id
         self._by_backend_id: dict[str, _Record] = {}
         self._queue: asyncio.Queue[list[EngineOutput] | BaseException] = asyncio.Queue()
+        # Where blocking weight work runs (mapping and checking a version's CRCs): the rollout
+        # role sets its own (``ctx.executor``); left alone, the loop's default executor.
+        self.executor: Executor = LOOP_DEFAULT
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -275,9 +279,8 @@ class Engine(abc.ABC):
 
     async def _load_shared(self, segment: str, manifest: WeightManifest) -> None:
         """Default: map here, verify, and load the tensor views (no copy before the engine's)."""
-        loop = asyncio.get_running_loop()
         try:
-            view = await loop.run_in_executor(None, map_verified, segment, manifest)
+            view = await self.executor.run(map_verified, segment, manifest)
         except (SegmentGone, CorruptVersion) as exc:
             raise EngineError(str(exc)) from exc
         from ..weights.tensors import tensors_from  # torch: only where tensors are loaded

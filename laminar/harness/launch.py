@@ -69,6 +69,7 @@ class ProcessCluster:
         self.env, self.mark = launch_env(os.environ, env)
         self.cwd = cwd
         self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.roles: dict[str, str] = {}  # name -> role, for the shutdown order
         self.sessions: set[int] = set()  # of every role started, killed ones too, until emptied
         self.info: dict[str, dict[str, Any]] = {}
         self.manager: str | None = None
@@ -127,6 +128,7 @@ class ProcessCluster:
         log = (self.log_dir / f"{name}.log").open("a")
         proc = start(cmd, self._env_for(role, name), stderr=log, cwd=self.cwd)
         self.procs[name] = proc
+        self.roles[name] = role
         self.sessions.add(proc.pid)  # its session id is its pid: see ``session_members``
         return log, proc
 
@@ -166,12 +168,18 @@ class ProcessCluster:
         proc.wait(timeout=10)
 
     def shutdown(self, grace: float = 20.0) -> None:
-        """SIGTERM the members, then the manager; SIGKILL whatever outlives ``grace``. Then the
-        same, for all of them at once, for anything left in the sessions of every role started
-        (killed ones too)."""
-        members = [p for name, p in self.procs.items() if name != "manager"]
-        manager = [p for name, p in self.procs.items() if name == "manager"]
-        for group in (members, manager):
+        """SIGTERM the members that use the data role, then the data role, then the manager;
+        SIGKILL whatever outlives ``grace``. Then the same, for all of them at once, for anything
+        left in the sessions of every role started (killed ones too).
+
+        The order is the dependency order: a rollout stopping hands its partial trajectories to
+        the data role, and with the data role stopped beside it each rollout spent its stop
+        retrying an unreachable peer (about 5 s of every test cluster's teardown)."""
+        stage = {"data": 1, "manager": 2}
+        groups: list[list[subprocess.Popen[str]]] = [[], [], []]
+        for name, proc in self.procs.items():
+            groups[stage.get(self.roles.get(name, ""), 0)].append(proc)
+        for group in groups:
             for proc in group:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -183,6 +191,7 @@ class ProcessCluster:
                     proc.kill()
                     proc.wait(timeout=10)
         self.procs.clear()
+        self.roles.clear()
         end_sessions(self.sessions, grace, self.mark)
         self.sessions.clear()
 

@@ -7,6 +7,11 @@ depend on how many relays or rollouts exist, because the trainer only ever talks
 version to the current master relay and follows the manager's chain, so a master that dies is
 replaced and the new master gets (the rest of) the newest version.
 
+Time (the stall, when a version was acked, the pause before a retry) comes from the owner's
+clock and the checksums run in the owner's executor, so the trainer role runs its publisher on
+virtual time like on real time (``clock``, ``executor``; outside a role: the running loop's clock
+and default executor).
+
 Versions are never queued: if the trainer stages v+1 while v is still on its way, v+1 replaces any
 version not yet started, and rollouts only ever want the newest anyway. Two or three staging
 buffers are reused (one being sent, one being filled), so the steady state allocates nothing.
@@ -22,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Iterable
 from typing import Annotated, Any
 
@@ -31,7 +35,9 @@ import torch
 from pydantic import Field
 
 from laminar import transport
+from laminar.clock import Clock, get_clock
 from laminar.config import Strict
+from laminar.executor import LOOP_DEFAULT, Executor
 from laminar.rpc_client import RpcClient
 
 from .chain import ChainView, follow_chain
@@ -77,6 +83,8 @@ class WeightPublisher:
         *,
         manager: RpcClient | None = None,
         log: Any = None,
+        clock: Clock | None = None,
+        executor: Executor = LOOP_DEFAULT,
     ) -> None:
         if config.master is None and manager is None:
             raise ValueError("a publisher needs a manager to find the master, or a fixed master")
@@ -84,6 +92,8 @@ class WeightPublisher:
         self.options = options
         self.manager = manager
         self.log = log
+        self.clock = clock or get_clock()
+        self.executor = executor
         self.view = ChainView()
         self.relay_count = 1
         self._lock = threading.Lock()
@@ -102,8 +112,10 @@ class WeightPublisher:
     # -- the trainer's side (any thread) -----------------------------------------------------
 
     def stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> VersionBuffer:
-        """Copy the tensors into a host buffer; returns the staged version. This is the stall."""
-        start = time.perf_counter()
+        """Copy the tensors into a host buffer; returns the staged version. This is the stall,
+        timed on the clock: from any thread with the real clock, on the loop with a virtual one
+        (where, run in the loop, it takes no virtual time)."""
+        start = self.clock.time()
         named = list(named)
         manifest = plan_tensors(named, version)
         array = self._buffer(manifest.total_bytes)
@@ -117,7 +129,7 @@ class WeightPublisher:
         vb = VersionBuffer(manifest, bounds, shared=False, storage=view)
         with self._lock:
             self._in_use[version] = array
-        self.stalls.append(time.perf_counter() - start)
+        self.stalls.append(self.clock.time() - start)
         return vb
 
     def _chunk_count(self, total: int) -> int:
@@ -156,8 +168,7 @@ class WeightPublisher:
 
     async def hand_off(self, vb: VersionBuffer) -> None:
         """Make ``vb`` the version to send next (checksums are computed here, off the stall)."""
-        loop = asyncio.get_running_loop()
-        vb.manifest = await loop.run_in_executor(None, with_checksums, vb.manifest, vb.view)
+        vb.manifest = await self.executor.run(with_checksums, vb.manifest, vb.view)
         vb.mark_all()
         self.digests[vb.version] = vb.manifest.digest()
         self._pending = vb
@@ -212,7 +223,7 @@ class WeightPublisher:
                     with contextlib.suppress(BaseException):
                         await task
             if vb.version > self.acked:
-                await asyncio.sleep(self.config.retry_s)
+                await self.clock.sleep(self.config.retry_s)
 
     async def _master_changed(self, master: str) -> None:
         while self._master() == master:
@@ -226,7 +237,7 @@ class WeightPublisher:
             conn = await transport.connect(master, self.options)
             await push_version(conn, vb, timeout=self.config.transfer_timeout_s, refuse_older=True)
             self.acked = vb.version
-            self.acked_at[vb.version] = time.time()
+            self.acked_at[vb.version] = self.clock.wall()
             self._note("version delivered to the master", version=vb.version, master=master)
         except VersionConflict as exc:
             self.master_newest = max(self.master_newest, exc.newest)

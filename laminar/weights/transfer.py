@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from laminar.executor import LOOP_DEFAULT, Executor
 from laminar.transport import Connection, Frame, FrameError, decode_payload, encode_payload
 from laminar.transport.reader import default_allocator
 from laminar.transport.shm import SharedBuffer
@@ -259,12 +260,14 @@ async def receive_versions(
     conn: Connection,
     store: VersionStore,
     on_complete: Callable[[VersionBuffer], None] | None = None,
+    *,
+    executor: Executor = LOOP_DEFAULT,
 ) -> None:
     """Serve one upstream connection: receive offered versions until the peer goes away.
 
     The connection must have been accepted with ``store.allocator`` so chunks land in place.
+    A complete version's CRCs are checked in ``executor`` (the relay role's), off the loop.
     """
-    loop = asyncio.get_running_loop()
     while True:
         frame = await conn.recv()
         if frame.meta.get("k") != "offer":
@@ -290,7 +293,7 @@ async def receive_versions(
                 raise TransferError(f"expected a chunk of v{vb.version} from {conn.peer}")
             vb.mark(chunk.meta["i"])
         if not vb.verified:
-            bad = await loop.run_in_executor(None, verify, manifest, vb.view)
+            bad = await executor.run(verify, manifest, vb.view)
             if bad:
                 store.versions.pop(vb.version, None)
                 vb.close()

@@ -43,6 +43,7 @@ from pydantic import Field
 
 from laminar.config import Strict
 from laminar.errors import ConfigError
+from laminar.executor import LOOP_DEFAULT, Executor
 from laminar.plugins import load_object
 from laminar.proc import procfs
 from laminar.reward_worker import WORKER_MARK
@@ -147,7 +148,10 @@ async def _ready(fd: int, *, write: bool) -> None:
 
 
 class _Worker:
-    def __init__(self, spec: str, sandbox: RewardSandbox, token_env: str) -> None:
+    def __init__(
+        self, spec: str, sandbox: RewardSandbox, token_env: str, executor: Executor
+    ) -> None:
+        self.executor = executor  # where :meth:`finish` blocks
         self.mark = f"{WORKER_MARK}={secrets.token_hex(8)}"
         jobs_r, self.jobs = os.pipe()
         self.results, results_w = os.pipe()
@@ -250,7 +254,8 @@ class _Worker:
 
     def finish(self, died: bool = False) -> int | None:
         """End it and everything it started; its exit status. Blocks (reaps, reads ``/proc``):
-        run it in a thread. A worker that died gets a moment to report its own status first."""
+        run it in the pool's executor. A worker that died gets a moment to report its own status
+        first."""
         if died:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=1.0)
@@ -263,11 +268,11 @@ class _Worker:
 
     def end(self, died: bool = False) -> asyncio.Future[int | None]:
         """End it (once, however many ask): its group killed at once unless it died by itself,
-        the rest (:meth:`finish`) in a thread. Await the result for its exit status."""
+        the rest (:meth:`finish`) in the executor. Await the result for its exit status."""
         if self.ending is None:
             if not died:
                 self.kill_group()
-            self.ending = asyncio.ensure_future(asyncio.to_thread(self.finish, died))
+            self.ending = asyncio.ensure_future(self.executor.run(self.finish, died))
         return self.ending
 
 
@@ -280,12 +285,14 @@ class RewardPool:
         timeout_s: float = 10.0,
         sandbox: RewardSandbox | None = None,
         token_env: str = "LAMINAR_TOKEN",
+        executor: Executor = LOOP_DEFAULT,
     ) -> None:
         load_function(spec)  # fail fast, in the parent, with a clear error
         self.spec = spec
         self.timeout_s = timeout_s
         self.sandbox = sandbox or RewardSandbox()
         self.token_env = token_env
+        self.executor = executor  # where ended workers are reaped (the data role's, or the loop's)
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: set[_Worker] = set()
         self._ending: set[asyncio.Future[int | None]] = set()  # workers being finished
@@ -296,7 +303,7 @@ class RewardPool:
     def _add_worker(self) -> None:
         if self._closed:  # a call that ends after close() replaces nothing
             return
-        worker = _Worker(self.spec, self.sandbox, self.token_env)
+        worker = _Worker(self.spec, self.sandbox, self.token_env, self.executor)
         self._all.add(worker)
         self._idle.put_nowait(worker)
 

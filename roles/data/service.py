@@ -16,7 +16,8 @@ Flow of one trajectory:
 
 Durability: all state is in :class:`Store` (SQLite, WAL); every acknowledgement follows a commit
 (what a commit survives, kill -9 or power loss, is ``store_synchronous``: see ``store``).
-Database calls run on one dedicated thread (:meth:`DataService._db`, the one place that decides),
+Database calls run on the role's one-worker ``data-store`` executor (:meth:`DataService._db`, the
+one place that decides; threads in production, the event loop under the in-process test cluster),
 so the event loop never blocks on disk.
 
 Bad input fails alone: a report is stored item by item (a bad item is refused and named in the
@@ -37,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
 from prometheus_client import Gauge
@@ -94,7 +94,7 @@ class DataService(Service, DataApi):
 
     def __init__(self, ctx: ServiceContext) -> None:
         super().__init__(ctx)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="data-store")
+        self._store_executor = ctx.executor("data-store", workers=1)  # one connection, in order
         self.store: Store | None = None
         self.rewards: RewardPool | None = None
         self.buffer: ExperienceBuffer | None = None
@@ -132,8 +132,8 @@ class DataService(Service, DataApi):
         self.watch = RolloutWatch(parts, self.leasing.forget, self.leasing.wake)
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a store call on the store's thread (every store call goes through here)."""
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        """Run a store call on the store's executor (every store call goes through here)."""
+        return await self._store_executor.run(fn, *args)
 
     def _need_store(self) -> Store:
         if self.store is None:
@@ -197,6 +197,7 @@ class DataService(Service, DataApi):
             timeout_s=c.reward_timeout_s,
             sandbox=c.reward_sandbox,
             token_env=self.ctx.cluster.token_env,
+            executor=self.ctx.executor("reward-reaper", workers=c.reward_workers),
         )
         self.sampling.open(self.buffer, self.rewards, self.tokenizer)
         for tid in await self._db(self.store.unscored):  # completed before a crash, not scored
@@ -224,7 +225,6 @@ class DataService(Service, DataApi):
         store, self.store = self.store, None  # requests from now on get a clear error
         if store is not None:
             await self._db(store.close)
-        self._thread.shutdown(wait=True)
 
     def stats(self) -> dict[str, float]:
         rounds = self.rounds.stats() if self.rounds is not None else {}

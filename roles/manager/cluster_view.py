@@ -13,14 +13,13 @@ from collections.abc import Awaitable
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict
 
-from laminar.endpoint import endpoint
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.membership import Member
 from laminar.roles.data.api import DataApi, DataStatus
 from laminar.roles.relay import RelayApi, RelayStatus
 from laminar.roles.rollout.api import RolloutApi, RolloutState
+from laminar.roles.trainer.api import TrainerApi
 from laminar.stats import RolloutStats
 
 from .openapi import (
@@ -34,24 +33,6 @@ from .openapi import (
 from .view import ManagerView
 
 STATUS_TIMEOUT_S = 1.0  # per role
-
-
-class _TrainerStatus(BaseModel):
-    """The fields of the trainer's ``TrainerStatus`` the admin API shows (the trainer's module
-    imports torch; the manager should not)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    version: int
-    published: int
-    max_staleness: int
-    training: bool
-
-
-class _TrainerApi:
-    @endpoint
-    async def status(self) -> _TrainerStatus:
-        raise NotImplementedError
 
 
 def rollout_state(member: Member, stats: RolloutStats | None) -> str:
@@ -154,7 +135,7 @@ async def cluster_status(m: ManagerView) -> AdminStatus:
         if data_m else _none()
     )  # fmt: skip
     trainer_call = (
-        ask("trainer", ctx.connect(_TrainerApi, trainer_m[0].address)
+        ask("trainer", ctx.connect(TrainerApi, trainer_m[0].address)
             .status.options(timeout=STATUS_TIMEOUT_S).call())
         if trainer_m else _none()
     )  # fmt: skip

@@ -104,6 +104,7 @@ class RolloutService(Service, RolloutApi):
     def __init__(self, ctx: ServiceContext) -> None:
         super().__init__(ctx)
         self.engine: Engine = create_engine(self.config.engine, clock=ctx.clock)
+        self.engine.executor = ctx.executor("engine-weights")
         self.changes = Changes()  # every phase change and every flight leaving wakes waiters
         self.phases = RolloutPhases(on_change=self.changes.notify)
         self.flights = FlightTable(on_change=self.changes.notify)

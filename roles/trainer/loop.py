@@ -31,7 +31,6 @@ Time comes only from the service's clock; blocking work runs in the compute's ex
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,7 +114,14 @@ class TrainLoop:
         self.tracking = TrainerTracking(s.tracking, s.metrics_file, self.log, s.config)
         self.m_version.set(self.progress.version)
         manager = self.ctx.client(self.ctx.manager) if self.ctx.manager else None
-        self.publisher = WeightPublisher(s.publish, self.ctx.options, manager=manager, log=self.log)
+        self.publisher = WeightPublisher(
+            s.publish,
+            self.ctx.options,
+            manager=manager,
+            log=self.log,
+            clock=self.ctx.clock,
+            executor=self.ctx.executor("publish-checksums", workers=1),
+        )
         self.ctx.spawn(self.publisher.run(), name="publish")
         if resumed.publish:
             await self._offer(self.progress.version)
@@ -124,7 +130,7 @@ class TrainLoop:
     async def close(self) -> None:
         await self.compute.close()
         if self.tracking is not None:
-            await asyncio.to_thread(self.tracking.close)
+            await self.ctx.executor("tracking", workers=1).run(self.tracking.close)
 
     # -- the loop ----------------------------------------------------------------------------
 

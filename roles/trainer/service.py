@@ -32,31 +32,14 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import BaseModel
-
 from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint
 from laminar.service import Service, ServiceContext
 
+from .api import TrainerApi, TrainerStatus
 from .config import TrainerConfig
 from .loop import LoopSettings, TrainLoop
 from .torch_compute import TorchCompute
-
-
-class TrainerStatus(BaseModel):
-    version: int
-    cursor: int
-    resumed_from: str | None
-    resumed_version: int | None  # the checkpoint's version and cursor at startup
-    resumed_cursor: int | None
-    digests: dict[int, str]  # version -> manifest digest of what was published
-    published: int  # newest version the master relay verified
-    stalls_s: list[float]  # the trainer's stall of each publish
-    max_staleness: int
-    training: bool
-    excluded: dict[str, int] = {}  # reason -> trajectories consumed but not trained on
-    skipped_steps: int = 0  # optimizer steps skipped as non-finite
-    version_conflicts: int = 0  # versions the master refused: their number was already taken
 
 
 def loop_settings(c: TrainerConfig) -> LoopSettings:
@@ -76,7 +59,7 @@ def loop_settings(c: TrainerConfig) -> LoopSettings:
     )
 
 
-class TrainerService(Service):
+class TrainerService(Service, TrainerApi):
     role: ClassVar[str] = "trainer"
     config_model: ClassVar[type[ServiceConfig]] = TrainerConfig
     config: TrainerConfig

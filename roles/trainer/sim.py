@@ -104,7 +104,14 @@ class SimTrainerService(Service):
     def __init__(self, ctx: ServiceContext) -> None:
         super().__init__(ctx)
         c = self.config
-        compute = SimCompute(ctx.clock, self.log, c.cost, c.weight_bytes, c.state_file)
+        compute = SimCompute(
+            ctx.clock,
+            self.log,
+            c.cost,
+            c.weight_bytes,
+            c.state_file,
+            ctx.executor("trainer-compute", workers=1),
+        )
         self.loop = TrainLoop(ctx, self.log, loop_settings(c), compute)
 
     async def on_start(self) -> None:

@@ -15,7 +15,6 @@ was taken and not yet trained: nothing is trained twice (which the chaos benchma
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from pydantic import BaseModel
 
 from laminar.clock import Clock
 from laminar.engines.costmodel import TrainCostModel
+from laminar.executor import Executor
 
 from .step import Progress, Resumed, StepResult
 
@@ -69,8 +69,10 @@ class SimCompute:
         cost: TrainCostModel,
         weight_bytes: int,
         state_file: str | None,
+        executor: Executor,
     ) -> None:
         self.clock, self.log, self.cost = clock, log, cost
+        self.executor = executor  # the state file's fsyncs and the staging copy
         self.weight_bytes = weight_bytes
         self.state_file = Path(state_file) if state_file is not None else None
         self._tensors: list[tuple[str, Any]] = []
@@ -99,10 +101,10 @@ class SimCompute:
         state = SimTrainerState(
             version=progress.version, cursor=progress.cursor, batches=progress.batches
         )
-        await asyncio.to_thread(state.save, self.state_file)
+        await self.executor.run(state.save, self.state_file)
 
     async def stage(self, publisher: WeightPublisher, version: int) -> VersionBuffer:
-        return await asyncio.to_thread(publisher.stage, version, self._tensors)
+        return await self.executor.run(publisher.stage, version, self._tensors)
 
     async def evaluate(self, version: int) -> dict[str, Any] | None:
         return None  # nothing to measure: the weights are zeros

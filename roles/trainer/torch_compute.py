@@ -1,8 +1,9 @@
 """The torch trainer's compute: the policy's data-parallel group, its checkpoints, its weights.
 
-Every blocking call (torch, checkpoint files, the published mark, staging the weights) runs on one
-worker thread, so the event loop keeps serving heartbeats and status while a step runs, and steps,
-checkpoints, staging and evaluation never race each other on the model.
+Every blocking call (torch, checkpoint files, the published mark, staging the weights) runs on the
+role's one-worker ``trainer-compute`` executor (a thread in production), so the event loop keeps
+serving heartbeats and status while a step runs, and steps, checkpoints, staging and evaluation
+never race each other on the model.
 
 Resuming (see :mod:`.checkpoint`): the newest checkpoint that validates gives the version, cursor
 and history; if versions past it were published (``checkpoint.every > 1``: the ``published``
@@ -14,8 +15,6 @@ byte leaves: :meth:`TorchCompute.stage`.
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import Gauge
@@ -42,7 +41,7 @@ from .step import Progress, Resumed, StepResult
 class TorchCompute:
     def __init__(self, ctx: ServiceContext, log: Any, config: TrainerConfig) -> None:
         self.log, self.config = log, config
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-compute")
+        self._executor = ctx.executor("trainer-compute", workers=1)  # one model, one at a time
         self.group: DataParallelGroup | None = None
         self.resumed: tuple[str, int, int] | None = None  # checkpoint, its version and cursor
         self._published_mark = -1
@@ -54,7 +53,7 @@ class TorchCompute:
         )
 
     async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self._executor.run(fn, *args)
 
     def _problem(self, problem: str) -> None:
         self.log.error("checkpoint", problem=problem)
@@ -62,16 +61,14 @@ class TorchCompute:
     async def resume(self) -> Resumed:
         c = self.config
         state = TrainingState()
-        found = await asyncio.to_thread(latest_checkpoint, c.checkpoint.dir, self._problem)
+        found = await self._run(latest_checkpoint, c.checkpoint.dir, self._problem)
         if found is not None:
             state = load_state(found)
             self.resumed = (str(found), state.version, state.cursor)
             self.log.info(
                 "resuming", checkpoint=str(found), version=state.version, cursor=state.cursor
             )
-        self._published_mark = await asyncio.to_thread(
-            published_mark, c.checkpoint.dir, self._problem
-        )
+        self._published_mark = await self._run(published_mark, c.checkpoint.dir, self._problem)
         if self._published_mark > state.version:
             # Versions past the checkpoint reached the relays: the checkpoint's weights get the
             # next free number, so rollouts take them and no number means two sets of weights.
@@ -145,4 +142,3 @@ class TorchCompute:
     async def close(self) -> None:
         if self.group is not None:
             await self._run(self.group.close)
-        self._executor.shutdown(wait=False)

@@ -50,7 +50,12 @@ async def chain_scenario(seed: int) -> tuple:
     async with inproc_cluster(sections, seed=seed, members=members) as cluster:
         assert cluster.manager is not None
         manager = RpcClient(cluster.manager, cluster.options, timeout=10.0)
-        publisher = WeightPublisher(PublishConfig(chunks=128), cluster.options, manager=manager)
+        publisher = WeightPublisher(
+            PublishConfig(chunks=128),
+            cluster.options,
+            manager=manager,
+            executor=cluster.loop.executor("publish", 1),
+        )
         pushing = asyncio.create_task(publisher.run())
         try:
 

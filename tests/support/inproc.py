@@ -6,7 +6,8 @@ sleeps), so each took 10-60 s and a loaded machine made them flaky. Here the sam
 as :class:`ServiceHost` s in one :class:`InprocLoop` (a :class:`VirtualTimeLoop`): a minute of
 heartbeats and decode steps passes in the wall time the callbacks need, and a seed fixes the run.
 
-The loop (:mod:`.inproc_loop`) makes a run deterministic under a seed; the fence
+The loop (:mod:`.inproc_loop`) makes a run deterministic under a seed (every member's executors
+run their calls on it); the fence
 (:mod:`.inproc_fence`) makes :meth:`InprocCluster.kill` a ``kill -9``.
 """
 
@@ -83,6 +84,7 @@ class InprocCluster:
             cluster=self.config.cluster,
             config=self.role_config(section, overrides),
             options=self.options,
+            executors=self.loop.executor,  # blocking work on the loop, in order (inproc_loop)
         )
         manager = None if section == "manager" else self.manager
         if section != "manager" and manager is None:

@@ -3,13 +3,17 @@ threads, real I/O that freezes the clock, and tasks that know which member start
 
 What makes a run deterministic (the same events, in the same order, at the same virtual times):
 
-- **No threads.** ``run_in_executor`` (so ``asyncio.to_thread`` too: the data store's thread, CRC
-  checks, weight staging) runs the call on the loop, in submission order, ``executor_cost_s``
-  of virtual time after it was submitted (1 ms: about an SQLite commit): the in-loop executor
-  issue 16 (item 4) asks for, provided here by the loop because role code still picks its own
-  executors. Not zero, so that no loop that polls the store can stand virtual time still (one
-  did while the role code was being rewritten; with the code as it is, every schedule also runs
-  at zero cost, at most two leases per rollout at one instant).
+- **No threads.** Every role's blocking work (the data store, CRC checks, weight staging, reward
+  worker reaping, the trainer's compute) goes through its context's executors, and the cluster
+  makes them :class:`~laminar.executor.InLoopExecutor` s (:meth:`InprocLoop.executor`): the call
+  runs on the loop, in submission order, ``executor_cost_s`` of virtual time after it was
+  submitted (1 ms: about an SQLite commit). Not zero, so that no loop that polls the store can
+  stand virtual time still (one did while the role code was being rewritten; with the code as it
+  is, every schedule also runs at zero cost, at most two leases per rollout at one instant).
+  Code that is given no executor (a test's own helpers; every role hands its parts one) uses the
+  loop's default one (``run_in_executor(None, ...)``), and that runs on the loop the same way,
+  through one shared in-loop executor. A thread pool of one's own
+  (a ``ThreadExecutor`` that was not replaced) is refused with an error naming the call.
 - **Real I/O freezes virtual time.** The one real I/O left is a reward worker's pipes, waited on
   with ``loop.add_reader``/``add_writer``. While such a wait is registered, an idle loop blocks on
   the real selector instead of jumping its clock (a reward takes zero virtual time), for at most
@@ -31,6 +35,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from laminar.clock import VirtualTimeLoop, _AutojumpSelector
+from laminar.executor import Executor, InLoopExecutor
 
 T = TypeVar("T")
 
@@ -46,6 +51,7 @@ class InprocLoop(VirtualTimeLoop):
         super().__init__()
         self.stall_s = stall_s
         self.executor_cost_s = executor_cost_s
+        self._in_loop_default = InLoopExecutor("loop-default", cost_s=executor_cost_s)
         self.tasks: dict[str | None, weakref.WeakSet[asyncio.Task[Any]]] = {}
         self._io_waits: set[tuple[str, int]] = set()
         self._selector = _IdleIoSelector(self._selector._real, self)  # type: ignore[attr-defined]
@@ -64,25 +70,23 @@ class InprocLoop(VirtualTimeLoop):
     def live_tasks(self, member: str) -> list[asyncio.Task[Any]]:
         return [t for t in self.tasks.get(member, ()) if not t.done()]
 
-    # -- the in-loop executor ------------------------------------------------------------------
+    # -- executors: on the loop ------------------------------------------------------------------
+
+    def executor(self, name: str, workers: int) -> Executor:
+        """The members' executor factory (``ServiceContext(executors=loop.executor)``): one
+        in-loop executor per name and member, whatever ``workers`` says."""
+        return InLoopExecutor(name, cost_s=self.executor_cost_s)
 
     def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> Any:
-        future: asyncio.Future[T] = self.create_future()
-
-        def call() -> None:
-            if future.cancelled():
-                return
-            try:
-                result = func(*args)
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-
-        self.call_later(self.executor_cost_s, call)
-        return future
+        """The loop's default executor (``executor=None``) runs on the loop (see the module
+        docstring). A thread pool of one's own would run in real time, beside virtual time:
+        refused, so that a role picking its threads by hand fails here, loudly."""
+        if executor is not None:
+            raise RuntimeError(
+                f"{func!r} sent to a thread pool of its own in the in-process cluster: "
+                "take an executor from the service context (ctx.executor)"
+            )
+        return self._in_loop_default.submit(func, *args)
 
     # -- real I/O waits (a reward worker's pipes) ----------------------------------------------
 

@@ -46,3 +46,44 @@ async def test_missing_handshake_closes_connection_without_running_anything(serv
 def test_short_tokens_are_rejected() -> None:
     with pytest.raises(ValueError, match="16 bytes"):
         TransportOptions(token=b"short")
+
+
+async def test_a_handshake_that_times_out_is_retried_not_refused(serve, options) -> None:
+    """A peer too busy to answer the handshake in time (a host under load) is slow, not an
+    impostor: the client retries until the call's own timeout. (A handshake timeout read as a
+    refusal failed a call at once: test_multihost under load, 2026-11-23.)"""
+    from dataclasses import replace
+
+    held: list[asyncio.StreamWriter] = []
+    answered = asyncio.Event()
+
+    async def mute_then_proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # The first connection hears nothing (its handshake times out); later ones are piped
+        # through to a real server.
+        if not held:
+            held.append(writer)
+            return
+        up_reader, up_writer = await asyncio.open_connection(real_host, int(real_port))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                dst.write(data)
+            dst.close()
+
+        answered.set()
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    host, _ = await serve(Calculator, "tcp://127.0.0.1:0")
+    real_host, real_port = host.ctx.address.removeprefix("tcp://").rsplit(":", 1)
+    mute = await asyncio.start_server(mute_then_proxy, "127.0.0.1", 0)
+    port = mute.sockets[0].getsockname()[1]
+    quick = replace(options, handshake_timeout=0.2)
+    client = RpcClient(f"tcp://127.0.0.1:{port}", quick, timeout=10.0)
+    try:
+        assert (await remote(Calculator, client).add.call(Pair(a=2, b=3))).value == 5
+        assert answered.is_set()
+    finally:
+        await client.close()
+        for writer in held:
+            writer.close()
+        mute.close()

@@ -1,5 +1,6 @@
 """The package layering, read from the source: no import cycles, imports point one way, the
-contracts import no torch, and role code reads time only through its clock.
+contracts import no torch, and role code reads time only through its clock and runs blocking work
+only through its context's executors.
 
 Why: an import cycle works until the day the import order changes (a new entry point, a lazy
 import moved), and then fails far from its cause; a stray ``import torch`` costs the manager
@@ -65,6 +66,19 @@ RAW_TIME = {
     ("time", "perf_counter_ns"),
     ("asyncio", "sleep"),
 }
+
+#: ways of picking one's own threads that role code (and the weight path and engines it hands an
+#: executor to) must leave to ``ServiceContext.executor``: as attributes whatever they hang on
+#: (``asyncio.to_thread``, ``loop.run_in_executor``, ``cf.ThreadPoolExecutor``), or imported.
+OWN_THREADS = {"to_thread", "run_in_executor", "ThreadPoolExecutor"}
+OWN_THREADS_FROM = {"asyncio", "concurrent.futures"}
+
+#: where that holds (laminar.engines: the rollout hands its engine an executor).
+EXECUTOR_USERS = [
+    ROOTS["laminar.roles"],
+    ROOTS["laminar"] / "weights",
+    ROOTS["laminar"] / "engines",
+]
 
 
 # -- the import graph ---------------------------------------------------------------------------
@@ -266,6 +280,27 @@ def raw_time_in(root: Path) -> list[RawTime]:
     return [use for path in sorted(root.rglob("*.py")) for use in raw_time_uses(path)]
 
 
+# -- threads picked by hand --------------------------------------------------------------------
+
+
+def own_threads_uses(path: Path) -> list[RawTime]:
+    """Every place one file picks its own threads (``OWN_THREADS``), under whatever name."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    imported: dict[str, str] = {}  # local name -> "asyncio.to_thread"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in OWN_THREADS_FROM:
+            for alias in node.names:
+                if alias.name in OWN_THREADS:
+                    imported[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in OWN_THREADS:
+            found.append(RawTime(path, node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in imported:
+            found.append(RawTime(path, node.lineno, f"{node.id} ({imported[node.id]})"))
+    return sorted(found, key=lambda r: r.line)
+
+
 # -- torch-free imports ------------------------------------------------------------------------
 
 
@@ -389,6 +424,29 @@ def test_raw_time_check_sees_every_alias(tmp_path: Path) -> None:
     ]
 
 
+def test_own_threads_check_sees_every_spelling(tmp_path: Path) -> None:
+    path = tmp_path / "role.py"
+    path.write_text(
+        "import asyncio\n"
+        "import concurrent.futures as cf\n"
+        "from asyncio import to_thread as tt\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "async def f(ctx, fn):\n"
+        "    await asyncio.to_thread(fn)\n"
+        "    await asyncio.get_running_loop().run_in_executor(None, fn)\n"
+        "    pool = cf.ThreadPoolExecutor(1)\n"
+        "    await tt(fn)\n"
+        "    return ThreadPoolExecutor, await ctx.executor('store').run(fn)\n"
+    )
+    assert [(u.line, u.what) for u in own_threads_uses(path)] == [
+        (6, ".to_thread"),
+        (7, ".run_in_executor"),
+        (8, ".ThreadPoolExecutor"),
+        (9, "tt (asyncio.to_thread)"),
+        (10, "ThreadPoolExecutor (concurrent.futures.ThreadPoolExecutor)"),
+    ]
+
+
 def test_torch_probe_blames_the_module_that_loads_torch() -> None:
     pytest.importorskip("torch")
     found = heavy_imports(["laminar.weights.shared", "laminar.weights.tensors", "no.such.module"])
@@ -447,8 +505,20 @@ def test_role_contracts_and_control_plane_import_no_torch() -> None:
 
 
 def test_no_raw_time_in_roles() -> None:
-    found = raw_time_in(ROOTS["laminar.roles"])
+    # the publisher runs inside the trainer role, on the role's clock
+    found = raw_time_in(ROOTS["laminar.roles"]) + raw_time_uses(
+        ROOTS["laminar"] / "weights" / "publisher.py"
+    )
     assert not found, "role code reads time from its clock:\n" + "\n".join(map(str, found))
+
+
+def test_roles_run_blocking_work_through_their_executors() -> None:
+    """No ``asyncio.to_thread``, ``run_in_executor`` or thread pool of its own in roles/, the
+    weight path or the engines: the context's executors are in-loop under the in-process
+    cluster, a thread picked by hand is not (``laminar.executor``)."""
+    found = [u for root in EXECUTOR_USERS for path in sorted(root.rglob("*.py"))
+             for u in own_threads_uses(path)]  # fmt: skip
+    assert not found, "use ctx.executor(name):\n" + "\n".join(map(str, found))
 
 
 def test_every_package_is_listed_for_the_wheel() -> None:

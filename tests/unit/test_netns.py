@@ -114,11 +114,12 @@ def test_setup_error_is_clear_and_cleans_up(monkeypatch: pytest.MonkeyPatch) -> 
 
     bogus = [["tc", "qdisc", "replace", "dev", "eth0", "root", "nosuchqdisc"]]
     monkeypatch.setattr(netns, "_shape_cmds", lambda *a: bogus)
-    before = set(_namespaces())
+    # Its own prefix: another xdist worker may open and close labs meanwhile.
+    prefix = f"lmnseterr{os.getpid()}x"
     with pytest.raises(NetLabError, match="nosuchqdisc") as err:
-        NetLab(2, rate_mbit=100)
+        NetLab(2, rate_mbit=100, prefix=prefix)
     assert "rc=" in str(err.value)
-    assert set(_namespaces()) == before
+    assert not [n for n in _namespaces() if n.startswith(prefix)]
 
 
 def test_cleanup_stale_removes_namespaces_of_dead_process() -> None:

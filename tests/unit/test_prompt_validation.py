@@ -105,7 +105,7 @@ async def test_the_data_role_refuses_to_start_on_a_prompt_that_cannot_fit(
         with pytest.raises(ConfigError, match=r"record 3 \(prompt id 'long', 40 tokens\)"):
             await refused.on_start()
     finally:
-        refused._thread.shutdown()
+        ctx.close_executors()
     # leaving them out is a setting, and counted
     _, svc = await serve(
         DataService,

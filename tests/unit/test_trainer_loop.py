@@ -25,9 +25,10 @@ from laminar.config import ClusterConfig, ServiceConfig
 from laminar.roles.data.api import DataApi, Report, TakeRequest
 from laminar.roles.data.service import DataConfig, DataService
 from laminar.roles.relay import LatestRequest, RelayApi, RelayConfig, RelayService
+from laminar.roles.trainer.api import TrainerStatus
 from laminar.roles.trainer.checkpoint import latest_checkpoint, load_state, published_mark
 from laminar.roles.trainer.config import TrainerConfig
-from laminar.roles.trainer.service import TrainerService, TrainerStatus
+from laminar.roles.trainer.service import TrainerService
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import Service, ServiceContext, ServiceHost, transport_options
 from laminar.trajectory import Trajectory

