@@ -54,15 +54,19 @@ class WeightSwitcher:
         self.relay_address = relay
         self.retry_s = retry_s
         self.loads: list[LoadedWeights] = []
-        self._following: RelayApi | None = None  # the relay whose versions we follow
+        self._following: RelayApi | None = None  # the relay whose versions we load
+        self._remote_stand_in = False  # following another host's relay: none on this one yet
 
     async def _relay(self) -> RelayApi | None:
         if self.relay_address is not None:
             return self.ctx.connect(RelayApi, self.relay_address)
         relays = [m for m in await self.ctx.members("relay") if m.state == "alive"]
-        mine = [m for m in relays if m.host == socket.gethostname()] or relays
+        local = [m for m in relays if m.host == socket.gethostname()]
+        mine = local or relays
         if not mine:
             return None
+        # Another host's relay is a stand-in until this host's joins (see ``_on_version``).
+        self._remote_stand_in = not local
         return self.ctx.connect(RelayApi, sorted(mine, key=lambda m: m.instance)[0].address)
 
     def start(self) -> asyncio.Task[None]:
@@ -88,6 +92,13 @@ class WeightSwitcher:
 
     async def _on_version(self, shared: SharedVersion) -> None:
         if shared.available and shared.version > self.engine.version:
+            if self._remote_stand_in:
+                # Started before this host's relay joined: load from it once it has, not across
+                # the network for the rest of the run (test_multihost caught a rollout doing so).
+                # The stand-in's stream still announces versions until it ends.
+                local = await self._relay()
+                if local is not None and not self._remote_stand_in:
+                    self._following = local
             assert self._following is not None
             await self.switch(self._following)
 
