@@ -121,8 +121,12 @@ def test_rl_run_across_three_hosts(tmp_path: Path) -> None:
             cluster.serve("manager", "manager", 0)
             # join order is chain order: the relay on host 1 is the master, host 2's follows it
             cluster.serve_all([("data", "data", 0), ("relay", "relay-h1", 1)])
+            # Host 2's relay before its rollouts: one that starts first follows host 1's relay
+            # as a stand-in until its own joins (roles/rollout/switching.py), and this test
+            # checks that every load came from the rollout's own host.
+            cluster.serve("relay", "relay-h2", 2)
             rollouts = [("rollout", n, h) for h, names in HOSTS.items() for n in names]
-            cluster.serve_all([("relay", "relay-h2", 2), *rollouts, ("trainer", "trainer", 0)])
+            cluster.serve_all([*rollouts, ("trainer", "trainer", 0)])
             started = time.monotonic() - t0
             addresses = {n: cluster.address(n) for n in cluster.started}
             report = on_host(lab, 0, lambda: observe(addresses, VERSIONS, 150), 150)
