@@ -103,6 +103,7 @@ class Calls:
         if task is not None:
             task.cancel()
         else:  # not started yet: drop it, as its caller gave up
+            self.credits.pop(call_id, None)
             kept = [
                 f for f in self.held if f.meta.get("k") == K_NOTIFY or f.meta.get("i") != call_id
             ]

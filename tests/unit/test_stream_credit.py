@@ -104,3 +104,22 @@ async def test_a_bad_window_or_credit_closes_the_connection(producer, options) -
         await conn.send(Frame(meta, payload, buffers))
         await asyncio.wait_for(conn.wait_closed(), 5)
         assert conn.closed
+
+
+async def test_a_held_stream_cancelled_before_it_starts_leaves_no_credit() -> None:
+    from laminar.rpc_calls import Calls
+
+    release = asyncio.Event()
+
+    async def handler(frame: Frame) -> None:
+        await release.wait()
+
+    calls = Calls(1, handler, on_room=lambda: None)
+    calls.submit(Frame({"k": K_STREAM, "i": 1, "m": "count"}))  # runs
+    calls.open_stream(1, 8)
+    calls.open_stream(2, 8)
+    calls.submit(Frame({"k": K_STREAM, "i": 2, "m": "count"}))  # held: the bound is one
+    calls.cancel(2)  # its caller gave up before it started
+    assert set(calls.credits) == {1} and not calls.held
+    release.set()
+    await calls.cancel_all()
