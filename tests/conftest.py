@@ -20,6 +20,23 @@ TRANSPORTS = ["tcp://127.0.0.1:0", "inproc://*", "shm://*"]
 # Set in every process that loads this file (each pytest-xdist worker too, not inherited).
 SHM_TAG = os.environ[SHM_TAG_ENV] = secrets.token_hex(4)
 
+#: Where a directory's tests go in the run order: the longest first.
+_FIRST = ("slow", "integration")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest first. Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) a worker takes
+    the next test whenever it has fewer than three waiting, in this order; a slow test that came
+    last (the SFT seeds, a vLLM start: one to three minutes each) ran alone at the end while the
+    other worker idled. The sort is stable: a module's tests keep their order (the scenarios of
+    ``tests/slow/test_vllm_cluster.py`` depend on it)."""
+
+    def rank(item: pytest.Item) -> int:
+        parts = item.path.parts
+        return next((i for i, d in enumerate(_FIRST) if d in parts), len(_FIRST))
+
+    items.sort(key=rank)
+
 
 def session_segments() -> set[str]:
     """This session's shared-memory segments now (see SHM_TAG)."""

@@ -82,13 +82,16 @@ class ProcessCluster:
         timeout: float = 120.0,
         args: tuple[str, ...] = (),
         prefix: tuple[str, ...] = (),
+        config: str | Path | None = None,
     ) -> dict[str, Any]:
         """Start one role process named ``name``; return its ready info (address, pid, ...).
 
         ``prefix`` wraps the command, e.g. ``("ip", "netns", "exec", NS)`` to start it on another
         (emulated) host; it must exec the command, so signals reach the role's own process.
+        ``config``: this member's config file instead of the cluster's (same ``cluster`` section,
+        other role sections), e.g. a data role with another task on the same rollouts.
         """
-        log, proc = self._spawn(role, name, args, prefix)
+        log, proc = self._spawn(role, name, args, prefix, config)
         info = self._wait_ready(name, proc, log, timeout)
         self.info[name] = info
         if role == "manager":
@@ -120,10 +123,16 @@ class ProcessCluster:
         return {name: self.info[name] for name, _, _ in spawned}
 
     def _spawn(
-        self, role: str, name: str, args: tuple[str, ...], prefix: tuple[str, ...]
+        self,
+        role: str,
+        name: str,
+        args: tuple[str, ...],
+        prefix: tuple[str, ...],
+        config: str | Path | None = None,
     ) -> tuple[IO[str], subprocess.Popen[str]]:
         join = None if role == "manager" else self.manager
-        spec = ServeSpec(role, name, self.config, join=join, args=args, prefix=prefix)
+        path = Path(config) if config is not None else self.config
+        spec = ServeSpec(role, name, path, join=join, args=args, prefix=prefix)
         cmd = serve_command(spec)  # before the log is opened: a member needs the manager
         log = (self.log_dir / f"{name}.log").open("a")
         proc = start(cmd, self._env_for(role, name), stderr=log, cwd=self.cwd)
@@ -166,6 +175,22 @@ class ProcessCluster:
         proc = self.procs.pop(name)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
+
+    def stop(self, name: str, grace: float = 20.0) -> None:
+        """SIGTERM one member, as an operator stops it (SIGKILL if it outlives ``grace``), then
+        end whatever its session still holds."""
+        proc = self.procs.pop(name)
+        self.roles.pop(name, None)
+        self.info.pop(name, None)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        end_sessions([proc.pid], grace, self.mark)
+        self.sessions.discard(proc.pid)
 
     def shutdown(self, grace: float = 20.0) -> None:
         """SIGTERM the members that use the data role, then the data role, then the manager;

@@ -216,13 +216,18 @@ class RolloutService(Service, RolloutApi):
 
     async def _pull(self) -> None:
         cfg, phases = self.config, self.phases
+
+        def may_take() -> bool:  # allowed, and enough slots free (batches the pulls)
+            return phases.may_take and cfg.concurrency - len(self.flights) >= cfg.min_take
+
         while True:
-            # take when allowed and enough slots are free (batches the pulls)
-            await self.changes.until(
-                lambda: phases.may_take and cfg.concurrency - len(self.flights) >= cfg.min_take
-            )
+            await self.changes.until(may_take)
+            # Finding the data role can take any time (it may not have joined yet); a drain or a
+            # newer version may come meanwhile. So find it first, then ask afresh.
+            await self.data.resolve()
             async with self._take_lock:
-                await self._take(cfg.concurrency - len(self.flights))
+                if may_take():
+                    await self._take(cfg.concurrency - len(self.flights))
 
     async def _take(self, free: int) -> None:
         cfg = self.config

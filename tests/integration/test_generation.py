@@ -1,7 +1,7 @@
 """Prompts become scored, versioned trajectories: manager + data + rollouts (sim engines).
 
 In-process services over TCP with the real clock and fast cost models; the process-level test
-with kill -9 and vLLM lives in ``test_generation_vllm.py``.
+with kill -9 and vLLM is scenario 2 of ``tests/slow/test_vllm_cluster.py``.
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
+from laminar.config import ClusterConfig
 from laminar.engines import SimEngineConfig
 from laminar.engines.costmodel import CostModel
 from laminar.engines.lengths import LongtailLength
@@ -18,6 +21,16 @@ from laminar.roles.manager import ManagerConfig, ManagerService
 from laminar.roles.rollout import RolloutConfig, RolloutService
 from laminar.trajectory import PartialChunk
 from tests.support.task import write_prompts, write_tokenizer
+
+
+@pytest.fixture
+def cluster() -> ClusterConfig:
+    """A heartbeat timeout a loaded machine does not trip: these roles share one real-time event
+    loop with the test, and the suite's vLLM starts stalled it past 0.7 s; every member was then
+    declared dead at once, and a trajectory released twice that way was quarantined as poison.
+    No test here needs a death noticed: the roles they stop, stop gracefully."""
+    return ClusterConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0, rpc_timeout_s=5.0)
+
 
 FAST = CostModel(batch_points=[(1, 0.001), (256, 0.002)], prefill_s_per_token=0.0)
 

@@ -8,12 +8,15 @@ loop on virtual time, where the kill lands at the same point of the run every ti
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from laminar.roles.data.api import DataApi, SampleRequest
+from laminar.roles.rollout import RolloutApi
+from laminar.roles.rollout.api import DrainRequest
 from laminar.trajectory import Trajectory
 
 from ..support.inproc import inproc_cluster, run_inproc
@@ -126,3 +129,29 @@ async def data_kill_scenario(tmp: Path, seed: int) -> list[tuple]:
 
 def test_a_killed_data_role_restarts_losing_nothing(tmp_path: Path) -> None:
     run_inproc(lambda: data_kill_scenario(tmp_path, seed=0), seed=0)
+
+
+async def drained_before_the_data_role_scenario(tmp: Path, seed: int) -> None:
+    """A rollout drained while it waits for the data role to appear takes nothing when it does.
+
+    Its pull loop was already waiting to find the data role when the drain came; it used to send
+    the take it had prepared before the drain (and before any version change) once the data role
+    joined, and generated a whole batch while drained."""
+    members = [("rollout", "rollout-0"), ("rollout", "rollout-1")]
+    async with inproc_cluster(sections(tmp, 4, 2, 8), seed=seed, members=members) as cluster:
+        drained = cluster.proxy(RolloutApi, "rollout-1")
+        await asyncio.sleep(1.0)  # virtual time: both rollouts are waiting for a data role
+        await drained.drain.call(DrainRequest(reason="test"))
+        await cluster.start("data", "data")
+        data = cluster.proxy(DataApi, "data")
+        status = await until(lambda: _finished(data), timeout=60)
+        done = (await data.sample.call(SampleRequest(n=status.trajectories))).items
+        assert {t.rollout for t in done} == {"rollout-0"}
+        assert (await drained.state.call()).in_flight == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_rollout_drained_before_the_data_role_joins_takes_nothing(
+    tmp_path: Path, seed: int
+) -> None:
+    run_inproc(lambda: drained_before_the_data_role_scenario(tmp_path, seed=seed), seed=seed)

@@ -12,7 +12,7 @@ Then a vLLM rollout's process tree without vLLM or a supervisor (``laminar serve
 node): the engine's processes kill themselves when the rollout is killed with -9
 (``laminar.engines.vllm_worker``), even when their titles wiped their environments, leave a live
 rollout's engine alone, and say nothing when the rollout closed its engine before it exited.
-``tests/slow/test_vllm_orphans.py`` does the same with the real engine.
+``tests/slow/test_vllm_cluster.py`` (scenario 4) does the same with the real engine.
 
 Last, the parts on their own: the session helpers (:mod:`laminar.proc.procfs`) with and without
 pidfds, ``ProcessCluster.shutdown`` (all sessions in one grace period), and a child's lifecycle

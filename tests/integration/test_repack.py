@@ -3,7 +3,7 @@
 Sim engines make trajectories deterministic per id (tokens are a hash of seed, id and position),
 so "the tokens it would have had without the move" is computable here: a local engine with the
 same config runs the same ids uninterrupted. The vLLM version (greedy, KV state and re-prefill)
-is in tests/slow/test_repack_vllm.py.
+is scenario 1 of tests/slow/test_vllm_cluster.py.
 
 One migration stays here as the ground truth over real processes and sockets; the other repack
 scenarios (a refused move, a move with the data role down, the manager's periodic repack of a

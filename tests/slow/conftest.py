@@ -9,25 +9,24 @@ few seconds. So:
   (``test_vllm_engine``, and ``test_kv_migration`` as its source engine): ``vllm_engine`` hands
   it to each module as a fresh engine would be (idle, no output left over from another module,
   the tiny model's own weights as version 0);
-* the two-rollout cluster of the repack test is kept for the orphan test, which kills one of its
-  rollouts with -9 instead of starting a cluster of its own (see
-  ``tests.support.rollout_pair``).
+* one process cluster with two vLLM rollouts serves every scenario that needs ``laminar serve``
+  rollouts (repack, a data role killed, the weight path, a rollout killed): the module fixture of
+  ``test_vllm_cluster``.
 
 Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) each fixture's users carry one
-``xdist_group`` mark (``vllm-engine``, ``rollout-pair``), so they run on one worker and the
+``xdist_group`` mark (``vllm-engine``, ``vllm-cluster``), so they run on one worker and the
 fixture starts once per suite; the other slow tests go wherever a worker is free.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
 from tests.support.models import tiny_qwen2
-from tests.support.rollout_pair import RolloutPair
 
 #: the shared engine's settings: what both of its users need (32-token blocks, so a migrated
 #: sequence of test_kv_migration spans several; a small fixed KV cache)
@@ -73,11 +72,3 @@ async def vllm_engine(_session_engine, tiny_model: Path):  # type: ignore[no-unt
         model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
         await engine.load_weights(0, model.state_dict().items())
     return engine
-
-
-@pytest.fixture(scope="session")
-def rollout_pair() -> Iterator[RolloutPair]:
-    pair = RolloutPair()
-    yield pair
-    for cluster in pair.clusters:
-        cluster.shutdown()

@@ -57,14 +57,20 @@ async def wait_status(data: DataApi, predicate, timeout: float) -> DataStatus:
 
 
 async def kill_data_midway(
-    cluster: ProcessCluster, *, total: int, kill_after: int, timeout: float
+    cluster: ProcessCluster,
+    *,
+    total: int,
+    kill_after: int,
+    timeout: float,
+    config: Path | None = None,
 ) -> tuple[list[Trajectory], dict[str, Any]]:
     """Run to completion with one kill -9 of the data role once ``kill_after`` are done.
 
     Checks no completed trajectory and no acknowledged partial token is lost; returns every
-    trajectory (consumed through ``sample``) and figures for the caller's own checks.
+    trajectory (consumed through ``sample``) and figures for the caller's own checks. The data
+    role (``data-0``, from ``config`` or the cluster's) is left running.
     """
-    data_info = cluster.serve("data", "data-0")
+    data_info = cluster.serve("data", "data-0", config=config)
     client, data = data_client(data_info["address"])
     try:
         await wait_status(data, lambda s: s.trajectories >= kill_after, timeout)
@@ -75,7 +81,7 @@ async def kill_data_midway(
     finally:
         await client.close()
 
-    data_info = cluster.serve("data", "data-0")
+    data_info = cluster.serve("data", "data-0", config=config)
     client, data = data_client(data_info["address"])
     try:
         done_after_restart = set((await data.completed_ids.call()).ids)

