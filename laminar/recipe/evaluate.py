@@ -85,8 +85,8 @@ def greedy_responses(
         new = max(1, min(max(budgets[i] for i in idx), limit - width))
         with torch.inference_mode():
             gen = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(model.device),  # a trainer's policy may be on a GPU
+                attention_mask=mask.to(model.device),
                 max_new_tokens=new,
                 do_sample=False,
                 eos_token_id=eos,

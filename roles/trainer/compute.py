@@ -21,6 +21,14 @@ logprobs serve and the extra pass is skipped (with one epoch: a second epoch nee
 reference policy (KL term) is a frozen copy of the initial weights, loaded only when
 ``kl_coef > 0``.
 
+Device and precision (``device``, ``precision``, ``activation_checkpointing``): the policy, the
+reference and each batch live on the rank's device (``cuda``: GPU ``rank mod count``). Under
+``bf16`` only the model's forward (and so its backward) runs in bf16 autocast; the weights, their
+gradients, the optimizer states and the log-softmax over the vocabulary stay fp32, the usual mixed
+precision with an fp32 master copy. π_old is recomputed under the same precision as the training
+forward, so the ratio starts at 1. Gradient accumulation is the micro-batch loop: a step's
+micro-batches (``micro_batch_rows`` each) add their gradients before the one optimizer step.
+
 A step whose loss or gradient norm is not finite is *skipped*: its gradients are zeroed, the
 optimizer does not step (its moments stay untouched too) and its statistics are dropped. One NaN
 reaching ``optimizer.step()`` would turn every weight NaN, and the next checkpoint and every
@@ -54,7 +62,15 @@ from laminar.trajectory import Trajectory
 from .config import TrainerConfig
 from .step import StepResult
 
-__all__ = ["PolicyTrainer", "StepResult", "load_policy", "packed", "prepare"]
+__all__ = [
+    "PolicyTrainer",
+    "Precision",
+    "StepResult",
+    "load_policy",
+    "packed",
+    "prepare",
+    "resolve_device",
+]
 
 
 def packed(screened: Screened, config: TrainerConfig) -> PackedBatch:
@@ -74,10 +90,40 @@ def prepare(batch: list[Trajectory], config: TrainerConfig) -> tuple[Screened, P
     return screened, packed(screened, config) if screened.kept else None
 
 
-def load_policy(path: str) -> torch.nn.Module:
+def resolve_device(device: str, rank: int = 0) -> torch.device:
+    """``auto``: cuda when torch sees a GPU, else cpu; ``cuda``: GPU ``rank`` mod the count."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("trainer.device is cuda but torch sees no GPU (a CPU build of torch?)")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def load_policy(
+    path: str, device: torch.device | str = "cpu", *, activation_checkpointing: bool = False
+) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
-    return model
+    if activation_checkpointing:
+        if not model.supports_gradient_checkpointing:
+            raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(device)
+
+
+class Precision:
+    """``model`` called under bf16 autocast (or as it is, for fp32): what ``token_logprobs``
+    calls, so that only the network runs in low precision and the log-softmax stays fp32."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, precision: str) -> None:
+        self.model, self.device_type = model, device.type
+        self.enabled = precision == "bf16"
+
+    def __call__(self, **inputs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.enabled):
+            return self.model(**inputs)
 
 
 class PolicyTrainer:
@@ -87,7 +133,10 @@ class PolicyTrainer:
         self.config = config
         self.rank, self.world = rank, world
         torch.manual_seed(config.seed)
-        self.model = load_policy(config.model)
+        self.device = resolve_device(config.device, rank)
+        self.model = load_policy(
+            config.model, self.device, activation_checkpointing=config.activation_checkpointing
+        )
         self.model.train()
         o = config.optim
         self.optimizer: torch.optim.Optimizer
@@ -105,20 +154,24 @@ class PolicyTrainer:
             )
         self.reference: torch.nn.Module | None = None
         if config.loss.kl_coef > 0:
-            self.reference = load_policy(config.model).eval()
+            self.reference = load_policy(config.model, self.device).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
 
     # -- state -------------------------------------------------------------------------------
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self.model.state_dict().items())
+        """The weights as host tensors (what checkpoints and the publisher read)."""
+        return [(k, v.detach().cpu()) for k, v in self.model.state_dict().items()]
 
     def load_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
         self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(optim_state)
 
     # -- the update --------------------------------------------------------------------------
+
+    def _run(self, model: torch.nn.Module) -> Any:
+        return Precision(model, self.device, self.config.precision)
 
     def _mine(self, rows: range) -> list[int]:
         return list(rows)[self.rank :: self.world]
@@ -139,7 +192,7 @@ class PolicyTrainer:
         model.eval()
         for micro in self._micro(batch, rows):
             part = batch.select(micro).trimmed()
-            lp, _ = token_logprobs(model, part, temperature=self.config.temperature)
+            lp, _ = token_logprobs(self._run(model), part, temperature=self.config.temperature)
             out[micro, : lp.shape[1]] = lp
         model.train(was_training)
         return out
@@ -147,6 +200,7 @@ class PolicyTrainer:
     def train(self, batch: PackedBatch) -> StepResult:
         """All optimizer steps of one global batch; merged statistics (equal on every rank)."""
         cfg = self.config
+        batch = batch.to(self.device)
         total = batch.batch_size
         per_step = math.ceil(total / cfg.batch.mini_batches)
         steps = [range(s, min(s + per_step, total)) for s in range(0, total, per_step)]
@@ -171,7 +225,7 @@ class PolicyTrainer:
                 part = batch.select(micro).trimmed()
                 width = part.input_ids.shape[1]
                 logprobs, entropy = token_logprobs(
-                    self.model, part, temperature=cfg.temperature, with_entropy=True
+                    self._run(self.model), part, temperature=cfg.temperature, with_entropy=True
                 )
                 loss, s = policy_loss(
                     logprobs,
@@ -198,9 +252,9 @@ class PolicyTrainer:
             norms.append(norm)
             stats = stats.merge(step_stats)
         if self.world > 1:
-            summed = stats.as_tensor()
+            summed = stats.as_tensor().to(self.device)  # NCCL reduces device tensors only
             dist.all_reduce(summed)
-            stats = LossStats.from_tensor(summed)
+            stats = LossStats.from_tensor(summed.cpu())
         means = stats.as_means()
         return StepResult(
             stats=means,
@@ -215,7 +269,7 @@ class PolicyTrainer:
         if self.world == 1:
             return finite
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flag = torch.tensor([0.0 if finite else 1.0], dtype=grads[0].dtype)
+        flag = torch.tensor([0.0 if finite else 1.0], dtype=grads[0].dtype, device=grads[0].device)
         flat = torch.cat([*(g.reshape(-1) for g in grads), flag])
         dist.all_reduce(flat)
         offset = 0

@@ -89,6 +89,21 @@ class TrainerConfig(ServiceConfig):
     temperature: Annotated[float, Field(gt=0)] = Field(
         1.0, description="The rollouts' sampling temperature (logprobs are of that distribution)."
     )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where the policy trains: `cuda` (rank r on GPU r mod the visible count), "
+        "`cpu`, or `auto` (cuda when torch sees a GPU, else cpu).",
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="`bf16`: forward and backward under bf16 autocast; weights, gradients and "
+        "optimizer states stay fp32 (the master copy), so published weights are fp32 too.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in backward instead of keeping "
+        "them (HF gradient checkpointing): less memory for about one more forward pass.",
+    )
     data_parallel: Annotated[int, Field(ge=1, le=64)] = Field(
         1, description="Data-parallel ranks (processes; gloo on CPU, NCCL on GPU)."
     )
