@@ -182,13 +182,7 @@ class ProcessCluster:
         proc = self.procs.pop(name)
         self.roles.pop(name, None)
         self.info.pop(name, None)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        _terminate([proc], grace)
         end_sessions([proc.pid], grace, self.mark)
         self.sessions.discard(proc.pid)
 
@@ -205,16 +199,7 @@ class ProcessCluster:
         for name, proc in self.procs.items():
             groups[stage.get(self.roles.get(name, ""), 0)].append(proc)
         for group in groups:
-            for proc in group:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            for proc in group:
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            _terminate(group, grace)
         self.procs.clear()
         self.roles.clear()
         end_sessions(self.sessions, grace, self.mark)
@@ -229,3 +214,17 @@ class ProcessCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _terminate(procs: list[subprocess.Popen[str]], grace: float) -> None:
+    """SIGTERM every one of ``procs``, then SIGKILL those alive ``grace`` seconds later."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
