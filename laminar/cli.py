@@ -81,7 +81,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .devmode.supervisor import Supervisor
+    if args.launcher == "ray":  # Ray is imported only for this launcher
+        from .devmode.ray_launch import RaySupervisor as Supervisor
+    else:
+        from .devmode.supervisor import Supervisor
 
     overrides = list(args.set)
     if args.duration is not None:
@@ -316,6 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-doctor",
         action="store_true",
         help="start even when `laminar doctor` finds a blocker (it is not run at all)",
+    )
+    run.add_argument(
+        "--launcher",
+        choices=("local", "ray"),
+        default="local",
+        help="local: every role a child process of this one (default); ray: each role in a Ray "
+        "actor, on the cluster RAY_ADDRESS names or a local one (docs/deploy.md)",
     )
     common(run)
     run.set_defaults(fn=cmd_run)

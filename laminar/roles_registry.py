@@ -20,6 +20,7 @@ BUILTIN: dict[str, str] = {
     "relay": "laminar.roles.relay:RelayService",
     "rollout": "laminar.roles.rollout.service:RolloutService",
     "trainer": "laminar.roles.trainer.service:TrainerService",
+    "trainer_rank": "laminar.roles.trainer.rank:TrainerRankService",  # trainer.ranks: serve
     "sim_trainer": "laminar.roles.trainer.sim:SimTrainerService",  # emulated (sleeps)
 }
 

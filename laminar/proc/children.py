@@ -60,6 +60,7 @@ from laminar.config import RoleSpec
 from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot
 from laminar.proc.procfs import end_session, signal_session
+from laminar.proc.restart import decide, keep_running
 from laminar.proc.spawn import cpu_env, parse_ready_line, pump_lines, start_async
 
 #: Seconds what a child left behind gets to end by itself before SIGTERM (a vLLM engine's watch
@@ -115,16 +116,6 @@ def open_log(path: Path) -> IO[str]:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.fchmod(fd, 0o600)
     return open(fd, "a")  # closed by the supervisor at the end of the run
-
-
-def describe(code: int | None) -> str:
-    if code is None:
-        return "unknown status"
-    if code >= 0:
-        return f"code {code}"
-    with contextlib.suppress(ValueError):
-        return f"signal {-code} ({signal.Signals(-code).name})"
-    return f"signal {-code}"
 
 
 def processes(pids: list[int]) -> str:
@@ -343,49 +334,25 @@ class ChildProcesses:
                 await self._close(proc)
 
     async def _watch(self, child: Child) -> None:
-        """Own one child for the whole run: its incarnations, the pause between them."""
-        try:
-            while await self._life(child):
-                pause = min(0.5 * 2 ** (child.restarts - 1), 5.0)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), pause)
-                if self.stopping.is_set():
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # never die silently: say it, stop its processes, give up
-            self.say(
-                f"{child.name}: supervising it failed ({type(exc).__name__}: {exc}); "
-                "killing its processes",
-                "bold red",
-            )
-            if child.process is not None:
-                await asyncio.to_thread(
-                    signal_session, child.process.pid, signal.SIGKILL, self.mark
-                )
-        if not self.stopping.is_set():
-            self.gave_up(child)
+        """Own one child for the whole run: its incarnations, the pause between them (the
+        restart policy every launcher shares: :mod:`laminar.proc.restart`)."""
+        await keep_running(
+            child,
+            self._life,
+            stopping=self.stopping,
+            say=self.say,
+            gave_up=self.gave_up,
+            kill=self._kill,
+        )
+
+    async def _kill(self, child: Child) -> None:
+        if child.process is not None:
+            await asyncio.to_thread(signal_session, child.process.pid, signal.SIGKILL, self.mark)
 
     def decide(self, child: Child, code: int | None) -> bool:
         """Whether the child is started again, by its restart policy; says which. An unknown
         status counts as a failure."""
-        how = describe(code)
-        policy = child.spec.restart
-        wanted = policy == "always" or (policy == "on-failure" and code != 0)
-        if not wanted or child.restarts >= child.spec.max_restarts:
-            self.say(
-                f"{child.name} exited with {how}; not restarting "
-                f"(policy {policy}, {child.restarts} restarts)",
-                "bold red",
-            )
-            return False
-        child.restarts += 1
-        self.say(
-            f"{child.name} exited with {how}; restarting "
-            f"({child.restarts}/{child.spec.max_restarts})",
-            "bold yellow",
-        )
-        return True
+        return decide(child, code, self.say)
 
     # -- stopping --
 

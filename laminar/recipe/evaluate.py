@@ -64,9 +64,17 @@ def length_stats(lengths: list[int]) -> dict[str, float]:
 
 
 def greedy_responses(
-    model: Any, tok: Any, prompts: list[str], budgets: list[int], batch_size: int = 32
+    model: Any,
+    tok: Any,
+    prompts: list[str],
+    budgets: list[int],
+    batch_size: int = 32,
+    synced: bool = False,
 ) -> list[list[int]]:
-    """Greedy response token ids (EOS and padding stripped) of each prompt, in input order."""
+    """Greedy response token ids (EOS and padding stripped) of each prompt, in input order.
+
+    ``synced``: the model is sharded (FSDP) and every rank generates the same prompts; each keeps
+    stepping until all are done, so their all-gathers stay paired (HF's ``synced_gpus``)."""
     import torch
 
     eos, pad = special_id(tok, EOS), special_id(tok, PAD)
@@ -91,6 +99,7 @@ def greedy_responses(
                 do_sample=False,
                 eos_token_id=eos,
                 pad_token_id=pad,
+                synced_gpus=synced,
             )
         for row, i in enumerate(idx):
             resp = gen[row, width:].tolist()
@@ -131,6 +140,7 @@ def evaluate_model(
     records: list[Record],
     batch_size: int = 32,
     name: str = "model",
+    synced: bool = False,
 ) -> EvalResult:
     """Greedy accuracy of an in-memory HF causal LM (the trainer evaluates its live policy with
     this); the model is put in eval mode for the duration and its previous mode restored."""
@@ -142,7 +152,7 @@ def evaluate_model(
         budgets = [2 * length + 16 for length in demo_lens]
         start = time.monotonic()
         prompts = [r["prompt"] for r in records]
-        responses = greedy_responses(model, tok, prompts, budgets, batch_size)
+        responses = greedy_responses(model, tok, prompts, budgets, batch_size, synced)
         seconds = time.monotonic() - start
     finally:
         model.train(was_training)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Any
 
 import numpy as np
@@ -42,7 +42,7 @@ from laminar.rpc_client import RpcClient
 
 from .chain import ChainView, follow_chain
 from .manifest import chunk_bounds, optimal_chunks, with_checksums
-from .tensors import copy_into, plan_tensors
+from .tensors import copy_into, plan_specs, plan_tensors
 from .transfer import TransferError, VersionBuffer, VersionConflict, push_version
 
 
@@ -111,13 +111,25 @@ class WeightPublisher:
 
     # -- the trainer's side (any thread) -----------------------------------------------------
 
-    def stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> VersionBuffer:
+    def stage(
+        self,
+        version: int,
+        named: Iterable[tuple[str, torch.Tensor]],
+        specs: Sequence[tuple[str, torch.dtype, Sequence[int]]] | None = None,
+    ) -> VersionBuffer:
         """Copy the tensors into a host buffer; returns the staged version. This is the stall,
         timed on the clock: from any thread with the real clock, on the loop with a virtual one
-        (where, run in the loop, it takes no virtual time)."""
+        (where, run in the loop, it takes no virtual time).
+
+        ``specs`` (name, dtype, shape of each tensor, in order): the layout is planned from them
+        and ``named`` is read once, one tensor at a time, so a generator that gathers each tensor
+        only when asked (a sharded trainer) never has the whole model out at once."""
         start = self.clock.time()
-        named = list(named)
-        manifest = plan_tensors(named, version)
+        if specs is None:
+            named = list(named)
+            manifest = plan_tensors(named, version)
+        else:
+            manifest = plan_specs(specs, version)
         array = self._buffer(manifest.total_bytes)
         view = memoryview(array)[: max(manifest.total_bytes, 1)]
         copy_into(named, manifest, view)

@@ -7,15 +7,23 @@ segment check lives in :mod:`.shared`).
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from .manifest import WeightManifest, layout
 from .shared import CorruptVersion, map_verified
 
-__all__ = ["CorruptVersion", "copy_into", "map_verified", "plan_tensors", "tensors_from"]
+__all__ = [
+    "CorruptVersion",
+    "copy_into",
+    "map_verified",
+    "plan_specs",
+    "plan_tensors",
+    "tensors_from",
+]
 
 
 def plan_tensors(named: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightManifest:
@@ -27,6 +35,20 @@ def plan_tensors(named: Iterable[tuple[str, torch.Tensor]], version: int) -> Wei
         ),
         version,
     )
+
+
+def plan_specs(
+    specs: Iterable[tuple[str, torch.dtype, Sequence[int]]], version: int
+) -> WeightManifest:
+    """The layout for tensors described by (name, dtype, shape), none of them needed yet."""
+    return layout(
+        (
+            (name, str(dtype).removeprefix("torch."), list(shape),
+             math.prod(shape) * dtype.itemsize)
+            for name, dtype, shape in specs
+        ),
+        version,
+    )  # fmt: skip
 
 
 def copy_into(

@@ -57,6 +57,7 @@ from laminar.membership import (
     MembershipApi,
     WatchRequest,
 )
+from laminar.rendezvous import GroupFormed, GroupOffer, RendezvousApi, Seat, SeatRequest
 from laminar.repack import RepackPolicy
 from laminar.roles.relay import LatestRequest, RelayApi, SharedVersion
 from laminar.roles.rollout.api import RolloutApi
@@ -68,6 +69,7 @@ from laminar.weights.chain import ChainView, ChainWatch, RelayChainApi, RelayInf
 
 from .admin import AdminServer
 from .events import EventLog
+from .rendezvous import GroupBoard
 from .repack import RepackController
 
 
@@ -84,7 +86,7 @@ class ManagerConfig(ServiceConfig):
     )
 
 
-class ManagerService(Service, MembershipApi, RelayChainApi):
+class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
     role: ClassVar[str] = "manager"
     config_model: ClassVar[type[ServiceConfig]] = ManagerConfig
 
@@ -110,6 +112,7 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
             self.log,
         )
         self.admin: AdminServer | None = None
+        self.groups = GroupBoard(ctx.clock)  # trainer rank groups (laminar.rendezvous)
 
     async def on_start(self) -> None:
         assert self.ctx.address is not None
@@ -303,6 +306,22 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
             reason=reason,
         )
 
+    # -- trainer groups (laminar.rendezvous) --
+
+    @endpoint
+    async def offer_group(self, req: GroupOffer) -> GroupFormed:
+        call = current_call.get(None)
+        formed = self.groups.offer(req, call.connection_id if call is not None else None)
+        self.log.info(
+            "trainer group offered", group=req.group, generation=formed.generation,
+            world=req.world, address=req.address, by=req.instance,
+        )  # fmt: skip
+        return formed
+
+    @endpoint
+    async def take_seat(self, req: SeatRequest) -> Seat:
+        return await self.groups.take(req)
+
     # -- publishes --
 
     async def _head_versions(self) -> AsyncIterator[SharedVersion]:
@@ -324,6 +343,8 @@ class ManagerService(Service, MembershipApi, RelayChainApi):
     # -- liveness --
 
     def on_disconnect(self, connection_id: int) -> None:
+        for generation in self.groups.disconnected(connection_id):
+            self.log.info("trainer group withdrawn: its rank 0 went away", generation=generation)
         instance = self._connections.pop(connection_id, None)
         member = self.members.get(instance) if instance else None
         if member is not None and member.state == "alive" and not self._stopping:

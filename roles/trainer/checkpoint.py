@@ -89,24 +89,26 @@ def save_checkpoint(
     root: str | Path,
     state: TrainingState,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optim_state: dict[str, Any],
     source_model: str | Path,
     keep: int,
     *,
     saved_at: float,
+    model_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """``saved_at``: the wall time to record (from the service's clock)."""
+    """``saved_at``: the wall time to record (from the service's clock). ``model_state``: the
+    whole weights when ``model``'s own are sharded (its config and class still name the model)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"v{state.version:06d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
     for name in _SIDE_FILES:
         src = Path(source_model) / name
         if src.exists():
             shutil.copy2(src, tmp / name)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(optim_state, tmp / "optimizer.pt")
     (tmp / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in state.history))
     meta = {"version": state.version, "cursor": state.cursor, "saved_at": saved_at}
     (tmp / "trainer_state.json").write_text(json.dumps(meta))

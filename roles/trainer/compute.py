@@ -41,10 +41,12 @@ other steps of the global batch still apply (see :class:`StepResult`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from laminar.rl import (
@@ -60,6 +62,18 @@ from laminar.rl import (
 from laminar.trajectory import Trajectory
 
 from .config import TrainerConfig
+from .sharding import (
+    full,
+    full_tensors,
+    gathered_optimizer_state,
+    load_sharded,
+    lockstep,
+    optimizer_state_by_name,
+    optimizer_state_by_position,
+    set_gradient_sync,
+    shard_policy,
+    weight_specs,
+)
 from .step import StepResult
 
 __all__ = [
@@ -138,6 +152,10 @@ class PolicyTrainer:
             config.model, self.device, activation_checkpointing=config.activation_checkpointing
         )
         self.model.train()
+        # FSDP2 (``sharding: fsdp``): one rank alone has nothing to shard with
+        self.sharded = config.sharding == "fsdp" and world > 1
+        if self.sharded:
+            shard_policy(self.model)  # before the optimizer: it must hold the sharded parameters
         o = config.optim
         self.optimizer: torch.optim.Optimizer
         if o.name == "sgd":
@@ -157,24 +175,71 @@ class PolicyTrainer:
             self.reference = load_policy(config.model, self.device).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
+            if self.sharded:
+                shard_policy(self.reference)
 
     # -- state -------------------------------------------------------------------------------
+    # Sharded, each of these is a collective: every rank of the group calls it (:mod:`.dp`).
+
+    def weight_specs(self) -> list[tuple[str, torch.dtype, list[int]]]:
+        """Name, dtype and whole shape of each tensor :meth:`weights` yields (nothing gathered)."""
+        return weight_specs(self.model)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights as whole host tensors, one at a time (what the publisher stages)."""
+        return full_tensors(self.model)
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The weights as host tensors (what checkpoints and the publisher read)."""
-        return [(k, v.detach().cpu()) for k, v in self.model.state_dict().items()]
+        """All the weights at once (checkpoint tests, evaluation helpers)."""
+        return list(self.weights())
+
+    def training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Whole model and optimizer state dicts (the optimizer's keyed by parameter name); under
+        sharding only rank 0 gets them (the other ranks get empty dicts)."""
+        names = [n for n, _ in self.model.named_parameters()]
+        if not self.sharded:
+            return self.model.state_dict(), optimizer_state_by_name(
+                self.optimizer.state_dict(), names
+            )
+        model_state = dict(self.weights())
+        optim_state = gathered_optimizer_state(self.model, self.optimizer)
+        return (model_state, optim_state) if self.rank == 0 else ({}, {})
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds of the parameters, their gradients and the optimizer states
+        (sharded: its own slices): what sharding divides by W."""
+
+        def local(t: torch.Tensor) -> int:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        params = list(self.model.parameters())
+        return {
+            "params": sum(local(p) for p in params),
+            "grads": sum(local(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(
+                local(v)
+                for state in self.optimizer.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0  # not Adam's step counters
+            ),
+        }
 
     def load_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
+        if self.sharded:
+            load_sharded(self.model, self.optimizer, model_state, optim_state)
+            return
         self.model.load_state_dict(model_state)
-        self.optimizer.load_state_dict(optim_state)
+        names = [n for n, _ in self.model.named_parameters()]
+        self.optimizer.load_state_dict(optimizer_state_by_position(optim_state, names))
 
     # -- the update --------------------------------------------------------------------------
 
     def _run(self, model: torch.nn.Module) -> Any:
         return Precision(model, self.device, self.config.precision)
 
-    def _mine(self, rows: range) -> list[int]:
-        return list(rows)[self.rank :: self.world]
+    def _mine(self, rows: range | list[int], rank: int | None = None) -> list[int]:
+        return list(rows)[self.rank if rank is None else rank :: self.world]
 
     def _micro(self, batch: PackedBatch, rows: list[int]) -> list[list[int]]:
         """``rows`` cut into micro-batches of similar length (longest first)."""
@@ -183,17 +248,41 @@ class PolicyTrainer:
         ordered = sorted(rows, key=lambda r: -lengths[r])
         return [ordered[i : i + n] for i in range(0, len(ordered), n)]
 
+    def _plan(self, batch: PackedBatch, steps: list[range]) -> list[list[int] | None]:
+        """This rank's micro-batches over ``steps``. Sharded, padded with ``None`` (a micro-batch
+        that contributes nothing) to the most any rank has, since every forward and backward is
+        a collective (:mod:`.sharding`); every rank holds the whole batch, so each works out the
+        others' counts itself."""
+
+        def rows_of(rank: int) -> list[int]:
+            return [r for step in steps for r in self._mine(step, rank)]
+
+        mine = self._micro(batch, rows_of(self.rank))
+        if not self.sharded:
+            return list(mine)
+        most = lockstep([self._micro(batch, rows_of(r)) for r in range(self.world)])
+        return [*mine, *[None] * (most - len(mine))]
+
+    @staticmethod
+    def _padding(batch: PackedBatch, rows: list[int]) -> PackedBatch:
+        """One real row with nothing to learn from: what a padding micro-batch runs."""
+        part = batch.select(rows[:1]).trimmed()
+        part.loss_mask.zero_()
+        part.advantages.zero_()
+        return part
+
     @torch.no_grad()
     def _recompute(
-        self, model: torch.nn.Module, batch: PackedBatch, rows: list[int]
+        self, model: torch.nn.Module, batch: PackedBatch, steps: list[range]
     ) -> torch.Tensor:
         out = torch.zeros_like(batch.behaviour_logprobs)
         was_training = model.training
         model.eval()
-        for micro in self._micro(batch, rows):
-            part = batch.select(micro).trimmed()
+        for micro in self._plan(batch, steps):
+            part = batch.select(micro if micro is not None else [0]).trimmed()
             lp, _ = token_logprobs(self._run(model), part, temperature=self.config.temperature)
-            out[micro, : lp.shape[1]] = lp
+            if micro is not None:
+                out[micro, : lp.shape[1]] = lp
         model.train(was_training)
         return out
 
@@ -204,11 +293,10 @@ class PolicyTrainer:
         total = batch.batch_size
         per_step = math.ceil(total / cfg.batch.mini_batches)
         steps = [range(s, min(s + per_step, total)) for s in range(0, total, per_step)]
-        mine = [r for step in steps for r in self._mine(step)]
         # One step in all: the step's own forward pass gives π_old (see the module docstring).
         once = len(steps) == 1 and cfg.batch.epochs == 1
-        old = None if once else self._recompute(self.model, batch, mine)
-        ref = self._recompute(self.reference, batch, mine) if self.reference is not None else None
+        old = None if once else self._recompute(self.model, batch, steps)
+        ref = self._recompute(self.reference, batch, steps) if self.reference is not None else None
         for p in self.model.parameters():  # every rank all-reduces the same list, even if idle
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -221,7 +309,16 @@ class PolicyTrainer:
                 continue
             self.optimizer.zero_grad(set_to_none=False)
             step_stats, finite = LossStats(), True
-            for micro in self._micro(batch, self._mine(step)):
+            micros = self._plan(batch, [step])
+            for i, micro in enumerate(micros):
+                set_gradient_sync(self.model, i == len(micros) - 1)  # reduce once per step
+                if micro is None:  # sharded: this rank's share ran out, the others' did not
+                    lp, _ = token_logprobs(
+                        self._run(self.model), self._padding(batch, list(step)),
+                        temperature=cfg.temperature,
+                    )  # fmt: skip
+                    (lp.sum() * 0.0).backward()
+                    continue
                 part = batch.select(micro).trimmed()
                 width = part.input_ids.shape[1]
                 logprobs, entropy = token_logprobs(
@@ -240,10 +337,12 @@ class PolicyTrainer:
                     ref_logprobs=ref[micro, :width] if ref is not None else None,
                 )
                 if not torch.isfinite(loss):
-                    finite = False  # its backward would only spread the NaN: the step is lost
-                    continue
-                loss.backward()
-                step_stats = step_stats.merge(s)
+                    finite = False  # the step is lost (every rank skips it, see below)
+                    if not self.sharded:  # its backward would only spread the NaN
+                        continue
+                loss.backward()  # sharded: even a NaN one, or the other ranks' reduce hangs
+                if finite:
+                    step_stats = step_stats.merge(s)
             taken += 1
             norm = self._clip_and_step(self._all_reduce_grads(finite))
             if norm is None:
@@ -268,6 +367,10 @@ class PolicyTrainer:
         """Sum the gradients over ranks; True when every rank's loss was finite."""
         if self.world == 1:
             return finite
+        if self.sharded:  # the backward already reduce-scattered (summed) each shard
+            flag = torch.tensor([0.0 if finite else 1.0], device=self.device)
+            dist.all_reduce(flag)
+            return bool(flag[0] == 0)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         flag = torch.tensor([0.0 if finite else 1.0], dtype=grads[0].dtype, device=grads[0].device)
         flat = torch.cat([*(g.reshape(-1) for g in grads), flag])
@@ -282,7 +385,7 @@ class PolicyTrainer:
         """Clip and step; None (and no step, gradients zeroed) when anything is not finite."""
         clip = self.config.optim.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = full(torch.nn.utils.get_total_norm([p.grad for p in params]))  # sharded: reduced
         if not finite or not torch.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=False)
             return None

@@ -107,6 +107,18 @@ class TrainerConfig(ServiceConfig):
     data_parallel: Annotated[int, Field(ge=1, le=64)] = Field(
         1, description="Data-parallel ranks (processes; gloo on CPU, NCCL on GPU)."
     )
+    sharding: Literal["replicate", "fsdp"] = Field(
+        "replicate",
+        description="`replicate`: every rank holds the whole model and optimizer (gradients "
+        "all-reduced); `fsdp`: FSDP2, each of the data_parallel ranks holds 1/W of the "
+        "parameters, gradients and optimizer states (roles/trainer/sharding.py).",
+    )
+    ranks: Literal["spawn", "serve"] = Field(
+        "spawn",
+        description="Where ranks 1..data_parallel-1 run: `spawn`: child processes of the "
+        "trainer, on its host; `serve`: each its own `laminar serve --role trainer_rank` "
+        "process on any host, meeting through the manager (docs/training.md).",
+    )
     threads_per_rank: Annotated[int, Field(ge=1)] | None = Field(
         None, description="torch threads per rank (default: cores / ranks)."
     )

@@ -15,6 +15,7 @@ byte leaves: :meth:`TorchCompute.stage`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from prometheus_client import Gauge
@@ -35,17 +36,19 @@ from .checkpoint import (
 from .compute import packed
 from .config import TrainerConfig
 from .dp import DataParallelGroup
+from .evaluator import Evaluator
+from .rendezvous import rendezvous_for
 from .step import Progress, Resumed, StepResult
 
 
 class TorchCompute:
     def __init__(self, ctx: ServiceContext, log: Any, config: TrainerConfig) -> None:
-        self.log, self.config = log, config
+        self.ctx, self.log, self.config = ctx, log, config
         self._executor = ctx.executor("trainer-compute", workers=1)  # one model, one at a time
         self.group: DataParallelGroup | None = None
         self.resumed: tuple[str, int, int] | None = None  # checkpoint, its version and cursor
         self._published_mark = -1
-        self._evaluator: Any = None  # (task, records, tokenizer), loaded on first use
+        self._evaluator: Evaluator | None = None  # made on first use
         self.m_accuracy = Gauge(
             "laminar_eval_accuracy",
             "Held-out accuracy of the newest evaluation",
@@ -78,7 +81,10 @@ class TorchCompute:
                 published=self._published_mark,
             )
             state.version = self._published_mark + 1
-        self.group = await self._run(DataParallelGroup, c, state.path)
+        group = functools.partial(
+            DataParallelGroup, c, state.path, rendezvous=rendezvous_for(self.ctx, c)
+        )
+        self.group = await self._run(group)
         # one batch per version so far: what a round schedule's gate counts
         progress = Progress(state.version, state.cursor, state.version, state.history)
         return Resumed(progress, publish=state.version > 0)
@@ -93,15 +99,17 @@ class TorchCompute:
 
     def _save(self, state: TrainingState, saved_at: float) -> None:
         assert self.group is not None
-        c, trainer = self.config, self.group.trainer
+        c = self.config
+        model_state, optim_state = self.group.training_state()  # sharded: gathered to rank 0
         save_checkpoint(
             c.checkpoint.dir,
             state,
-            trainer.model,
-            trainer.optimizer,
+            self.group.trainer.model,
+            optim_state,
             c.model,
             c.checkpoint.keep,
             saved_at=saved_at,
+            model_state=model_state if self.group.trainer.sharded else None,
         )
 
     async def stage(self, publisher: WeightPublisher, version: int) -> VersionBuffer:
@@ -109,13 +117,21 @@ class TorchCompute:
         if version > self._published_mark:  # on disk before any byte leaves
             await self._run(record_published, self.config.checkpoint.dir, version)
             self._published_mark = version
-        weights = self.group.trainer.named_weights()
-        return await self._run(publisher.stage, version, weights)  # type: ignore[no-any-return]
+        return await self._run(self._stage, publisher, version)  # type: ignore[no-any-return]
+
+    def _stage(self, publisher: WeightPublisher, version: int) -> VersionBuffer:
+        """Each tensor whole in turn, straight into the publisher's buffer: sharded, no rank
+        ever holds more than one whole parameter beyond its shards (:mod:`.sharding`)."""
+        assert self.group is not None
+        return publisher.stage(version, self.group.weights(), specs=self.group.weight_specs())
 
     async def evaluate(self, version: int) -> dict[str, Any] | None:
         if self.config.eval is None:
             return None
-        result = await self._run(self._evaluate, version)
+        if self._evaluator is None:
+            self._evaluator = Evaluator(self.config.eval, self.config.model)
+        assert self.group is not None
+        result = await self._run(self.group.evaluate, self._evaluator, version)
         self.m_accuracy.set(result.accuracy)
         return {
             "accuracy": result.accuracy,
@@ -123,21 +139,6 @@ class TorchCompute:
             "eval_s": result.seconds,
             "buckets": result.buckets,
         }
-
-    def _evaluate(self, version: int) -> Any:
-        from laminar.recipe.evaluate import eval_records, evaluate_model
-        from laminar.recipe.model import load_tokenizer
-        from laminar.recipe.tasks import load_task
-
-        e = self.config.eval
-        assert e is not None and self.group is not None
-        if self._evaluator is None:
-            task = load_task(e.task)
-            self._evaluator = (task, eval_records(task, e.n, e.seed, e.data),
-                               load_tokenizer(self.config.model))  # fmt: skip
-        task, records, tok = self._evaluator
-        model = self.group.trainer.model
-        return evaluate_model(task, model, tok, records, e.batch_size, name=f"v{version}")
 
     async def close(self) -> None:
         if self.group is not None:

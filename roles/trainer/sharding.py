@@ -1,0 +1,174 @@
+"""FSDP2 for the policy: each rank keeps 1/W of every parameter, gradient and optimizer state.
+
+Why FSDP2 (``torch.distributed.fsdp.fully_shard``) and not a hand-written ZeRO: it is torch's own,
+works on gloo (CPU, the suite) and NCCL alike, and its parameters are ``DTensor`` s, so the
+optimizer, gradient clipping and state dicts need no special cases beyond the few here.
+
+What sharding changes for the trainer, and where it is handled:
+
+- **Every collective is a rendezvous.** A forward all-gathers each layer's parameters and a
+  backward reduce-scatters its gradients, so every rank must run the same number of forwards and
+  backwards in the same order, even a rank with no rows left in a step. :func:`lockstep` pads
+  each rank's list of micro-batches to the longest; a padding entry runs on one real row with its
+  loss mask zeroed, so it contributes exactly nothing (:mod:`.compute`).
+- **Sum, not mean.** The loss of every micro-batch is already normalised by the token count of
+  the whole mini-batch over all ranks, so the gradients must be *summed* over ranks. FSDP2
+  averages by default, and a divide factor of 1 would use ``PREMUL_SUM``, which gloo lacks; so
+  reductions are forced to plain sums (:func:`shard_policy`).
+- **Gradient accumulation without communication**: gradients are only reduce-scattered on a
+  step's last micro-batch (``set_requires_gradient_sync``).
+- **Full tensors are collectives too**: reading a parameter whole (to publish or checkpoint it)
+  all-gathers it, so every rank takes part, one tensor at a time (:func:`full_tensors`): the rank
+  that keeps the result never holds more than one whole parameter beyond its shards.
+
+Checkpoints stay in the replicated trainer's format (an HF model directory and ``optimizer.pt``),
+but the optimizer state is keyed by parameter *name*, not by position, so a checkpoint can be
+resumed at another world size or sharding (:func:`optimizer_state_by_name`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = [
+    "full",
+    "full_tensors",
+    "gathered_optimizer_state",
+    "load_sharded",
+    "lockstep",
+    "optimizer_state_by_name",
+    "optimizer_state_by_position",
+    "set_gradient_sync",
+    "shard_policy",
+    "weight_specs",
+]
+
+
+def _layer_classes(model: torch.nn.Module) -> set[str]:
+    """The transformer blocks: what HF marks as never to be split across devices."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} names no `_no_split_modules`: cannot tell its decoder layers"
+        )
+    return names
+
+
+def shard_policy(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard every decoder layer, then the rest (embeddings, final norm, head) as the root.
+
+    One unit per layer is the usual FSDP granularity: a layer's parameters are gathered just
+    before it runs and freed right after, so at most about one layer is ever whole."""
+    layers = _layer_classes(model)
+    for module in model.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return model
+
+
+def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (an all-gather for a sharded one: every rank must call it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each parameter and buffer whole, on the host, one at a time (every rank must iterate)."""
+    for name, value in model.state_dict().items():
+        yield name, full(value.detach()).cpu()
+
+
+def weight_specs(model: torch.nn.Module) -> list[tuple[str, torch.dtype, list[int]]]:
+    """Name, dtype and whole shape of each tensor :func:`full_tensors` yields, gathering nothing."""
+    return [(k, v.dtype, list(v.shape)) for k, v in model.state_dict().items()]
+
+
+def lockstep(per_rank: list[list[list[int]]]) -> int:
+    """How many micro-batches every rank runs in a step: the most any rank has (pad to it)."""
+    return max((len(micro) for micro in per_rank), default=0)
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A positional ``optimizer.state_dict()`` (parameters numbered in ``parameters()`` order)
+    keyed by parameter name instead; a state already keyed by name is returned as it is."""
+    if all(isinstance(k, str) for k in state.get("state", {})) and all(
+        isinstance(p, str) for g in state.get("param_groups", []) for p in g["params"]
+    ):
+        return state
+    return {
+        "state": {names[int(i)]: s for i, s in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]
+        ],
+    }
+
+
+def optimizer_state_by_position(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`optimizer_state_by_name`: what ``optimizer.load_state_dict`` of an
+    unsharded optimizer takes; a positional state is returned as it is."""
+    index = {name: i for i, name in enumerate(names)}
+    if not any(isinstance(p, str) for g in state.get("param_groups", []) for p in g["params"]):
+        return state
+    return {
+        "state": {index[k]: v for k, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [index[p] for p in g["params"]]} for g in state["param_groups"]
+        ],
+    }
+
+
+def gathered_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The whole optimizer state keyed by parameter name, on rank 0's host (empty elsewhere).
+    A collective: every rank calls it."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+@torch.no_grad()
+def load_sharded(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, torch.Tensor],
+    optim_state: dict[str, Any],
+) -> None:
+    """Load whole (unsharded) state dicts, which every rank read from the checkpoint, into the
+    sharded model and optimizer: each rank keeps its own slice."""
+    for name, target in model.state_dict().items():
+        value = model_state[name].to(dtype=target.dtype)
+        if isinstance(target, DTensor):
+            # every rank read the same whole tensor: each cuts its own slice, nothing is sent
+            value = distribute_tensor(
+                value.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+            )
+            target.to_local().copy_(value.to_local())
+        else:
+            target.copy_(value)
+    names = [n for n, _ in model.named_parameters()]
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(
+        model, optimizer, optimizer_state_by_name(optim_state, names), options=options
+    )
+    if dist.is_initialized():
+        dist.barrier()

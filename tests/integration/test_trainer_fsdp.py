@@ -1,0 +1,100 @@
+"""FSDP2 (``sharding: fsdp``) beyond one update: checkpoints, resuming, publishing, memory.
+
+The update itself is checked against one rank in ``test_trainer_dp.py``; here a 2-rank sharded
+group's checkpoint must hold exactly what a replicated trainer's would (weights and AdamW moments),
+resume at another world size and sharding, stage its weights for the relays one gathered tensor
+at a time, and keep about half of the replicated trainer's state per rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from laminar.rl import grpo_advantages, pack
+from laminar.rl.batch import PackedBatch
+from laminar.roles.trainer.checkpoint import TrainingState, load_training_state, save_checkpoint
+from laminar.roles.trainer.compute import PolicyTrainer
+from laminar.roles.trainer.config import TrainerConfig
+from laminar.roles.trainer.dp import DataParallelGroup
+from laminar.weights.tensors import copy_into, plan_specs, plan_tensors, tensors_from
+
+from ..support.models import tiny_llama
+from .test_trainer_dp import batch
+
+pytestmark = pytest.mark.integration
+
+
+def config(model: Path, world: int, sharding: str) -> TrainerConfig:
+    return TrainerConfig(
+        model=str(model),
+        data_parallel=world,
+        sharding=sharding,
+        threads_per_rank=1,
+        batch={"prompts": 4, "samples": 4, "mini_batches": 2, "micro_batch_rows": 3},
+        optim={"name": "adamw", "lr": 1e-3},
+        loss={"off_policy": "tis"},
+    )
+
+
+def packed(seed: int) -> PackedBatch:
+    trajectories = batch(seed)
+    adv = grpo_advantages(
+        torch.tensor([t.reward for t in trajectories]), [t.prompt_id for t in trajectories]
+    )
+    return pack(trajectories, adv.tolist())
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().max() < 0.02 * 1e-3, name  # see test_trainer_dp
+
+
+def test_sharded_checkpoint_resume_publish_and_memory(tmp_path: Path) -> None:
+    model = tiny_llama(tmp_path / "model")  # the other family: its layers are sharded too
+    one = PolicyTrainer(config(model, 1, "replicate"))
+    one.train(packed(0))
+    group = DataParallelGroup(config(model, 2, "fsdp"), timeout_s=60)
+    try:
+        group.train(packed(0))
+        # memory: each rank keeps about half of the parameters, gradients and Adam moments
+        sharded, replicated = group.state_bytes(), one.state_bytes()
+        for kind in ("params", "grads", "optimizer"):
+            assert sharded[kind] <= 0.55 * replicated[kind], (kind, sharded, replicated)
+        # publishing: planned from the specs, copied one gathered tensor at a time
+        specs = group.weight_specs()
+        manifest = plan_specs(specs, 1)
+        assert manifest == plan_tensors(one.named_weights(), 1)
+        buffer = np.zeros(manifest.total_bytes, dtype=np.uint8)
+        copy_into(group.weights(), manifest, memoryview(buffer))
+        staged = {k: v.clone() for k, v in tensors_from(manifest, memoryview(buffer))}
+        close(staged, dict(one.named_weights()))
+        # a checkpoint: the whole weights and the name-keyed optimizer state, on rank 0
+        model_state, optim_state = group.training_state()
+        path = save_checkpoint(
+            tmp_path / "ckpt", TrainingState(1, 16), group.trainer.model, optim_state, model,
+            keep=2, saved_at=0.0, model_state=model_state,
+        )  # fmt: skip
+    finally:
+        group.close()
+    weights, moments = load_training_state(path)
+    close(weights, dict(one.named_weights()))
+    mine = one.training_state()[1]["state"]
+    assert set(moments["state"]) == set(mine)  # keyed by parameter name
+    for name, state in mine.items():
+        close({"m": moments["state"][name]["exp_avg"]}, {"m": state["exp_avg"]})
+    # resume the sharded checkpoint sharded and replicated: both take the same next step
+    one.train(packed(1))
+    resumed = DataParallelGroup(config(model, 2, "fsdp"), state_path=str(path), timeout_s=60)
+    try:
+        resumed.train(packed(1))
+        close(dict(resumed.weights()), dict(one.named_weights()))
+    finally:
+        resumed.close()
+    single = DataParallelGroup(config(model, 1, "replicate"), state_path=str(path))
+    single.train(packed(1))
+    close(dict(single.weights()), dict(one.named_weights()))
