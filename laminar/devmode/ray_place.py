@@ -26,9 +26,11 @@ lands on the machine planned (:meth:`MachinePlan.bundles`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from laminar.errors import ConfigError
+from laminar.proc.gpus import gpus_wanted
+
+__all__ = ["Demand", "Machine", "MachinePlan", "cpus_wanted", "gpus_wanted", "plan_placement"]
 
 #: Ray CPUs asked for by a role that computes (rollout, trainer) and by one that mostly waits.
 HEAVY_CPUS = 1.0
@@ -71,23 +73,6 @@ class MachinePlan:
                 bundle["GPU"] = d.gpus
             out.append(bundle)
         return out
-
-
-def gpus_wanted(role: str, role_config: Any, cluster_has_gpus: bool) -> float:
-    """GPUs one instance of ``role`` needs, from its validated config section."""
-    if role == "rollout":
-        engine = role_config.engine
-        if engine.backend != "vllm" or not cluster_has_gpus:
-            return 0.0
-        tp = getattr(engine, "tensor_parallel_size", None) or engine.extra.get(
-            "tensor_parallel_size", 1
-        )
-        return float(tp)
-    if role == "trainer":
-        device = role_config.device
-        if device == "cuda" or (device == "auto" and cluster_has_gpus):
-            return float(role_config.data_parallel)
-    return 0.0
 
 
 def cpus_wanted(role: str) -> float:

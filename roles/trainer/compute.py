@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,17 +62,20 @@ from laminar.rl import (
 )
 from laminar.trajectory import Trajectory
 
+from .checkpoint import load_training_state
 from .config import TrainerConfig
 from .sharding import (
     full,
     full_tensors,
     gathered_optimizer_state,
     load_sharded,
+    load_sharded_optimizer,
+    load_sharded_policy,
     lockstep,
     optimizer_state_by_name,
     optimizer_state_by_position,
+    read_slices,
     set_gradient_sync,
-    shard_policy,
     weight_specs,
 )
 from .step import StepResult
@@ -148,14 +152,11 @@ class PolicyTrainer:
         self.rank, self.world = rank, world
         torch.manual_seed(config.seed)
         self.device = resolve_device(config.device, rank)
-        self.model = load_policy(
-            config.model, self.device, activation_checkpointing=config.activation_checkpointing
-        )
-        self.model.train()
-        # FSDP2 (``sharding: fsdp``): one rank alone has nothing to shard with
+        # FSDP2 (``sharding: fsdp``): one rank alone has nothing to shard with. Sharded, each
+        # rank reads only its slices, and before the optimizer: it must hold the shards.
         self.sharded = config.sharding == "fsdp" and world > 1
-        if self.sharded:
-            shard_policy(self.model)  # before the optimizer: it must hold the sharded parameters
+        self.model = self._load(config.model, config.activation_checkpointing)
+        self.model.train()
         o = config.optim
         self.optimizer: torch.optim.Optimizer
         if o.name == "sgd":
@@ -172,11 +173,17 @@ class PolicyTrainer:
             )
         self.reference: torch.nn.Module | None = None
         if config.loss.kl_coef > 0:
-            self.reference = load_policy(config.model, self.device).eval()
+            self.reference = self._load(config.model).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
-            if self.sharded:
-                shard_policy(self.reference)
+
+    def _load(self, path: str, activation_checkpointing: bool = False) -> torch.nn.Module:
+        if self.sharded:
+            return load_sharded_policy(
+                path, self.device, self.rank, self.world,
+                activation_checkpointing=activation_checkpointing,
+            )  # fmt: skip
+        return load_policy(path, self.device, activation_checkpointing=activation_checkpointing)
 
     # -- state -------------------------------------------------------------------------------
     # Sharded, each of these is a collective: every rank of the group calls it (:mod:`.dp`).
@@ -224,6 +231,16 @@ class PolicyTrainer:
                 if isinstance(v, torch.Tensor) and v.dim() > 0  # not Adam's step counters
             ),
         }
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Resume from a checkpoint directory. Sharded, each rank reads its own rows of the
+        weights, and the optimizer state is memory-mapped, so no rank holds it all at once."""
+        if not self.sharded:
+            self.load_state(*load_training_state(path))
+            return
+        read_slices(self.model, path, self.rank, self.world)
+        optim = torch.load(Path(path) / "optimizer.pt", weights_only=True, mmap=True)
+        load_sharded_optimizer(self.model, self.optimizer, optim)
 
     def load_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
         if self.sharded:

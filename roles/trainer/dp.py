@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from laminar.rl import PackedBatch
 
-from .checkpoint import latest_checkpoint, load_training_state
+from .checkpoint import latest_checkpoint
 from .compute import PolicyTrainer, StepResult
 from .config import TrainerConfig
 from .evaluator import Evaluator
@@ -141,7 +141,7 @@ def _worker(
     _init(rank, config.data_parallel, address, timeout_s)
     trainer = PolicyTrainer(config, rank, config.data_parallel)
     if state_path is not None:
-        trainer.load_state(*load_training_state(state_path))
+        trainer.load_checkpoint(state_path)
     evaluator = Evaluator(config.eval, config.model) if config.eval is not None else None
     while (header := _broadcast_op())[0] != _STOP:
         op, a, b = header
@@ -206,7 +206,7 @@ class DataParallelGroup:
             _init(0, self.world, address, timeout_s)
         self.trainer = PolicyTrainer(config, 0, self.world)
         if state_path is not None:
-            self.trainer.load_state(*load_training_state(state_path))
+            self.trainer.load_checkpoint(state_path)
 
     def _tell(self, op: int, *arg: int) -> None:
         """Sharded: have the other ranks join rank 0's next collective read (see the module)."""
@@ -358,7 +358,7 @@ class DataParallelGroup:
         self.reforms += 1
         self.trainer = PolicyTrainer(self.config, 0, self.world)
         if base is not None:
-            self.trainer.load_state(*load_training_state(base))
+            self.trainer.load_checkpoint(base)
         for batch in self._replay:
             self._train(batch)
         log.info(

@@ -28,7 +28,9 @@ resumed at another world size or sharding (:func:`optimizer_state_by_name`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,9 +48,12 @@ __all__ = [
     "full_tensors",
     "gathered_optimizer_state",
     "load_sharded",
+    "load_sharded_optimizer",
+    "load_sharded_policy",
     "lockstep",
     "optimizer_state_by_name",
     "optimizer_state_by_position",
+    "read_slices",
     "set_gradient_sync",
     "shard_policy",
     "weight_specs",
@@ -63,6 +68,90 @@ def _layer_classes(model: torch.nn.Module) -> set[str]:
             f"{type(model).__name__} names no `_no_split_modules`: cannot tell its decoder layers"
         )
     return names
+
+
+def load_sharded_policy(
+    path: str | Path,
+    device: torch.device,
+    rank: int,
+    world: int,
+    *,
+    activation_checkpointing: bool = False,
+) -> torch.nn.Module:
+    """The policy in ``path`` (an HF directory) sharded over ``world`` ranks, each rank reading
+    only its own rows of each tensor from the safetensors files (memory-mapped).
+
+    Why not ``from_pretrained`` and then shard: every rank would first hold the whole model, on
+    the host and then on its device, so a model that does not fit one GPU could never be
+    sharded. Here the model is built on the meta device (no memory), sharded, and only then
+    given storage (``to_empty``): each rank allocates 1/W of every parameter. Non-persistent
+    buffers (the rotary tables) hold no checkpoint data and come out of ``to_empty``
+    uninitialised, so HF's own ``_init_weights`` recomputes them for the modules that have any.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.use_cache = False
+    if activation_checkpointing:
+        if not model.supports_gradient_checkpointing:
+            raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    shard_policy(model)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            if module._non_persistent_buffers_set:
+                model._init_weights(module)
+    read_slices(model, path, rank, world)
+    return model
+
+
+def _rows(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows of a dimension of ``n`` under ``Shard(0)`` (``torch.chunk``'s
+    split: ceil(n / W) rows each, the last ranks' possibly fewer or none)."""
+    size = -(-n // world)
+    return min(n, rank * size), min(n, (rank + 1) * size)
+
+
+@torch.no_grad()
+def read_slices(model: torch.nn.Module, path: str | Path, rank: int, world: int) -> None:
+    """Fill a sharded model from an HF directory's safetensors, this rank's rows only."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    else:
+        single = path / "model.safetensors"
+        if not single.exists():
+            raise FileNotFoundError(f"{path} has no model.safetensors (sharded loading needs it)")
+        with safe_open(single, "pt") as f:
+            files = dict.fromkeys(f.keys(), single)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+    handles: dict[Path, Any] = {}
+    try:
+        for name, target in model.state_dict().items():
+            if name not in files:
+                if name in tied or name.endswith("inv_freq"):
+                    continue  # the tied parameter is the one read under its other name
+                raise KeyError(f"{name} is not in {path}'s safetensors")
+            if files[name] not in handles:
+                handles[files[name]] = safe_open(files[name], "pt")
+            f = handles[files[name]]
+            if isinstance(target, DTensor):
+                local = target.to_local()
+                start, end = _rows(target.shape[0], rank, world)
+                value = f.get_slice(name)[start:end] if end > start else None
+                if value is not None:
+                    local.copy_(value.to(local.dtype))
+            else:
+                target.copy_(f.get_tensor(name).to(target.dtype))
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
 
 
 def shard_policy(model: torch.nn.Module) -> torch.nn.Module:
@@ -165,6 +254,13 @@ def load_sharded(
             target.to_local().copy_(value.to_local())
         else:
             target.copy_(value)
+    load_sharded_optimizer(model, optimizer, optim_state)
+
+
+def load_sharded_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_state: dict[str, Any]
+) -> None:
+    """Load a whole optimizer state (by name or by position) into a sharded optimizer."""
     names = [n for n, _ in model.named_parameters()]
     options = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(

@@ -55,7 +55,9 @@ def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 def test_sharded_checkpoint_resume_publish_and_memory(tmp_path: Path) -> None:
-    model = tiny_llama(tmp_path / "model")  # the other family: its layers are sharded too
+    # the other family, with the head tied to the embedding: one parameter under two names,
+    # read once from the file, sharded once, written back under both
+    model = tiny_llama(tmp_path / "model", tied=True)
     one = PolicyTrainer(config(model, 1, "replicate"))
     one.train(packed(0))
     group = DataParallelGroup(config(model, 2, "fsdp"), timeout_s=60)

@@ -131,7 +131,9 @@ def test_the_pointer_is_fsynced_before_its_rename_and_names_a_durable_directory(
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     root = (tmp_path / "ckpt").resolve()
-    save_checkpoint(root, TrainingState(3, 24), model, optimizer.state_dict(), model_dir, keep=2, saved_at=0.0)
+    save_checkpoint(
+        root, TrainingState(3, 24), model, optimizer.state_dict(), model_dir, keep=2, saved_at=0.0
+    )
 
     def index(kind: str, predicate) -> int:  # type: ignore[no-untyped-def]
         return next(i for i, (k, what) in enumerate(events) if k == kind and predicate(what))
