@@ -153,6 +153,22 @@ def map_segment(name: str, offset: int, size: int) -> memoryview:
     return memoryview(mapped)[offset : offset + size]
 
 
+def map_writable(name: str) -> memoryview:
+    """Map the whole of segment ``name`` read-write: for cooperating processes of one job that
+    each fill their own part of a buffer its owner made (a sharded trainer's ranks staging a
+    version). Unlike :func:`map_segment` this is not for frames from a peer."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise FrameError(f"refusing to map shared-memory segment {name!r}")
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    except FileNotFoundError as exc:
+        raise SegmentGone(f"shared-memory segment {name} is gone") from exc
+    try:
+        return memoryview(mmap.mmap(fd, os.fstat(fd).st_size))
+    finally:
+        os.close(fd)
+
+
 class ShmConnection(StreamConnection):
     """A stream connection that sends SharedBuffer slices as descriptors."""
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, Any
 
 import numpy as np
@@ -39,9 +39,10 @@ from laminar.clock import Clock, get_clock
 from laminar.config import Strict
 from laminar.executor import LOOP_DEFAULT, Executor
 from laminar.rpc_client import RpcClient
+from laminar.transport.shm import SharedBuffer
 
 from .chain import ChainView, follow_chain
-from .manifest import chunk_bounds, optimal_chunks, with_checksums
+from .manifest import WeightManifest, chunk_bounds, optimal_chunks, with_checksums
 from .tensors import copy_into, plan_specs, plan_tensors
 from .transfer import TransferError, VersionBuffer, VersionConflict, push_version
 
@@ -99,6 +100,7 @@ class WeightPublisher:
         self._lock = threading.Lock()
         self._free: list[np.ndarray] = []
         self._in_use: dict[int, np.ndarray] = {}  # version -> its staging array
+        self._segments: dict[int, SharedBuffer] = {}  # id(array) -> its segment, if shared
         self._pending: VersionBuffer | None = None
         self._wake = asyncio.Event()
         self.acked = -1  # newest version the master verified
@@ -116,6 +118,7 @@ class WeightPublisher:
         version: int,
         named: Iterable[tuple[str, torch.Tensor]],
         specs: Sequence[tuple[str, torch.dtype, Sequence[int]]] | None = None,
+        fill: Callable[[WeightManifest, str, memoryview], None] | None = None,
     ) -> VersionBuffer:
         """Copy the tensors into a host buffer; returns the staged version. This is the stall,
         timed on the clock: from any thread with the real clock, on the loop with a virtual one
@@ -123,16 +126,24 @@ class WeightPublisher:
 
         ``specs`` (name, dtype, shape of each tensor, in order): the layout is planned from them
         and ``named`` is read once, one tensor at a time, so a generator that gathers each tensor
-        only when asked (a sharded trainer) never has the whole model out at once."""
+        only when asked (a sharded trainer) never has the whole model out at once.
+
+        ``fill(manifest, segment, view)`` (with ``specs``): the buffer is a shared-memory
+        segment, and ``fill`` writes the tensors into it, by ``view`` or, from other processes on
+        this host, by the segment's name (each rank of a sharded trainer writes its own rows);
+        ``named`` is then not read."""
         start = self.clock.time()
         if specs is None:
             named = list(named)
             manifest = plan_tensors(named, version)
         else:
             manifest = plan_specs(specs, version)
-        array = self._buffer(manifest.total_bytes)
+        array = self._buffer(manifest.total_bytes, shared=fill is not None)
         view = memoryview(array)[: max(manifest.total_bytes, 1)]
-        copy_into(named, manifest, view)
+        if fill is not None:
+            fill(manifest, self._segments[id(array)].name, view)
+        else:
+            copy_into(named, manifest, view)
         bounds = chunk_bounds(
             manifest.total_bytes,
             self._chunk_count(manifest.total_bytes),
@@ -154,12 +165,18 @@ class WeightPublisher:
             self.config.chunk_start_us * 1e-6,
         )
 
-    def _buffer(self, size: int) -> np.ndarray:
+    def _buffer(self, size: int, shared: bool = False) -> np.ndarray:
         with self._lock:
             for i, array in enumerate(self._free):
-                if array.nbytes >= size:
+                if array.nbytes >= size and (id(array) in self._segments) == shared:
                     return self._free.pop(i)
-        return np.empty(max(size, 1), dtype=np.uint8)
+        if not shared:
+            return np.empty(max(size, 1), dtype=np.uint8)
+        segment = SharedBuffer(max(size, 1))
+        array = np.frombuffer(segment.view, dtype=np.uint8)
+        with self._lock:
+            self._segments[id(array)] = segment
+        return array
 
     def _release_unused(self) -> None:
         """Recycle staging buffers that are not the newest acked, pending, or being sent.
@@ -175,6 +192,8 @@ class WeightPublisher:
                 array = self._in_use.pop(version)
                 if len(self._free) < 2:
                     self._free.append(array)
+                elif (segment := self._segments.pop(id(array), None)) is not None:
+                    segment.close()  # its name; the array's mapping lives while referenced
 
     # -- the event loop's side -------------------------------------------------------------------
 

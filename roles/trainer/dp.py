@@ -47,12 +47,16 @@ import torch
 import torch.distributed as dist
 
 from laminar.rl import PackedBatch
+from laminar.transport.shm import map_writable
+from laminar.weights.manifest import WeightManifest
+from laminar.weights.tensors import plan_specs
 
 from .checkpoint import latest_checkpoint
 from .compute import PolicyTrainer, StepResult
 from .config import TrainerConfig
 from .evaluator import Evaluator
 from .rendezvous import GroupRendezvous, free_port, group_failure
+from .sharding import write_slices
 
 T = TypeVar("T")
 log = structlog.get_logger("trainer")
@@ -61,7 +65,8 @@ log = structlog.get_logger("trainer")
 #: exits and is restarted): a failure that follows every re-form is not a rank that died.
 MAX_REFORMS = 3
 
-_TRAIN, _STOP, _WEIGHTS, _STATE, _EVAL = 1, 2, 3, 4, 5
+_TRAIN, _STOP, _WEIGHTS, _STATE, _EVAL, _SLICES = 1, 2, 3, 4, 5, 6
+_NAME_BYTES = 128  # room for a shared-memory segment's name in a broadcast
 _FIELDS = ("input_ids", "attention_mask", "loss_mask", "behaviour_logprobs", "advantages")
 _DTYPES = (torch.long, torch.long, torch.float32, torch.float32, torch.float32)
 
@@ -133,6 +138,30 @@ def _broadcast_batch(batch: PackedBatch | None, shape: tuple[int, int]) -> Packe
     return PackedBatch(*tensors)
 
 
+def _broadcast_name(name: str | None) -> str:
+    """Rank 0 passes a short ASCII name (a shared-memory segment's); every rank returns it."""
+    raw = torch.zeros(_NAME_BYTES, dtype=torch.uint8, device=_device())
+    if name is not None:
+        data = name.encode()
+        raw[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    dist.broadcast(raw, 0)
+    return bytes(raw.cpu().tolist()).rstrip(b"\0").decode()
+
+
+def _write_slices(trainer: PolicyTrainer, total: int, name: str | None, view: Any) -> None:
+    """Every rank: write its own rows into rank 0's staging segment (:meth:`DataParallelGroup.
+    fill`), then wait until all have."""
+    name = _broadcast_name(name)
+    manifest = plan_specs(trainer.weight_specs(), 0)  # the same layout rank 0 planned
+    if manifest.total_bytes != total:
+        mine = manifest.total_bytes
+        raise RuntimeError(f"rank {trainer.rank} plans {mine} bytes for a version, rank 0 {total}")
+    if view is None:
+        view = map_writable(name)
+    write_slices(trainer.model, manifest, view, trainer.rank, trainer.world)
+    dist.barrier()
+
+
 def _worker(
     rank: int, config_json: str, address: str, state_path: str | None, timeout_s: float
 ) -> None:
@@ -152,6 +181,8 @@ def _worker(
                 pass
         elif op == _STATE:
             trainer.training_state()
+        elif op == _SLICES:
+            _write_slices(trainer, a, None, None)
         elif op == _EVAL and evaluator is not None:
             evaluator(trainer.model, a, synced=True)
     dist.destroy_process_group()
@@ -232,6 +263,21 @@ class DataParallelGroup:
 
     def weight_specs(self) -> list[tuple[str, torch.dtype, list[int]]]:
         return self.trainer.weight_specs()
+
+    @property
+    def writes_slices(self) -> bool:
+        """Whether a publish can be staged by every rank writing its own rows into one
+        shared-memory buffer (:meth:`fill`): sharded, with every rank on this host."""
+        return self.trainer.sharded and not self.served
+
+    def fill(self, manifest: WeightManifest, segment: str, view: memoryview) -> None:
+        """Stage the weights into ``segment`` (``view`` is rank 0's mapping of it): each rank
+        writes its own rows of every tensor, nothing is gathered, and rank 0 never holds a
+        whole tensor (:func:`.sharding.write_slices`). Only where :attr:`writes_slices`."""
+        if not self.writes_slices:
+            raise RuntimeError("fill needs a sharded group whose ranks share this host")
+        self._tell(_SLICES, manifest.total_bytes)
+        _write_slices(self.trainer, manifest.total_bytes, segment, view)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights whole, one tensor at a time (sharded: one gather each, on every rank)."""

@@ -41,7 +41,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from laminar.weights.manifest import WeightManifest
 
 __all__ = [
     "full",
@@ -57,6 +59,7 @@ __all__ = [
     "set_gradient_sync",
     "shard_policy",
     "weight_specs",
+    "write_slices",
 ]
 
 
@@ -185,6 +188,41 @@ def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Each parameter and buffer whole, on the host, one at a time (every rank must iterate)."""
     for name, value in model.state_dict().items():
         yield name, full(value.detach()).cpu()
+
+
+@torch.no_grad()
+def write_slices(
+    model: torch.nn.Module, manifest: WeightManifest, view: memoryview, rank: int, world: int
+) -> int:
+    """Write this rank's rows of every tensor straight into a version buffer laid out by
+    ``manifest``: a ``Shard(0)`` parameter's rows ``[start, end)`` are one contiguous byte range
+    of the whole tensor, so the ranks' writes tile the buffer and nothing is gathered. Tensors
+    every rank holds whole (buffers) are written by rank 0. Returns the bytes written."""
+    flat = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else None
+    entries = {e.name: e for e in manifest.tensors}
+    written = 0
+    for name, value in model.state_dict().items():
+        entry = entries[name]
+        if flat is None or entry.nbytes == 0:
+            continue
+        if isinstance(value, DTensor):
+            if tuple(value.placements) != (Shard(0),):
+                raise ValueError(f"{name} is sharded as {value.placements}, not by rows")
+            local = value.to_local().detach()
+            start, end = _rows(value.shape[0], rank, world)
+            if end == start:
+                continue
+            row = entry.nbytes // value.shape[0]
+            src = local.contiguous().cpu().reshape(-1).view(torch.uint8)
+        elif rank == 0:
+            start, row = 0, 0
+            src = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        else:
+            continue
+        at = entry.offset + start * row
+        flat[at : at + src.numel()].copy_(src)
+        written += src.numel()
+    return written
 
 
 def weight_specs(model: torch.nn.Module) -> list[tuple[str, torch.dtype, list[int]]]:

@@ -20,6 +20,7 @@ from laminar.roles.trainer.checkpoint import TrainingState, load_training_state,
 from laminar.roles.trainer.compute import PolicyTrainer
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.dp import DataParallelGroup
+from laminar.transport.shm import SharedBuffer
 from laminar.weights.tensors import copy_into, plan_specs, plan_tensors, tensors_from
 
 from ..support.models import tiny_llama
@@ -67,10 +68,19 @@ def test_sharded_checkpoint_resume_publish_and_memory(tmp_path: Path) -> None:
         sharded, replicated = group.state_bytes(), one.state_bytes()
         for kind in ("params", "grads", "optimizer"):
             assert sharded[kind] <= 0.55 * replicated[kind], (kind, sharded, replicated)
-        # publishing: planned from the specs, copied one gathered tensor at a time
+        # publishing, both ways: each rank writing its own rows into a shared buffer (the
+        # publisher's `fill`), and each tensor gathered whole in turn (ranks on other hosts)
         specs = group.weight_specs()
         manifest = plan_specs(specs, 1)
         assert manifest == plan_tensors(one.named_weights(), 1)
+        assert group.writes_slices
+        segment = SharedBuffer(manifest.total_bytes)
+        try:
+            group.fill(manifest, segment.name, segment.view)
+            by_rows = {k: v.clone() for k, v in tensors_from(manifest, segment.view)}
+        finally:
+            segment.close()
+        close(by_rows, dict(one.named_weights()))
         buffer = np.zeros(manifest.total_bytes, dtype=np.uint8)
         copy_into(group.weights(), manifest, memoryview(buffer))
         staged = {k: v.clone() for k, v in tensors_from(manifest, memoryview(buffer))}

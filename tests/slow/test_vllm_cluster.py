@@ -183,7 +183,10 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         await source.resume.call()
         await until(lambda: _busy(source), timeout=60, interval=0.01)
         await source.drain.call(DrainRequest(reason="repack source"))
-        await asyncio.sleep(0.2)  # some tokens first: the KV state is worth moving
+        # a few tokens first (the KV state is worth moving), but not many: on an idle machine
+        # the tiny model decodes all 480 tokens of each sequence in under a second, and a CI run
+        # once saw every sequence finish before a migrate sent 0.2 s after the drain
+        await asyncio.sleep(0.05)
         report = await source.migrate.call(
             MigrateRequest(
                 destination=ROLLOUTS[1], address=cluster.info[ROLLOUTS[1]]["address"], version=0

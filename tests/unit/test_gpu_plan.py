@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from laminar.errors import ConfigError
 from laminar.proc.gpus import gpu_env, gpus_wanted, parse_nvidia_smi, plan_gpus, visible_gpus
@@ -48,3 +51,31 @@ def test_each_instance_gets_its_own_gpus_in_order() -> None:
         ConfigError, match=r"ask for 5 GPUs \(trainer-0 2, rollout-0 2, rollout-1 1\)"
     ):
         plan_gpus(["0", "1", "2", "3"], [("trainer-0", 2), ("rollout-0", 2), ("rollout-1", 1)])
+
+
+def test_the_supervisor_gives_each_child_its_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from laminar.config import load_config
+    from laminar.devmode.supervisor import Supervisor
+
+    monkeypatch.setenv("LAMINAR_TOKEN", "gpu-plan-test-token-0123456789abcdef")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")  # the GPUs the user lets the run have
+    vllm = {"backend": "vllm", "model": "/m", "extra": {"tensor_parallel_size": 2}}
+    run = {
+        "run_dir": str(tmp_path / "run"),
+        "cpus": "off",
+        "roles": [{"role": "manager"}, {"role": "rollout"}, {"role": "relay"}],
+    }
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"run": run, "rollout": {"engine": vllm}}))
+    sup = Supervisor(load_config(config), [])
+    assert {c.name: c.gpus for c in sup.children} == {
+        "manager-0": [],
+        "rollout-0": ["4", "5"],
+        "relay-0": [],
+    }
+    run["roles"].append({"role": "rollout", "section": "rollout", "count": 1})
+    config.write_text(yaml.safe_dump({"run": run, "rollout": {"engine": vllm}}))
+    with pytest.raises(ConfigError, match="ask for 4 GPUs"):
+        Supervisor(load_config(config), [])
