@@ -16,11 +16,17 @@ What it measures, on a random Qwen2 made here (``--layers``, ``--hidden``; nothi
 - **parity**: the largest absolute weight difference between a 1-rank trainer and the 2-rank
   sharded group after the same ``--parity-steps`` batches (``parity_max_abs_diff``), next to the
   size of the update itself;
-- **publish**: staging the weights for the relays, at this model size and at twice the layers
-  (``publish``): the replicated trainer's copy (``replicate1``), the sharded group gathering each
-  tensor whole in turn into the buffer (``fsdp2_gather``, what ranks on other hosts do) and each
-  sharded rank writing its own rows into the shared buffer (``fsdp2_rows``, ranks on one host):
-  the stall, its cost per MiB, and the largest single tensor.
+- **publish**: the trainer's stall per publish, at this model size and at twice the layers
+  (``publish``). The replicated trainer copying its weights (``replicate1``), each sharded rank
+  writing its own rows into the shared buffer (``fsdp2_rows``, ranks on one host) and each
+  sending its rows to rank 0 on the group's staging group (``fsdp2_send``, ranks on other hosts)
+  all run in the background while the next step trains, so their stall is the start plus that
+  step's wait at the optimizer's fence; each is measured in alternating pairs against the same
+  copy waited for at once (the synchronous stall, ``sync_copy_s``), with the next step's
+  slowdown from sharing the cores with the copy. For reference, ``fsdp2_gather``: gathering each
+  tensor whole in turn, synchronously (how a cross-host publish was staged before).
+  ``publish_stall_growth_2x_layers``: each stall at twice the layers over this size (flat in
+  model size: near 1).
 
 GPU figures (MFU of a ~0.5B model, publish-to-serving time) need a GPU; this script says so and
 runs the CPU part only where torch sees none.
@@ -32,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -140,42 +148,218 @@ def tokens_per_s(group: DataParallelGroup, work: list[PackedBatch]) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def stage(group: DataParallelGroup, rows: bool, buffer: Any) -> dict[str, float]:
-    """One publish's staging, as the trainer does it (TorchCompute._stage), into a reused
-    buffer: ``rows``: every rank writes its own rows into the shared segment (sharded, ranks on
-    one host); else each tensor is copied in as it is gathered (whole, where replicated)."""
-    specs = group.weight_specs()
-    manifest = plan_specs(specs, 1)
+def _seconds(fn: Any) -> tuple[float, Any]:
     start = time.perf_counter()
-    if rows:
-        group.fill(manifest, buffer.name, buffer.view)
-    else:
-        copy_into(group.weights(), manifest, buffer.view)
-    seconds = time.perf_counter() - start
-    largest = max(e.nbytes for e in manifest.tensors)
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def publish_pair(
+    group: DataParallelGroup, buffer: SharedBuffer, step: PackedBatch
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One alternating pair for a group that copies out in the background (TorchCompute._stage):
+    the baseline waits for the copy at once (what a synchronous publish stalls), the subject
+    starts it and trains the next step, and its stall is the start plus that step's wait at the
+    fence (``weights_wait_s``). Each side is followed by one training step, timed, so the cost
+    of the copy running beside a step shows as that step's slowdown."""
+    manifest = plan_specs(group.weight_specs(), 1)
+    segment = buffer.name if group.needs_segment else None
+    copy_s, copying = _seconds(lambda: group.copy_out(manifest, segment, buffer.view))
+    copy_s += _seconds(copying.result)[0]
+    plain_step_s, _ = _seconds(lambda: group.train(step))
+    start_s, copying = _seconds(lambda: group.copy_out(manifest, segment, buffer.view))
+    step_s, result = _seconds(lambda: group.train(step))
+    copying.result()
+    base = {"stall_s": copy_s, "step_s": plain_step_s}
+    overlapped = {
+        "stall_s": start_s + result.weights_wait_s,
+        "start_s": start_s,
+        "wait_s": result.weights_wait_s,
+        "step_s": step_s,
+    }
+    return base, overlapped
+
+
+def gather_stall(group: DataParallelGroup, buffer: SharedBuffer, runs: int) -> float:
+    """The median stall of staging by gathering each tensor whole in turn (synchronous)."""
+    manifest = plan_specs(group.weight_specs(), 1)
+    copy_into(group.weights(), manifest, buffer.view)  # first touch: not timed
+    return statistics.median(
+        _seconds(lambda: copy_into(group.weights(), manifest, buffer.view))[0] for _ in range(runs)
+    )
+
+
+def background_figures(
+    group: DataParallelGroup, buffer: SharedBuffer, step: PackedBatch, runs: int
+) -> dict[str, Any]:
+    publish_pair(group, buffer, step)  # first touch: not timed
+    measured = [publish_pair(group, buffer, step) for _ in range(runs)]
+    base, sub = [b for b, _ in measured], [o for _, o in measured]
     return {
-        "stall_s": seconds,
-        "mib": manifest.total_bytes / MIB,
-        "stall_ms_per_mib": 1e3 * seconds / (manifest.total_bytes / MIB),
-        "largest_tensor_mib": largest / MIB,
+        "stall_s": statistics.median(o["stall_s"] for o in sub),
+        "start_s": statistics.median(o["start_s"] for o in sub),
+        "wait_s_max": max(o["wait_s"] for o in sub),  # the next step's wait at the fence
+        "sync_copy_s": statistics.median(b["stall_s"] for b in base),
+        # the synchronous copy's stall over the background one's (how many times smaller)
+        "sync_copy_over_stall": pairs.summarise(
+            [b["stall_s"] for b in base], [o["stall_s"] for o in sub], higher_is_better=False
+        ),
+        # the step beside the copy over a step alone (the copy's cost in shared cores)
+        "step_slowdown": pairs.summarise([b["step_s"] for b in base], [o["step_s"] for o in sub]),
     }
 
 
 def publish_figures(args: argparse.Namespace, tmp: Path, layers: int) -> dict[str, Any]:
+    """Per publish path at one model size: the stall (median of ``--pairs``), its cost per MiB
+    and the largest tensor; for the background paths the synchronous copy beside it, in pairs."""
     model = make_model(tmp / f"model-{layers}", layers, args.hidden, args.vocab)
+    step = batches(1, args.rows, args.length, args.vocab, seed=4)[0]
     out: dict[str, Any] = {}
-    for sharding, world, rows in (("replicate", 1, False), ("fsdp", 2, False), ("fsdp", 2, True)):
+    for sharding, world, name in (
+        ("replicate", 1, "replicate1"),
+        ("fsdp", 2, "fsdp2_rows"),
+        ("fsdp", 2, "fsdp2_send"),
+        ("fsdp", 2, "fsdp2_gather"),
+    ):
         group = DataParallelGroup(config(model, world, sharding, args.rows, 1), timeout_s=300)
-        buffer = SharedBuffer(plan_specs(group.weight_specs(), 1).total_bytes)
+        group.rows_by_segment = name != "fsdp2_send"  # send: as served ranks on other hosts
+        manifest = plan_specs(group.weight_specs(), 1)
+        buffer = SharedBuffer(manifest.total_bytes)
         try:
-            stage(group, rows, buffer)  # first touch of the buffer's pages: not timed
-            runs = [stage(group, rows, buffer) for _ in range(3)]
+            group.train(step)  # allocator: not timed
+            if name == "fsdp2_gather":  # the old cross-host path: gathered, synchronous
+                figures: dict[str, Any] = {"stall_s": gather_stall(group, buffer, args.pairs)}
+            else:
+                figures = background_figures(group, buffer, step, args.pairs)
         finally:
             group.close()
             buffer.close()
-        name = f"{sharding}{world}" + ("_rows" if rows else "_gather" if world > 1 else "")
-        out[name] = sorted(runs, key=lambda r: r["stall_s"])[1]  # the median of three
+        mib = manifest.total_bytes / MIB
+        figures.update(
+            mib=mib,
+            stall_ms_per_mib=1e3 * figures["stall_s"] / mib,
+            largest_tensor_mib=max(e.nbytes for e in manifest.tensors) / MIB,
+        )
+        out[name] = figures
     return out
+
+
+def training_figures(args: argparse.Namespace, tmp: Path, cores: int) -> dict[str, Any]:
+    """Memory per rank, parity and trained tokens/s (see the module docstring)."""
+    model = make_model(tmp / "model", args.layers, args.hidden, args.vocab)
+    work = batches(args.batches, args.rows, args.length, args.vocab, seed=1)
+    warm = batches(1, args.rows, args.length, args.vocab, seed=2)
+
+    # parity first, from the same starting weights
+    parity_work = batches(args.parity_steps, args.rows, args.length, args.vocab, seed=3)
+    one = DataParallelGroup(config(model, 1, "replicate", args.rows, cores), timeout_s=300)
+    start = {k: v.clone() for k, v in one.weights()}
+    for b in parity_work:
+        one.train(b)
+    single = {k: v.clone() for k, v in one.weights()}
+    one_tps = tokens_per_s(one, work)
+    one_mem = one.state_bytes()
+    one.close()
+
+    sharded_group = DataParallelGroup(config(model, 2, "fsdp", args.rows, 1), timeout_s=300)
+    try:
+        for b in parity_work:
+            sharded_group.train(b)
+        sharded = dict(sharded_group.weights())
+    finally:
+        sharded_group.close()
+    diff = max(float((sharded[k] - single[k]).abs().max()) for k in single)
+    update = max(float((single[k] - start[k]).abs().max()) for k in single)
+
+    # one process holds one default process group: each timed section has its own group
+    mem: dict[str, dict[str, int]] = {}
+    rss: dict[str, float | None] = {}
+
+    def section(sharding: str) -> float:
+        group = DataParallelGroup(config(model, 2, sharding, args.rows, 1), timeout_s=300)
+        try:
+            group.train(warm[0])  # allocator, first touch: not timed
+            rate = tokens_per_s(group, work)
+            mem[f"{sharding}2"] = group.state_bytes()
+            rss[f"{sharding}2"] = peak_rss_mib(group)
+        finally:
+            group.close()
+        return rate
+
+    tps = pairs.alternate(lambda: section("replicate"), lambda: section("fsdp"), pairs=args.pairs)
+
+    def mib(d: dict[str, int]) -> dict[str, float]:
+        return {k: round(v / MIB, 3) for k, v in d.items()}
+
+    def param_optim(d: dict[str, int]) -> int:
+        return d["params"] + d["optimizer"]
+
+    return {
+        "model_params_m": round(one_mem["params"] / 4 / 1e6, 2),
+        "memory_per_rank_mib": {
+            "replicate1": mib(one_mem),
+            "replicate2": mib(mem["replicate2"]),
+            "fsdp2": mib(mem["fsdp2"]),
+        },
+        "rank1_peak_rss_mib": rss,
+        "sharded_mem_over_replicated": param_optim(mem["fsdp2"]) / param_optim(mem["replicate2"]),
+        "tokens_per_s": {
+            "replicate1": one_tps,
+            "replicate2": tps["baseline_median"],
+            "fsdp2": tps["subject_median"],
+        },
+        "sharded_over_replicated_tps": tps,
+        "parity_max_abs_diff": diff,
+        "parity_update_max_abs": update,
+    }
+
+
+def print_training(result: dict[str, Any], cores: int) -> None:
+    rss = result["rank1_peak_rss_mib"]
+    print(f"model: {result['model_params_m']} M parameters, {cores} cores")
+    for name, m in result["memory_per_rank_mib"].items():
+        print(f"  {name:11s} per rank: {m} MiB  rank-1 peak RSS: {rss.get(name, '-')} MiB")
+    print(
+        f"sharded_mem_over_replicated {result['sharded_mem_over_replicated']:.3f} "
+        f"(params + optimizer per rank; goal <= 0.6)"
+    )
+    print("tokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in result["tokens_per_s"].items()))
+    print(
+        pairs.describe(
+            "sharded_over_replicated_tps (2 ranks)", result["sharded_over_replicated_tps"]
+        )
+    )
+    print(
+        f"parity_max_abs_diff {result['parity_max_abs_diff']:.3g} "
+        f"(the update itself: up to {result['parity_update_max_abs']:.3g})"
+    )
+
+
+def print_publish(publish: dict[str, Any]) -> dict[str, float]:
+    """Print the publish figures; returns each path's stall growth at twice the layers."""
+    for size, figures in publish.items():
+        for name, f in figures.items():
+            line = (
+                f"publish {size:10s} {name:12s} stall {f['stall_s'] * 1e3:7.1f} ms "
+                f"for {f['mib']:.1f} MiB (largest tensor {f['largest_tensor_mib']:.1f} MiB)"
+            )
+            if "sync_copy_s" in f:
+                line += (
+                    f" = start {f['start_s'] * 1e3:.1f} ms + fence wait (at most "
+                    f"{f['wait_s_max'] * 1e3:.1f} ms); a synchronous copy "
+                    f"{f['sync_copy_s'] * 1e3:.1f} ms; the step beside the copy "
+                    f"{f['step_slowdown']['ratio_median']:.2f}x as long"
+                )
+            print(line)
+    sizes = list(publish)
+    growth = {
+        name: publish[sizes[1]][name]["stall_s"] / publish[sizes[0]][name]["stall_s"]
+        for name in publish[sizes[0]]
+    }
+    print(
+        "stall growth at twice the layers: " + ", ".join(f"{k} {v:.2f}x" for k, v in growth.items())
+    )
+    return growth
 
 
 def main() -> int:
@@ -189,8 +373,11 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--batches", type=int, default=3, help="global batches per timed section")
     parser.add_argument("--parity-steps", type=int, default=2)
+    parser.add_argument(
+        "--publish-only", action="store_true", help="only the publish figures (a few minutes)"
+    )
     args = parser.parse_args()
-    cores = len(__import__("os").sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0))
     result: dict[str, Any] = {"cores": cores, "torch": torch.__version__, "args": vars(args)}
     if torch.cuda.is_available():
         result["gpu"] = "a GPU is present, but this script measures the CPU trainer only"
@@ -199,100 +386,15 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="laminar-trainer-bench-") as d:
         tmp = Path(d)
-        model = make_model(tmp / "model", args.layers, args.hidden, args.vocab)
-        work = batches(args.batches, args.rows, args.length, args.vocab, seed=1)
-        warm = batches(1, args.rows, args.length, args.vocab, seed=2)
-
-        # parity first, from the same starting weights
-        parity_work = batches(args.parity_steps, args.rows, args.length, args.vocab, seed=3)
-        one = DataParallelGroup(config(model, 1, "replicate", args.rows, cores), timeout_s=300)
-        start = {k: v.clone() for k, v in one.weights()}
-        for b in parity_work:
-            one.train(b)
-        single = {k: v.clone() for k, v in one.weights()}
-        one_tps = tokens_per_s(one, work)
-        one_mem = one.state_bytes()
-        one.close()
-
-        sharded_group = DataParallelGroup(config(model, 2, "fsdp", args.rows, 1), timeout_s=300)
-        try:
-            for b in parity_work:
-                sharded_group.train(b)
-            sharded = dict(sharded_group.weights())
-        finally:
-            sharded_group.close()
-        diff = max(float((sharded[k] - single[k]).abs().max()) for k in single)
-        update = max(float((single[k] - start[k]).abs().max()) for k in single)
-
-        # one process holds one default process group: each timed section has its own group
-        mem: dict[str, dict[str, int]] = {}
-        rss: dict[str, float | None] = {}
-
-        def section(sharding: str) -> float:
-            group = DataParallelGroup(config(model, 2, sharding, args.rows, 1), timeout_s=300)
-            try:
-                group.train(warm[0])  # allocator, first touch: not timed
-                rate = tokens_per_s(group, work)
-                mem[f"{sharding}2"] = group.state_bytes()
-                rss[f"{sharding}2"] = peak_rss_mib(group)
-            finally:
-                group.close()
-            return rate
-
-        tps = pairs.alternate(
-            lambda: section("replicate"), lambda: section("fsdp"), pairs=args.pairs
-        )
-
-        def mib(d: dict[str, int]) -> dict[str, float]:
-            return {k: round(v / MIB, 3) for k, v in d.items()}
-
-        def param_optim(d: dict[str, int]) -> int:
-            return d["params"] + d["optimizer"]
-
+        if not args.publish_only:
+            result.update(training_figures(args, tmp, cores))
+            print_training(result, cores)
         publish = {
             f"{args.layers}_layers": publish_figures(args, tmp, args.layers),
             f"{2 * args.layers}_layers": publish_figures(args, tmp, 2 * args.layers),
         }
-
-    result.update(
-        {
-            "model_params_m": round(one_mem["params"] / 4 / 1e6, 2),
-            "memory_per_rank_mib": {
-                "replicate1": mib(one_mem),
-                "replicate2": mib(mem["replicate2"]),
-                "fsdp2": mib(mem["fsdp2"]),
-            },
-            "rank1_peak_rss_mib": rss,
-            "sharded_mem_over_replicated": param_optim(mem["fsdp2"])
-            / param_optim(mem["replicate2"]),
-            "tokens_per_s": {
-                "replicate1": one_tps,
-                "replicate2": tps["baseline_median"],
-                "fsdp2": tps["subject_median"],
-            },
-            "sharded_over_replicated_tps": tps,
-            "parity_max_abs_diff": diff,
-            "parity_update_max_abs": update,
-            "publish": publish,
-        }
-    )
-    print(f"model: {result['model_params_m']} M parameters, {cores} cores")
-    for name, m in result["memory_per_rank_mib"].items():
-        print(f"  {name:11s} per rank: {m} MiB  rank-1 peak RSS: {rss.get(name, '-')} MiB")
-    print(
-        f"sharded_mem_over_replicated {result['sharded_mem_over_replicated']:.3f} "
-        f"(params + optimizer per rank; goal <= 0.6)"
-    )
-    print("tokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in result["tokens_per_s"].items()))
-    print(pairs.describe("sharded_over_replicated_tps (2 ranks)", tps))
-    print(f"parity_max_abs_diff {diff:.3g} (the update itself: up to {update:.3g})")
-    for size, figures in publish.items():
-        for name, f in figures.items():
-            print(
-                f"publish {size:10s} {name:11s} stall {f['stall_s'] * 1e3:7.1f} ms "
-                f"for {f['mib']:.1f} MiB ({f['stall_ms_per_mib']:.2f} ms/MiB; largest tensor "
-                f"{f['largest_tensor_mib']:.1f} MiB)"
-            )
+    result["publish"] = publish
+    result["publish_stall_growth_2x_layers"] = print_publish(publish)
     print(result["gpu"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,14 @@
-"""The trainer's end of the weight path: stall for one host copy, then let a background task push.
+"""The trainer's end of the weight path: stage a version in a host buffer, then push it.
 
 ``stage`` (called by the training loop, off the event loop) lays the tensors out and copies them
-into a reusable host buffer: that copy is the trainer's whole stall per version, and it does not
-depend on how many relays or rollouts exist, because the trainer only ever talks to the master.
-``hand_off`` makes the staged version the one to send; the push task sends the newest staged
-version to the current master relay and follows the manager's chain, so a master that dies is
-replaced and the new master gets (the rest of) the newest version.
+into a reusable host buffer. The copy is the trainer's stall per version, at most: a ``fill``
+may start it in the background and return a future (the torch trainer copies while its next step
+trains, ``roles/trainer/staging.py``), and the stall is then only the start. Either way it does
+not depend on how many relays or rollouts exist, because the trainer only ever talks to the
+master. ``hand_off`` makes the staged version the one to send once its bytes are in (checksums
+are computed then, off the stall); the push task sends the newest such version to the current
+master relay and follows the manager's chain, so a master that dies is replaced and the new
+master gets (the rest of) the newest version.
 
 Time (the stall, when a version was acked, the pause before a retry) comes from the owner's
 clock and the checksums run in the owner's executor, so the trainer role runs its publisher on
@@ -28,6 +31,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from typing import Annotated, Any
 
 import numpy as np
@@ -103,6 +107,10 @@ class WeightPublisher:
         self._segments: dict[int, SharedBuffer] = {}  # id(array) -> its segment, if shared
         self._pending: VersionBuffer | None = None
         self._wake = asyncio.Event()
+        self._copies: dict[int, Future[Any]] = {}  # version -> its background copy (a fill's)
+        self._unfinished: set[int] = set()  # staged, not yet pending or dropped: keep them
+        self._finishing: list[VersionBuffer] = []  # handed off, their copies under way, in order
+        self._finish_wake = asyncio.Event()
         self.acked = -1  # newest version the master verified
         self.master_newest = -1  # newest version a master refused ours for (VersionConflict)
         self.conflicts = 0  # versions dropped because the master held a newer one
@@ -116,9 +124,11 @@ class WeightPublisher:
     def stage(
         self,
         version: int,
-        named: Iterable[tuple[str, torch.Tensor]],
+        named: Iterable[tuple[str, torch.Tensor]] = (),
         specs: Sequence[tuple[str, torch.dtype, Sequence[int]]] | None = None,
-        fill: Callable[[WeightManifest, str, memoryview], None] | None = None,
+        fill: Callable[[WeightManifest, str | None, memoryview], Future[Any] | None] | None = None,
+        *,
+        shared: bool | None = None,
     ) -> VersionBuffer:
         """Copy the tensors into a host buffer; returns the staged version. This is the stall,
         timed on the clock: from any thread with the real clock, on the loop with a virtual one
@@ -128,20 +138,27 @@ class WeightPublisher:
         and ``named`` is read once, one tensor at a time, so a generator that gathers each tensor
         only when asked (a sharded trainer) never has the whole model out at once.
 
-        ``fill(manifest, segment, view)`` (with ``specs``): the buffer is a shared-memory
-        segment, and ``fill`` writes the tensors into it, by ``view`` or, from other processes on
-        this host, by the segment's name (each rank of a sharded trainer writes its own rows);
-        ``named`` is then not read."""
+        ``fill(manifest, segment, view)`` (with ``specs``; ``named`` is then not read) writes the
+        tensors into the buffer, by ``view`` or, if ``shared`` (the default with a ``fill``), from
+        other processes on this host by the shared-memory segment's name (each rank of a sharded
+        trainer writes its own rows). It may return a future: the copy is under way, and the
+        version goes out once that is done (:meth:`hand_off`)."""
         start = self.clock.time()
         if specs is None:
             named = list(named)
             manifest = plan_tensors(named, version)
         else:
             manifest = plan_specs(specs, version)
-        array = self._buffer(manifest.total_bytes, shared=fill is not None)
+        shared = fill is not None if shared is None else shared
+        array = self._buffer(manifest.total_bytes, shared=shared)
         view = memoryview(array)[: max(manifest.total_bytes, 1)]
+        with self._lock:  # before any byte moves: no release may recycle this buffer now
+            self._in_use[version] = array
+            self._unfinished.add(version)
+        copying = None
         if fill is not None:
-            fill(manifest, self._segments[id(array)].name, view)
+            segment = self._segments[id(array)].name if shared else None
+            copying = fill(manifest, segment, view)
         else:
             copy_into(named, manifest, view)
         bounds = chunk_bounds(
@@ -150,10 +167,16 @@ class WeightPublisher:
             max_chunk_bytes=self.config.max_chunk_mib << 20,
         )
         vb = VersionBuffer(manifest, bounds, shared=False, storage=view)
-        with self._lock:
-            self._in_use[version] = array
+        if copying is not None:
+            self._copies[version] = copying
         self.stalls.append(self.clock.time() - start)
         return vb
+
+    def fenced(self, seconds: float) -> None:
+        """Training waited ``seconds`` for the newest version's background copy: part of its
+        stall."""
+        if self.stalls:
+            self.stalls[-1] += seconds
 
     def _chunk_count(self, total: int) -> int:
         if self.config.chunks is not None:
@@ -188,6 +211,7 @@ class WeightPublisher:
         if self._pending is not None:
             keep.add(self._pending.version)
         with self._lock:
+            keep |= self._unfinished
             for version in [v for v in self._in_use if v not in keep]:
                 array = self._in_use.pop(version)
                 if len(self._free) < 2:
@@ -198,19 +222,58 @@ class WeightPublisher:
     # -- the event loop's side -------------------------------------------------------------------
 
     async def hand_off(self, vb: VersionBuffer) -> None:
-        """Make ``vb`` the version to send next (checksums are computed here, off the stall)."""
-        vb.manifest = await self.executor.run(with_checksums, vb.manifest, vb.view)
+        """Make ``vb`` the version to send next, with its checksums (computed here, off the
+        stall). If its background copy is still under way this returns at once, and :meth:`run`
+        finishes it when the copy is done: the caller goes on training meanwhile."""
+        copying = self._copies.get(vb.version)
+        if copying is not None and not copying.done():
+            self._finishing.append(vb)
+            self._finish_wake.set()
+            return
+        await self._finish(vb)
+
+    async def _finish(self, vb: VersionBuffer, superseded: bool = False) -> None:
+        """Checksum ``vb`` once its copy is done and make it pending; drop it instead if its
+        copy failed or a newer version was handed off meanwhile (its buffer is recycled only
+        now, when nothing writes it any more)."""
+        copying = self._copies.pop(vb.version, None)
+        failed = None
+        try:
+            if copying is not None:
+                await asyncio.wrap_future(copying)
+            if not superseded:
+                vb.manifest = await self.executor.run(with_checksums, vb.manifest, vb.view)
+        except Exception as exc:  # the version is lost, not the publisher: a newer one follows
+            failed = exc
+        with self._lock:
+            self._unfinished.discard(vb.version)
+        if failed is not None or superseded:
+            if failed is not None and self.log is not None:
+                self.log.error("staging a version failed", version=vb.version, error=str(failed))
+            self._release_unused()
+            return
         vb.mark_all()
         self.digests[vb.version] = vb.manifest.digest()
-        self._pending = vb
+        if self._pending is None or vb.version > self._pending.version:
+            self._pending = vb
         self._release_unused()  # a version superseded before it was sent
         self._wake.set()
 
+    async def _finish_loop(self) -> None:
+        while True:
+            await self._finish_wake.wait()
+            self._finish_wake.clear()
+            while self._finishing:
+                vb = self._finishing.pop(0)
+                await self._finish(vb, superseded=bool(self._finishing))
+
     async def run(self) -> None:
-        """Follow the chain and push; runs until cancelled (the owner's task)."""
+        """Follow the chain, finish versions whose copies were under way, and push; runs until
+        cancelled (the owner's task)."""
         async with asyncio.TaskGroup() as group:
             if self.config.master is None:
                 group.create_task(self._follow_chain())
+            group.create_task(self._finish_loop())
             group.create_task(self._push_loop())
 
     def _master(self) -> str | None:

@@ -36,19 +36,24 @@ rollout with it. Ranks must agree, or their replicas diverge: each rank's "my lo
 finite" rides in the gradient all-reduce as one extra element, and the norm is taken of the
 all-reduced gradient, which is the same on every rank; so every rank skips the same steps. The
 other steps of the global batch still apply (see :class:`StepResult`).
+
+Publishing does not stop training: :meth:`PolicyTrainer.copy_out` copies the weights into the
+publisher's buffer on a background thread while the next step's forward and backward run, and
+the optimizer step waits for that copy first (:mod:`.staging`); ``weights_wait_s`` reports the
+wait.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
 
 from laminar.rl import (
     LossStats,
@@ -61,9 +66,11 @@ from laminar.rl import (
     token_logprobs,
 )
 from laminar.trajectory import Trajectory
+from laminar.weights.manifest import WeightManifest
 
 from .checkpoint import load_training_state
 from .config import TrainerConfig
+from .device import Precision, load_policy, resolve_device
 from .sharding import (
     full,
     full_tensors,
@@ -74,21 +81,15 @@ from .sharding import (
     lockstep,
     optimizer_state_by_name,
     optimizer_state_by_position,
+    own_rows,
     read_slices,
     set_gradient_sync,
     weight_specs,
 )
+from .staging import Fence, copy_plan, whole_tensors
 from .step import StepResult
 
-__all__ = [
-    "PolicyTrainer",
-    "Precision",
-    "StepResult",
-    "load_policy",
-    "packed",
-    "prepare",
-    "resolve_device",
-]
+__all__ = ["PolicyTrainer", "StepResult", "packed", "prepare"]
 
 
 def packed(screened: Screened, config: TrainerConfig) -> PackedBatch:
@@ -106,42 +107,6 @@ def prepare(batch: list[Trajectory], config: TrainerConfig) -> tuple[Screened, P
     """Screen a sampled batch and pack what may be trained on (None: nothing may be)."""
     screened = screen_batch(batch, config.exclude_scope)
     return screened, packed(screened, config) if screened.kept else None
-
-
-def resolve_device(device: str, rank: int = 0) -> torch.device:
-    """``auto``: cuda when torch sees a GPU, else cpu; ``cuda``: GPU ``rank`` mod the count."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("trainer.device is cuda but torch sees no GPU (a CPU build of torch?)")
-    return torch.device("cuda", rank % torch.cuda.device_count())
-
-
-def load_policy(
-    path: str, device: torch.device | str = "cpu", *, activation_checkpointing: bool = False
-) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.config.use_cache = False
-    if activation_checkpointing:
-        if not model.supports_gradient_checkpointing:
-            raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.to(device)
-
-
-class Precision:
-    """``model`` called under bf16 autocast (or as it is, for fp32): what ``token_logprobs``
-    calls, so that only the network runs in low precision and the log-softmax stays fp32."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device, precision: str) -> None:
-        self.model, self.device_type = model, device.type
-        self.enabled = precision == "bf16"
-
-    def __call__(self, **inputs: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.enabled):
-            return self.model(**inputs)
 
 
 class PolicyTrainer:
@@ -171,6 +136,9 @@ class PolicyTrainer:
                 eps=o.eps,
                 weight_decay=o.weight_decay,
             )
+        # a publish's background copy; the optimizer step waits for it (:mod:`.staging`)
+        self.fence = Fence(f"weights-copy-r{rank}")
+        self.weights_wait_s = 0.0  # the last update's wait for such a copy
         self.reference: torch.nn.Module | None = None
         if config.loss.kl_coef > 0:
             self.reference = self._load(config.model).eval()
@@ -196,6 +164,25 @@ class PolicyTrainer:
         """The weights as whole host tensors, one at a time (what the publisher stages)."""
         return full_tensors(self.model)
 
+    def copy_out(
+        self, manifest: WeightManifest, view: memoryview, then: Callable[[], object] | None = None
+    ) -> Future[None]:
+        """Copy the weights into ``view`` (laid out by ``manifest``) in the background, then call
+        ``then``; the next optimizer step waits for it (:mod:`.staging`). Sharded, this rank
+        writes only its own rows (every rank calls it with the same buffer); replicated, all of
+        them. Call it between steps, from the thread that trains."""
+        if self.sharded:
+            plan = own_rows(self.model, manifest, self.rank, self.world)
+        else:
+            plan = whole_tensors(self.model, manifest)
+
+        def copy() -> None:
+            copy_plan(plan, view)
+            if then is not None:
+                then()
+
+        return self.fence.start(copy, self.device)
+
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """All the weights at once (checkpoint tests, evaluation helpers)."""
         return list(self.weights())
@@ -211,6 +198,10 @@ class PolicyTrainer:
         model_state = dict(self.weights())
         optim_state = gathered_optimizer_state(self.model, self.optimizer)
         return (model_state, optim_state) if self.rank == 0 else ({}, {})
+
+    def close(self) -> None:
+        """Finish a copy under way and stop its thread."""
+        self.fence.close()
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds of the parameters, their gradients and the optimizer states
@@ -238,11 +229,13 @@ class PolicyTrainer:
         if not self.sharded:
             self.load_state(*load_training_state(path))
             return
+        self.fence.wait()
         read_slices(self.model, path, self.rank, self.world)
         optim = torch.load(Path(path) / "optimizer.pt", weights_only=True, mmap=True)
         load_sharded_optimizer(self.model, self.optimizer, optim)
 
     def load_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
+        self.fence.wait()  # a copy under way reads the weights this replaces
         if self.sharded:
             load_sharded(self.model, self.optimizer, model_state, optim_state)
             return
@@ -318,6 +311,7 @@ class PolicyTrainer:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         stats, norms, taken, skipped = LossStats(), [], 0, 0
+        self.weights_wait_s = 0.0
         for step in steps * cfg.batch.epochs:
             step_mask = batch.loss_mask[list(step)]
             step_tokens = float(step_mask.sum())
@@ -378,6 +372,7 @@ class PolicyTrainer:
             tokens=int(stats.tokens) // cfg.batch.epochs,  # each epoch sees the same tokens
             steps=taken,
             skipped_steps=skipped,
+            weights_wait_s=self.weights_wait_s,
         )
 
     def _all_reduce_grads(self, finite: bool) -> bool:
@@ -408,5 +403,6 @@ class PolicyTrainer:
             return None
         if clip is not None:
             torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        self.weights_wait_s += self.fence.wait()  # a publish's copy must be out first
         self.optimizer.step()
         return float(norm)

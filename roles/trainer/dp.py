@@ -25,21 +25,24 @@ Where the other ranks run (``ranks``):
   rollouts keep generating throughout.
 
 Sharded (``sharding: fsdp``, :mod:`.sharding`), reading the weights is a collective too, so rank
-0 tells the others what comes next in the same header: train on a batch, gather the weights for a
-publish (one tensor at a time, straight into the publisher's buffer), gather the training state
-for a checkpoint, evaluate (every rank generates the same prompts), or stop. Replicated, rank 0
-does the last three alone.
+0 tells the others what comes next in one header (:mod:`.wire`): train on a batch, write your
+rows of a version into a shared-memory buffer (a publish, ranks on one host) or send them to rank
+0 (a publish, ranks on other hosts), gather the weights whole (one tensor at a time), gather the
+training state for a checkpoint, evaluate (every rank generates the same prompts), or stop.
+Replicated, rank 0 does all but training alone. Ranks 1..W-1 run :func:`.worker.serve_rank`.
+
+A publish does not hold training (:mod:`.staging`): its copy runs in the background on every
+rank that takes part, over the group's second (staging) process group where ranks talk, and each
+rank's next optimizer step waits for its own part.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
 import multiprocessing as mp
-import os
-import socket
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import structlog
@@ -47,16 +50,26 @@ import torch
 import torch.distributed as dist
 
 from laminar.rl import PackedBatch
-from laminar.transport.shm import map_writable
 from laminar.weights.manifest import WeightManifest
-from laminar.weights.tensors import plan_specs
 
 from .checkpoint import latest_checkpoint
 from .compute import PolicyTrainer, StepResult
 from .config import TrainerConfig
 from .evaluator import Evaluator
 from .rendezvous import GroupRendezvous, free_port, group_failure
-from .sharding import write_slices
+from .sharding import own_rows, row_spans
+from .staging import copy_plan
+from .wire import (
+    Op,
+    broadcast_batch,
+    broadcast_op,
+    init_group,
+    local_port,
+    ranks_mode,
+    staging_group,
+    threads_for,
+)
+from .worker import serve_rank, write_rows
 
 T = TypeVar("T")
 log = structlog.get_logger("trainer")
@@ -64,128 +77,6 @@ log = structlog.get_logger("trainer")
 #: Failures in a row, each right after the group re-formed, before rank 0 gives up (the trainer
 #: exits and is restarted): a failure that follows every re-form is not a rank that died.
 MAX_REFORMS = 3
-
-_TRAIN, _STOP, _WEIGHTS, _STATE, _EVAL, _SLICES = 1, 2, 3, 4, 5, 6
-_NAME_BYTES = 128  # room for a shared-memory segment's name in a broadcast
-_FIELDS = ("input_ids", "attention_mask", "loss_mask", "behaviour_logprobs", "advantages")
-_DTYPES = (torch.long, torch.long, torch.float32, torch.float32, torch.float32)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def ranks_mode(config: TrainerConfig) -> str:
-    """``trainer.ranks``: where ranks 1..W-1 run (``spawn`` or ``serve``, see the module)."""
-    return str(getattr(config, "ranks", "spawn"))
-
-
-def _threads(config: TrainerConfig) -> int:
-    """``threads_per_rank``, else the threads `laminar run`'s CPU plan gave this process
-    (``LAMINAR_THREADS``), else this process's cores, divided between the ranks it holds (all
-    of them when spawned, itself alone when each rank is its own process)."""
-    if config.threads_per_rank is not None:
-        return config.threads_per_rank
-    planned = os.environ.get("LAMINAR_THREADS")
-    cores = int(planned) if planned else len(os.sched_getaffinity(0))
-    here = 1 if ranks_mode(config) == "serve" else config.data_parallel
-    return max(1, cores // here)
-
-
-def _init(rank: int, world: int, address: str, timeout_s: float) -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":  # each rank its own GPU (resolve_device picks the same one)
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend,
-        init_method=address,
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-
-
-def _device() -> torch.device:
-    """Where this group's collectives run: NCCL takes device tensors only."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _broadcast_op(op: int = 0, *arg: int) -> tuple[int, int, int]:
-    """Rank 0 says what comes next (an op and up to two numbers); every rank returns it."""
-    header = torch.zeros(3, dtype=torch.long, device=_device())
-    if dist.get_rank() == 0:
-        header[: 1 + len(arg)] = torch.tensor([op, *arg])
-    dist.broadcast(header, 0)
-    a, b, c = header.tolist()
-    return a, b, c
-
-
-def _broadcast_batch(batch: PackedBatch | None, shape: tuple[int, int]) -> PackedBatch:
-    """Rank 0 passes ``batch``, the others None; every rank returns rank 0's batch."""
-    tensors = []
-    for name, dtype in zip(_FIELDS, _DTYPES, strict=True):
-        t = (
-            getattr(batch, name).to(_device(), dtype).contiguous()
-            if batch
-            else torch.empty(shape, dtype=dtype, device=_device())
-        )
-        dist.broadcast(t, 0)
-        tensors.append(t)
-    return PackedBatch(*tensors)
-
-
-def _broadcast_name(name: str | None) -> str:
-    """Rank 0 passes a short ASCII name (a shared-memory segment's); every rank returns it."""
-    raw = torch.zeros(_NAME_BYTES, dtype=torch.uint8, device=_device())
-    if name is not None:
-        data = name.encode()
-        raw[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    dist.broadcast(raw, 0)
-    return bytes(raw.cpu().tolist()).rstrip(b"\0").decode()
-
-
-def _write_slices(trainer: PolicyTrainer, total: int, name: str | None, view: Any) -> None:
-    """Every rank: write its own rows into rank 0's staging segment (:meth:`DataParallelGroup.
-    fill`), then wait until all have."""
-    name = _broadcast_name(name)
-    manifest = plan_specs(trainer.weight_specs(), 0)  # the same layout rank 0 planned
-    if manifest.total_bytes != total:
-        mine = manifest.total_bytes
-        raise RuntimeError(f"rank {trainer.rank} plans {mine} bytes for a version, rank 0 {total}")
-    if view is None:
-        view = map_writable(name)
-    write_slices(trainer.model, manifest, view, trainer.rank, trainer.world)
-    dist.barrier()
-
-
-def _worker(
-    rank: int, config_json: str, address: str, state_path: str | None, timeout_s: float
-) -> None:
-    config = TrainerConfig.model_validate_json(config_json)
-    torch.set_num_threads(_threads(config))
-    _init(rank, config.data_parallel, address, timeout_s)
-    trainer = PolicyTrainer(config, rank, config.data_parallel)
-    if state_path is not None:
-        trainer.load_checkpoint(state_path)
-    evaluator = Evaluator(config.eval, config.model) if config.eval is not None else None
-    while (header := _broadcast_op())[0] != _STOP:
-        op, a, b = header
-        if op == _TRAIN:
-            trainer.train(_broadcast_batch(None, (a, b)))
-        elif op == _WEIGHTS:  # rank 0 keeps them; this rank only takes part in each gather
-            for _ in trainer.weights():
-                pass
-        elif op == _STATE:
-            trainer.training_state()
-        elif op == _SLICES:
-            _write_slices(trainer, a, None, None)
-        elif op == _EVAL and evaluator is not None:
-            evaluator(trainer.model, a, synced=True)
-    dist.destroy_process_group()
 
 
 class DataParallelGroup:
@@ -206,6 +97,9 @@ class DataParallelGroup:
         self.procs: list[mp.process.BaseProcess] = []
         self.timeout_s = timeout_s
         self.served = self.world > 1 and ranks_mode(config) == "serve"
+        # sharded publishes: ranks on one host write into a shared segment; served ranks may be
+        # on other hosts, and send their rows to rank 0 instead (:meth:`copy_out`)
+        self.rows_by_segment = not self.served
         self.rendezvous = rendezvous
         self.generation = 0  # served: the group's generation (the manager's number)
         self.reforms = 0  # served: how often the group was re-formed after a failure
@@ -214,7 +108,7 @@ class DataParallelGroup:
         self._base = state_path
         self._checkpointed = False  # a checkpoint was gathered since: the newest on disk
         self._replay: list[PackedBatch] = []
-        torch.set_num_threads(_threads(config))
+        torch.set_num_threads(threads_for(config))
         if self.served:
             if rendezvous is None:
                 raise ValueError(
@@ -223,18 +117,18 @@ class DataParallelGroup:
                 )
             self._form(state_path)
         elif self.world > 1:
-            address = f"tcp://127.0.0.1:{_free_port()}"
+            address = f"tcp://127.0.0.1:{local_port()}"
             ctx = mp.get_context("spawn")
             for rank in range(1, self.world):
                 proc = ctx.Process(
-                    target=_worker,
+                    target=serve_rank,
                     args=(rank, config.model_dump_json(), address, state_path, timeout_s),
                     daemon=True,
                     name=f"trainer-rank{rank}",
                 )
                 proc.start()
                 self.procs.append(proc)
-            _init(0, self.world, address, timeout_s)
+            init_group(0, self.world, address, timeout_s)
         self.trainer = PolicyTrainer(config, 0, self.world)
         if state_path is not None:
             self.trainer.load_checkpoint(state_path)
@@ -242,12 +136,12 @@ class DataParallelGroup:
     def _tell(self, op: int, *arg: int) -> None:
         """Sharded: have the other ranks join rank 0's next collective read (see the module)."""
         if self.trainer.sharded:
-            _broadcast_op(op, *arg)
+            broadcast_op(op, *arg)
 
     def _train(self, batch: PackedBatch) -> StepResult:
         if self.world > 1:
-            _broadcast_op(_TRAIN, *batch.input_ids.shape)
-            _broadcast_batch(batch, tuple(batch.input_ids.shape))
+            broadcast_op(Op.TRAIN, *batch.input_ids.shape)
+            broadcast_batch(batch, tuple(batch.input_ids.shape))
         return self.trainer.train(batch)
 
     def train(self, batch: PackedBatch) -> StepResult:
@@ -265,25 +159,52 @@ class DataParallelGroup:
         return self.trainer.weight_specs()
 
     @property
-    def writes_slices(self) -> bool:
-        """Whether a publish can be staged by every rank writing its own rows into one
-        shared-memory buffer (:meth:`fill`): sharded, with every rank on this host."""
-        return self.trainer.sharded and not self.served
+    def needs_segment(self) -> bool:
+        """Whether :meth:`copy_out` needs a shared-memory buffer: sharded, with every rank on
+        this host, each writes its own rows into it by name."""
+        return self.trainer.sharded and self.rows_by_segment
 
-    def fill(self, manifest: WeightManifest, segment: str, view: memoryview) -> None:
-        """Stage the weights into ``segment`` (``view`` is rank 0's mapping of it): each rank
-        writes its own rows of every tensor, nothing is gathered, and rank 0 never holds a
-        whole tensor (:func:`.sharding.write_slices`). Only where :attr:`writes_slices`."""
-        if not self.writes_slices:
-            raise RuntimeError("fill needs a sharded group whose ranks share this host")
-        self._tell(_SLICES, manifest.total_bytes)
-        _write_slices(self.trainer, manifest.total_bytes, segment, view)
+    def copy_out(
+        self, manifest: WeightManifest, segment: str | None, view: memoryview
+    ) -> Future[None]:
+        """Start copying the weights into ``view`` (laid out by ``manifest``); the future is
+        done when all of it is in, and training goes on meanwhile: each rank's next optimizer
+        step waits for its own part (:mod:`.staging`). Replicated, rank 0 copies its weights.
+        Sharded, nothing is gathered: with every rank on this host each writes its own rows
+        into shared-memory ``segment`` (:attr:`needs_segment`); with ranks on other hosts each
+        sends its rows to rank 0 on the staging group, received straight into ``view``."""
+        trainer = self.trainer
+        if not trainer.sharded:
+            return trainer.copy_out(manifest, view)
+        if self.rows_by_segment:
+            if segment is None:
+                raise ValueError("ranks on one host write through a shared-memory segment")
+            self._tell(Op.SLICES, manifest.total_bytes)
+            return write_rows(trainer, manifest.total_bytes, segment, view)
+        return self._recovering(lambda: self._receive_rows(manifest, view))
+
+    def _receive_rows(self, manifest: WeightManifest, view: memoryview) -> Future[None]:
+        self._tell(Op.ROWS, manifest.total_bytes)
+        trainer, group = self.trainer, staging_group()
+        mine = own_rows(trainer.model, manifest, 0, self.world)
+        spans = [
+            (r, row_spans(trainer.model, manifest, r, self.world)) for r in range(1, self.world)
+        ]
+
+        def receive() -> None:
+            copy_plan(mine, view)
+            flat = torch.frombuffer(view, dtype=torch.uint8)
+            for rank, rows in spans:
+                for offset, size in rows:
+                    dist.recv(flat[offset : offset + size], rank, group=group)
+
+        return trainer.fence.start(receive, trainer.device)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights whole, one tensor at a time (sharded: one gather each, on every rank)."""
         if self.served:
             return self._served_weights()
-        self._tell(_WEIGHTS)
+        self._tell(Op.WEIGHTS)
         return self.trainer.weights()
 
     def _served_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -294,7 +215,7 @@ class DataParallelGroup:
             try:
                 if failures:
                     self._reform()
-                self._tell(_WEIGHTS)
+                self._tell(Op.WEIGHTS)
                 for i, item in enumerate(self.trainer.weights()):
                     if i >= done:
                         yield item
@@ -305,7 +226,7 @@ class DataParallelGroup:
 
     def training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         def gather() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-            self._tell(_STATE)
+            self._tell(Op.STATE)
             return self.trainer.training_state()
 
         state = self._recovering(gather)
@@ -316,15 +237,17 @@ class DataParallelGroup:
 
     def evaluate(self, evaluator: Evaluator, version: int) -> Any:
         def run() -> Any:
-            self._tell(_EVAL, version)
+            self._tell(Op.EVAL, version)
             return evaluator(self.trainer.model, version, synced=self.trainer.sharded)
 
         return self._recovering(run)
 
     def close(self) -> None:
+        if self.trainer is not None:  # None: a re-form that failed half-way
+            self.trainer.close()  # copies under way finish first: the other ranks' too
         if self.world > 1 and dist.is_initialized():
             try:
-                _broadcast_op(_STOP)
+                broadcast_op(Op.STOP)
                 dist.destroy_process_group()
             except Exception:
                 pass
@@ -376,7 +299,7 @@ class DataParallelGroup:
             )
             log.info("trainer group offered", generation=self.generation, address=address)
             try:
-                _init(0, self.world, address, self.timeout_s)
+                init_group(0, self.world, address, self.timeout_s)
             except Exception as exc:
                 if not group_failure(exc):
                     raise
@@ -392,6 +315,8 @@ class DataParallelGroup:
 
     def _reform(self) -> None:
         """A new generation from the last checkpoint, with the batches since replayed."""
+        with contextlib.suppress(Exception):  # a copy on the broken group fails: wait for that
+            self.trainer.close()
         _destroy()
         self.trainer = None  # type: ignore[assignment]  # the old group's model: free it first
         gc.collect()

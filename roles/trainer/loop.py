@@ -19,9 +19,11 @@ version:
    every version still maps to one batch (round schedules wait for ``version == round``);
 5. **checkpoint** every ``checkpoint_every`` versions and at ``max_versions``, before the version
    can go out: a version that reached a rollout is recoverable;
-6. **publish** through :class:`WeightPublisher` (the stall is one host copy) if the schedule lets
-   it out now (:func:`laminar.schedules.may_publish`: ``one_step`` holds version ``v`` until
-   batch ``v`` has been sampled, the global barrier every rollout switches at), else hold it;
+6. **publish** through :class:`WeightPublisher` (the stall is one host copy at most: the torch
+   trainer's runs during the next step, whose optimizer waits for it, ``weights_wait_s``, which
+   counts to the publish's stall; ``roles/trainer/staging.py``) if the schedule lets it out now
+   (:func:`laminar.schedules.may_publish`: ``one_step`` holds version ``v`` until batch ``v``
+   has been sampled, the global barrier every rollout switches at), else hold it;
 7. **record** one metrics line (``metrics_file``, TensorBoard/W&B through
    :class:`TrainerTracking`) and keep it for ``status``; **evaluate** when ``eval_every_s`` has
    passed and the compute measures anything.
@@ -101,7 +103,14 @@ class TrainLoop:
             "laminar_trainer_version", "Newest trained version", registry=registry
         )
         self.m_stall = Histogram(
-            "laminar_publish_stall_seconds", "Trainer stall per publish", registry=registry
+            "laminar_publish_stall_seconds",
+            "Trainer stall per publish, until the copy is started or done",
+            registry=registry,
+        )
+        self.m_fence = Histogram(
+            "laminar_publish_fence_wait_seconds",
+            "Optimizer steps' wait for a publish's background copy (the rest of its stall)",
+            registry=registry,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -171,6 +180,9 @@ class TrainLoop:
         else:  # nothing trainable: the batch is consumed, the weights stay
             result = StepResult(stats={}, grad_norm=None, tokens=0)
         train_s, train_end = clock.time() - started, clock.wall()
+        if result.weights_wait_s and self.publisher is not None:  # the last publish's copy
+            self.publisher.fenced(result.weights_wait_s)
+            self.m_fence.observe(result.weights_wait_s)
         self.integrity.stepped(result, version)
         first = p.cursor + 1
         p.version, p.cursor = version, got.cursor
@@ -201,6 +213,7 @@ class TrainLoop:
             "staleness_counts": {str(k): staleness.count(k) for k in sorted(set(staleness))},
             "gen_versions": sorted({t.version for t in batch}),
             "grad_norm": result.grad_norm,
+            "weights_wait_s": result.weights_wait_s,
             "publish_stall_s": None,  # set when it goes out
             **result.stats,
         }

@@ -4,10 +4,11 @@ With ``trainer.ranks: serve`` the trainer service is rank 0 and each of ranks 1.
 ``laminar serve --role trainer_rank`` process (:mod:`.dp`). A rank knows nothing in advance but
 the manager: it takes a seat in the newest generation of the group the trainer offered
 (:mod:`laminar.rendezvous`: the group's address, the world size, its rank, the trainer's config
-and the checkpoint to load), joins it and follows rank 0's ops (the same ``_worker`` a spawned
-rank runs) until rank 0 stops the group or a collective fails: rank 0 died, or another rank did
-and rank 0 re-forms the group. Then it asks for a seat in a newer generation, and so on: a rank
-outlives any number of trainer restarts, and a restarted rank joins whatever generation is next.
+and the checkpoint to load), joins it and follows rank 0's ops (the same
+:func:`.worker.serve_rank` a spawned rank runs) until rank 0 stops the group or a collective
+fails: rank 0 died, or another rank did and rank 0 re-forms the group. Then it asks for a seat
+in a newer generation, and so on: a rank outlives any number of trainer restarts, and a
+restarted rank joins whatever generation is next.
 
 Ranks are numbered in the order they take their seats (rank 0 is the trainer); nothing in a rank's
 command line or config says which it is, so every host runs the same command. Each rank process
@@ -37,7 +38,7 @@ from laminar.peers import PEER_ERRORS, Outage
 from laminar.rendezvous import MAX_SEAT_WAIT_S, RendezvousApi, Seat, SeatRequest
 from laminar.service import Service, ServiceContext
 
-from .dp import _worker
+from .worker import serve_rank
 
 
 class TrainerRankConfig(ServiceConfig):
@@ -157,7 +158,7 @@ async def _in_thread(seat: Seat, name: str) -> BaseException | None:
     def body() -> None:
         result: BaseException | None = None
         try:
-            _worker(seat.rank, seat.config, seat.address, seat.state_path, seat.timeout_s)
+            serve_rank(seat.rank, seat.config, seat.address, seat.state_path, seat.timeout_s)
         except BaseException as exc:  # reported to the loop, which decides
             result = exc
         finally:

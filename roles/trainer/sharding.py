@@ -45,6 +45,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from laminar.weights.manifest import WeightManifest
 
+from .device import for_training
+
 __all__ = [
     "full",
     "full_tensors",
@@ -55,11 +57,12 @@ __all__ = [
     "lockstep",
     "optimizer_state_by_name",
     "optimizer_state_by_position",
+    "own_rows",
     "read_slices",
+    "row_spans",
     "set_gradient_sync",
     "shard_policy",
     "weight_specs",
-    "write_slices",
 ]
 
 
@@ -96,11 +99,7 @@ def load_sharded_policy(
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.config.use_cache = False
-    if activation_checkpointing:
-        if not model.supports_gradient_checkpointing:
-            raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for_training(model, activation_checkpointing)
     shard_policy(model)
     model.to_empty(device=device)
     with torch.no_grad():
@@ -190,39 +189,47 @@ def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, full(value.detach()).cpu()
 
 
-@torch.no_grad()
-def write_slices(
-    model: torch.nn.Module, manifest: WeightManifest, view: memoryview, rank: int, world: int
-) -> int:
-    """Write this rank's rows of every tensor straight into a version buffer laid out by
-    ``manifest``: a ``Shard(0)`` parameter's rows ``[start, end)`` are one contiguous byte range
-    of the whole tensor, so the ranks' writes tile the buffer and nothing is gathered. Tensors
-    every rank holds whole (buffers) are written by rank 0. Returns the bytes written."""
-    flat = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else None
+def _spans(
+    model: torch.nn.Module, manifest: WeightManifest, rank: int, world: int
+) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """(tensor, byte offset, bytes) of ``rank``'s part of each tensor in a version buffer laid
+    out by ``manifest``: a ``Shard(0)`` parameter's rows ``[start, end)`` are one contiguous
+    byte range of the whole tensor, so the ranks' parts tile the buffer. Tensors every rank
+    holds whole (buffers) are rank 0's. ``model`` may be any rank's: only shapes are read."""
     entries = {e.name: e for e in manifest.tensors}
-    written = 0
     for name, value in model.state_dict().items():
         entry = entries[name]
-        if flat is None or entry.nbytes == 0:
+        if entry.nbytes == 0:
             continue
         if isinstance(value, DTensor):
             if tuple(value.placements) != (Shard(0),):
                 raise ValueError(f"{name} is sharded as {value.placements}, not by rows")
-            local = value.to_local().detach()
             start, end = _rows(value.shape[0], rank, world)
-            if end == start:
-                continue
             row = entry.nbytes // value.shape[0]
-            src = local.contiguous().cpu().reshape(-1).view(torch.uint8)
+            if end > start:
+                yield value, entry.offset + start * row, (end - start) * row
         elif rank == 0:
-            start, row = 0, 0
-            src = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-        else:
-            continue
-        at = entry.offset + start * row
-        flat[at : at + src.numel()].copy_(src)
-        written += src.numel()
-    return written
+            yield value, entry.offset, entry.nbytes
+
+
+def own_rows(
+    model: torch.nn.Module, manifest: WeightManifest, rank: int, world: int
+) -> list[tuple[int, torch.Tensor]]:
+    """This rank's rows of every tensor at their byte offsets (a :data:`.staging.CopyPlan`):
+    written by every rank, they make the whole version with nothing gathered. References only:
+    the bytes move when the plan is copied."""
+    return [
+        (offset, (value.to_local() if isinstance(value, DTensor) else value).detach())
+        for value, offset, _ in _spans(model, manifest, rank, world)
+    ]
+
+
+def row_spans(
+    model: torch.nn.Module, manifest: WeightManifest, rank: int, world: int
+) -> list[tuple[int, int]]:
+    """Where ``rank``'s rows go (byte offset, bytes), in the order that rank's :func:`own_rows`
+    lists them: what rank 0 receives from a rank on another host."""
+    return [(offset, size) for _, offset, size in _spans(model, manifest, rank, world)]
 
 
 def weight_specs(model: torch.nn.Module) -> list[tuple[str, torch.dtype, list[int]]]:

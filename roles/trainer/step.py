@@ -25,13 +25,16 @@ if TYPE_CHECKING:
 @dataclass
 class StepResult:
     """A global batch's update. ``grad_norm`` is the mean over the steps that applied (None when
-    none did); ``skipped_steps`` of ``steps`` optimizer steps were skipped as non-finite."""
+    none did); ``skipped_steps`` of ``steps`` optimizer steps were skipped as non-finite;
+    ``weights_wait_s``: how long its optimizer steps waited for a publish's background copy
+    (part of that publish's stall, ``roles/trainer/staging.py``)."""
 
     stats: dict[str, float]
     grad_norm: float | None
     tokens: int
     steps: int = 0
     skipped_steps: int = 0
+    weights_wait_s: float = 0.0
 
 
 @dataclass
@@ -74,7 +77,8 @@ class Compute(Protocol):
         ...
 
     async def stage(self, publisher: WeightPublisher, version: int) -> VersionBuffer:
-        """Copy the current weights into ``publisher``'s host buffer as ``version`` (the stall)."""
+        """Stage the current weights in ``publisher``'s host buffer as ``version`` (the stall);
+        the copy may still be under way when this returns (the buffer's ``ready``)."""
         ...
 
     async def evaluate(self, version: int) -> dict[str, Any] | None:

@@ -120,15 +120,16 @@ class TorchCompute:
         return await self._run(self._stage, publisher, version)  # type: ignore[no-any-return]
 
     def _stage(self, publisher: WeightPublisher, version: int) -> VersionBuffer:
-        """Sharded with every rank on this host: each rank writes its own rows into the
-        publisher's (shared-memory) buffer, nothing gathered. Else each tensor whole in turn,
-        straight into the buffer: sharded, no rank ever holds more than one whole tensor
-        beyond its shards (:mod:`.sharding`)."""
+        """The copy runs in the background while the next step trains, nothing gathered
+        (:meth:`DataParallelGroup.copy_out`)."""
         group = self.group
         assert group is not None
-        if group.writes_slices:  # every rank writes its own rows into a shared buffer
-            return publisher.stage(version, (), specs=group.weight_specs(), fill=group.fill)
-        return publisher.stage(version, group.weights(), specs=group.weight_specs())
+        return publisher.stage(
+            version,
+            specs=group.weight_specs(),
+            fill=group.copy_out,
+            shared=group.needs_segment,
+        )
 
     async def evaluate(self, version: int) -> dict[str, Any] | None:
         if self.config.eval is None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from laminar.rl import grpo_advantages, pack
-from laminar.roles.trainer.compute import load_policy
 from laminar.roles.trainer.config import TrainerConfig
+from laminar.roles.trainer.device import load_policy
 from laminar.roles.trainer.dp import DataParallelGroup
 from laminar.trajectory import Trajectory
 

@@ -2,8 +2,9 @@
 
 The update itself is checked against one rank in ``test_trainer_dp.py``; here a 2-rank sharded
 group's checkpoint must hold exactly what a replicated trainer's would (weights and AdamW moments),
-resume at another world size and sharding, stage its weights for the relays one gathered tensor
-at a time, and keep about half of the replicated trainer's state per rank.
+resume at another world size and sharding, stage its weights for the relays while the next step
+trains (rows written into a shared buffer, or sent to rank 0), and keep about half of the
+replicated trainer's state per rank.
 """
 
 from __future__ import annotations
@@ -68,27 +69,42 @@ def test_sharded_checkpoint_resume_publish_and_memory(tmp_path: Path) -> None:
         sharded, replicated = group.state_bytes(), one.state_bytes()
         for kind in ("params", "grads", "optimizer"):
             assert sharded[kind] <= 0.55 * replicated[kind], (kind, sharded, replicated)
-        # publishing, both ways: each rank writing its own rows into a shared buffer (the
-        # publisher's `fill`), and each tensor gathered whole in turn (ranks on other hosts)
+        # publishing, nothing gathered, while the next step trains: each rank writing its own
+        # rows into a shared buffer (ranks on one host), or sending them to rank 0 over the
+        # group's staging group (ranks on other hosts); either version holds the weights it
+        # was staged with, not the next step's
         specs = group.weight_specs()
         manifest = plan_specs(specs, 1)
         assert manifest == plan_tensors(one.named_weights(), 1)
-        assert group.writes_slices
+        assert group.needs_segment
         segment = SharedBuffer(manifest.total_bytes)
         try:
-            group.fill(manifest, segment.name, segment.view)
+            copying = group.copy_out(manifest, segment.name, segment.view)
+            result = group.train(packed(1))
+            copying.result(timeout=60)
+            assert result.weights_wait_s >= 0.0
             by_rows = {k: v.clone() for k, v in tensors_from(manifest, segment.view)}
         finally:
             segment.close()
         close(by_rows, dict(one.named_weights()))
+        one.train(packed(1))
+        group.rows_by_segment = False  # as served ranks on other hosts do
+        assert not group.needs_segment
         buffer = np.zeros(manifest.total_bytes, dtype=np.uint8)
+        copying = group.copy_out(manifest, None, memoryview(buffer))
+        group.train(packed(2))
+        copying.result(timeout=60)
+        sent = {k: v.clone() for k, v in tensors_from(manifest, memoryview(buffer))}
+        close(sent, dict(one.named_weights()))
+        one.train(packed(2))
+        # and gathered whole, one tensor at a time (what tests and evaluation read)
         copy_into(group.weights(), manifest, memoryview(buffer))
         staged = {k: v.clone() for k, v in tensors_from(manifest, memoryview(buffer))}
         close(staged, dict(one.named_weights()))
         # a checkpoint: the whole weights and the name-keyed optimizer state, on rank 0
         model_state, optim_state = group.training_state()
         path = save_checkpoint(
-            tmp_path / "ckpt", TrainingState(1, 16), group.trainer.model, optim_state, model,
+            tmp_path / "ckpt", TrainingState(3, 48), group.trainer.model, optim_state, model,
             keep=2, saved_at=0.0, model_state=model_state,
         )  # fmt: skip
     finally:
@@ -100,13 +116,13 @@ def test_sharded_checkpoint_resume_publish_and_memory(tmp_path: Path) -> None:
     for name, state in mine.items():
         close({"m": moments["state"][name]["exp_avg"]}, {"m": state["exp_avg"]})
     # resume the sharded checkpoint sharded and replicated: both take the same next step
-    one.train(packed(1))
+    one.train(packed(3))
     resumed = DataParallelGroup(config(model, 2, "fsdp"), state_path=str(path), timeout_s=60)
     try:
-        resumed.train(packed(1))
+        resumed.train(packed(3))
         close(dict(resumed.weights()), dict(one.named_weights()))
     finally:
         resumed.close()
     single = DataParallelGroup(config(model, 1, "replicate"), state_path=str(path))
-    single.train(packed(1))
+    single.train(packed(3))
     close(dict(single.weights()), dict(one.named_weights()))

@@ -24,7 +24,11 @@ def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     return [("a", torch.randn(7, 5, generator=g)), ("b", torch.randn(3, generator=g).half())]
 
 
-def test_a_filled_version_holds_what_the_writers_wrote_in_a_reused_segment() -> None:
+def _live(names: set[str]) -> list[str]:
+    return [name for name in names if os.path.exists(os.path.join(SHM_DIR, name))]
+
+
+async def test_a_filled_version_holds_what_the_writers_wrote_in_a_reused_segment() -> None:
     publisher = WeightPublisher(
         PublishConfig(master="tcp://127.0.0.1:1"), TransportOptions(token=b"x" * 32)
     )
@@ -51,14 +55,17 @@ def test_a_filled_version_holds_what_the_writers_wrote_in_a_reused_segment() -> 
         for name, tensor in weights(version):
             assert torch.equal(staged[name], tensor), (version, name)
         versions[version] = vb
+        await publisher.hand_off(vb)  # checksummed: pending (a version staged and not yet
+        # handed off is never recycled)
         publisher.acked = version  # the master has it: older ones may be recycled
         publisher._release_unused()
     # two buffers kept for reuse, the rest unlinked: no segment piles up in /dev/shm
     assert len(set(seen)) <= 3, seen
-    live = [name for name in set(seen) if os.path.exists(os.path.join(SHM_DIR, name))]
+    live = _live(set(seen))
     assert len(live) <= 3 and set(live) <= set(seen)
     # a plain (not shared) stage never takes a shared buffer, and the other way round
     plain = publisher.stage(5, weights(5))
+    await publisher.hand_off(plain)
     assert id(plain.view.obj) not in publisher._segments
     for segment in list(publisher._segments.values()):
         segment.close()

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from laminar.rl import grpo_advantages, pack
-from laminar.roles.trainer.compute import PolicyTrainer, resolve_device
+from laminar.roles.trainer.compute import PolicyTrainer
 from laminar.roles.trainer.config import TrainerConfig
+from laminar.roles.trainer.device import resolve_device
 from laminar.trajectory import Trajectory
 
 from ..support.models import tiny_llama, tiny_qwen2

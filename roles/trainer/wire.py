@@ -1,0 +1,130 @@
+"""What crosses between the ranks of a trainer group: one op header, then the op's tensors.
+
+Rank 0 drives; ranks 1..W-1 follow (:mod:`.worker`). Everything goes over
+``torch.distributed`` (gloo on CPU, NCCL where CUDA is), the same library that reduces the
+gradients, so no pickle crosses a process boundary and a rank that dies fails its peers' next
+collective the same way whatever they were doing.
+
+Each group has a second, gloo-only process group, :func:`staging_group`: a publish's background
+copy (:mod:`.staging`) ends with a barrier on it while the training thread goes on with the next
+step's collectives on the main group. Two groups, because two threads may not interleave
+collectives on one: each rank would issue them in its own order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from laminar.rl import PackedBatch
+
+from .config import TrainerConfig
+
+NAME_BYTES = 128  # room for a shared-memory segment's name in a broadcast
+_FIELDS = ("input_ids", "attention_mask", "loss_mask", "behaviour_logprobs", "advantages")
+_DTYPES = (torch.long, torch.long, torch.float32, torch.float32, torch.float32)
+
+
+class Op(enum.IntEnum):
+    """What rank 0 asks of the group next (the header's first number)."""
+
+    TRAIN = 1  # then the batch: (rows, width)
+    STOP = 2
+    WEIGHTS = 3  # gather the weights whole, one tensor at a time (a publish across hosts)
+    STATE = 4  # gather the training state (a checkpoint)
+    EVAL = 5  # (version): every rank generates the same prompts
+    SLICES = 6  # (total bytes), then a segment's name: write your rows into it (a publish)
+    ROWS = 7  # (total bytes): send your rows to rank 0 on the staging group (a publish)
+
+
+_staging: dist.ProcessGroup | None = None
+
+
+def ranks_mode(config: TrainerConfig) -> str:
+    """``trainer.ranks``: where ranks 1..W-1 run (``spawn`` or ``serve``, :mod:`.dp`)."""
+    return str(getattr(config, "ranks", "spawn"))
+
+
+def threads_for(config: TrainerConfig) -> int:
+    """``threads_per_rank``, else the threads `laminar run`'s CPU plan gave this process
+    (``LAMINAR_THREADS``), else this process's cores, divided between the ranks it holds (all
+    of them when spawned, itself alone when each rank is its own process)."""
+    if config.threads_per_rank is not None:
+        return config.threads_per_rank
+    planned = os.environ.get("LAMINAR_THREADS")
+    cores = int(planned) if planned else len(os.sched_getaffinity(0))
+    here = 1 if ranks_mode(config) == "serve" else config.data_parallel
+    return max(1, cores // here)
+
+
+def local_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_group(rank: int, world: int, address: str, timeout_s: float) -> None:
+    """Join the group at ``address`` as ``rank`` (every rank calls this), and its staging group."""
+    global _staging
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # each rank its own GPU (resolve_device picks the same one)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend, init_method=address, rank=rank, world_size=world, timeout=timeout
+    )
+    _staging = dist.new_group(backend="gloo", timeout=timeout)
+
+
+def staging_group() -> dist.ProcessGroup:
+    """The group's second process group, for background copies (see the module)."""
+    if _staging is None or not dist.is_initialized():
+        raise RuntimeError("no trainer group: init_group first")
+    return _staging
+
+
+def _device() -> torch.device:
+    """Where this group's collectives run: NCCL takes device tensors only."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_op(op: int = 0, *arg: int) -> tuple[int, int, int]:
+    """Rank 0 says what comes next (an :class:`Op` and up to two numbers); every rank returns
+    it."""
+    header = torch.zeros(3, dtype=torch.long, device=_device())
+    if dist.get_rank() == 0:
+        header[: 1 + len(arg)] = torch.tensor([op, *arg])
+    dist.broadcast(header, 0)
+    a, b, c = header.tolist()
+    return a, b, c
+
+
+def broadcast_batch(batch: PackedBatch | None, shape: tuple[int, int]) -> PackedBatch:
+    """Rank 0 passes ``batch``, the others None; every rank returns rank 0's batch."""
+    tensors = []
+    for name, dtype in zip(_FIELDS, _DTYPES, strict=True):
+        t = (
+            getattr(batch, name).to(_device(), dtype).contiguous()
+            if batch
+            else torch.empty(shape, dtype=dtype, device=_device())
+        )
+        dist.broadcast(t, 0)
+        tensors.append(t)
+    return PackedBatch(*tensors)
+
+
+def broadcast_name(name: str | None) -> str:
+    """Rank 0 passes a short ASCII name (a shared-memory segment's); every rank returns it."""
+    raw = torch.zeros(NAME_BYTES, dtype=torch.uint8, device=_device())
+    if name is not None:
+        data = name.encode()
+        raw[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    dist.broadcast(raw, 0)
+    return bytes(raw.cpu().tolist()).rstrip(b"\0").decode()
