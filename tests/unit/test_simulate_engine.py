@@ -146,3 +146,26 @@ def test_a_sequence_bigger_than_the_cache_is_a_clear_error() -> None:
     engine = SimEngine(toy(1_000))
     with pytest.raises(ValueError, match="KV cache"):
         engine.add(sequences([10], prompt=5_000), at=0.0)
+
+
+@pytest.mark.parametrize("system", ["areal", "laminar"])
+def test_continuous_systems_train_every_trajectory_once(system: str) -> None:
+    """Small batches on a few 7B rollouts: every update takes whole, distinct trajectories; the
+    trainer's order is completion order; Laminar's staleness stays bounded and its repack moves
+    trajectories; AReaL recomputes what each publish aborted."""
+    from laminar.simulate.continuous import run_continuous
+    from laminar.simulate.costs import TrainCost
+    from laminar.simulate.workload import Lengths, Placement
+
+    place = Placement(total=8, train=4, rollout=4, tp=1)
+    roofline = Roofline(QWEN25_7B)
+    out = run_continuous(
+        system, roofline, place, TrainCost(QWEN25_7B, 4), Lengths("7B"), iterations=6, seed=3,
+        max_in_flight=64, batch=128,
+    )  # fmt: skip
+    assert len(out.updates) == 6 and out.updates == sorted(out.updates)
+    assert len(out.trained) == 6 * 128 and len(set(out.trained)) == len(out.trained)
+    if system == "laminar":
+        assert max(out.staleness) <= 6 and min(out.staleness) >= 0
+    else:
+        assert out.recompute_tokens > 0

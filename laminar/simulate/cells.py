@@ -1,0 +1,60 @@
+"""One cell of the sweep: a system, a model, a GPU count -> tokens/s (the paper's metric).
+
+Tokens/s = (prompt + response tokens of a global batch) / the gap between consecutive actor
+updates, averaged over ``measured`` updates after ``warmup`` (the paper: 5 after 10; fewer here by
+default, the steady state comes within a few).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .batches import run_batches
+from .continuous import run_continuous
+from .costs import Roofline, TrainCost
+from .workload import Lengths, model_shape, placement
+
+
+@dataclass
+class Cell:
+    system: str
+    model: str
+    gpus: int
+    tokens_per_s: float
+    iteration_s: float
+    train_gpus: int
+    rollout_gpus: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_cell(
+    system: str, model: str, gpus: int, *, seed: int = 0, warmup: int = 2, measured: int = 4
+) -> Cell:
+    start = time.perf_counter()
+    shape = model_shape(model)
+    place = placement(system, model, gpus)
+    roofline = Roofline(shape, place.tp)
+    train = TrainCost(shape, place.train)
+    lengths = Lengths(model)
+    total = warmup + measured + 1
+    extra: dict[str, Any] = {}
+    if system in ("areal", "laminar"):
+        out = run_continuous(system, roofline, place, train, lengths, total, seed)
+        updates, tokens = out.updates, out.tokens
+        extra = {
+            "recompute_tokens": out.recompute_tokens,
+            "migrated": out.migrated,
+            "staleness_max": max(out.staleness, default=0),
+        }
+    else:
+        updates, tokens = run_batches(system, roofline, place, train, lengths, total, seed)
+    gaps = [b - a for a, b in zip(updates[warmup:], updates[warmup + 1 :], strict=False)]
+    measured_tokens = tokens[warmup + 1 :]
+    iteration = sum(gaps) / len(gaps)
+    extra["wall_s"] = time.perf_counter() - start
+    return Cell(
+        system, model, gpus, sum(measured_tokens) / sum(gaps), iteration, place.train,
+        place.rollout, extra,
+    )  # fmt: skip
