@@ -80,6 +80,7 @@ class SimEngine:
         self._prompt = np.zeros(0, dtype=np.int64)
         self._target = np.zeros(0, dtype=np.int64)
         self._generated = np.zeros(0, dtype=np.int64)
+        self._ctx = 0  # tokens of KV the running batch holds: sum(prompt + generated)
 
     # -- what the caller sees ------------------------------------------------------------------
 
@@ -94,9 +95,7 @@ class SimEngine:
     @property
     def kv_used(self) -> float:
         """Fraction of the KV cache the running batch holds."""
-        return (
-            float((self._prompt + self._generated).sum()) / self.capacity if self.capacity else 0.0
-        )
+        return self._ctx / self.capacity if self.capacity else 0.0
 
     def add(self, sequences: list[Sequence], at: float) -> None:
         """Queue ``sequences`` (FIFO) at time ``at``; they start as room allows."""
@@ -123,6 +122,7 @@ class SimEngine:
         out.extend(self.waiting)
         self.waiting.clear()
         self._set(np.zeros(0, dtype=np.int64), *(np.zeros(0, dtype=np.int64),) * 3)
+        self._ctx = 0
         return out
 
     def next_finish(self) -> float:
@@ -148,6 +148,7 @@ class SimEngine:
             if finished.any():
                 for i, g in zip(self._ids[finished], self._generated[finished], strict=True):
                     done.append((int(i), self.now, int(g)))
+                self._ctx -= int((self._prompt[finished] + self._generated[finished]).sum())
                 keep = ~finished
                 self._set(*(a[keep] for a in self._arrays()))
             elif full:
@@ -166,7 +167,7 @@ class SimEngine:
         self._ids, self._prompt, self._target, self._generated = ids, prompt, target, gen
 
     def _context(self) -> int:
-        return int((self._prompt + self._generated).sum())
+        return self._ctx
 
     def _steps_to_event(self) -> tuple[int, bool]:
         """Steps to the next finish, or to a full KV cache if that comes first (then True)."""
@@ -197,6 +198,7 @@ class SimEngine:
         if steps <= 0:
             return
         self._generated = self._generated + steps
+        self._ctx += steps * self.running
         self.stats.decode_tokens += steps * self.running
         self.stats.busy_s += seconds
         self.now += seconds
@@ -209,6 +211,7 @@ class SimEngine:
             int(self._generated[last]),
         )  # fmt: skip
         self._set(*(a[:last] for a in self._arrays()))
+        self._ctx -= seq.context
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
 
@@ -235,6 +238,7 @@ class SimEngine:
         self.stats.prefill_tokens += prefill
         self.stats.recompute_tokens += recompute
         seconds = self.roofline.prefill(prefill)
+        self._ctx = used
         self.stats.busy_s += seconds
         self.now += seconds
         self._set(
