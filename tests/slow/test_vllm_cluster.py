@@ -181,10 +181,14 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         cluster.serve("data", "data", config=config)
         await source.resume.call()
         await until(lambda: _busy(source), timeout=60, interval=0.01)
-        # at once: on an idle machine the tiny model decodes all 480 tokens of each sequence in
-        # under a second, and two CI runs saw every sequence finish before a migrate sent after
-        # a drain and a pause (0.2 s, then 0.05 s). Not draining first is fine: every prompt is
-        # leased already, so the source has nothing more to take.
+        # Not by a pause: on an idle machine the tiny model decodes all 480 tokens of each
+        # sequence in under a second; two CI runs saw every sequence finish before a migrate
+        # sent after a drain and a pause (0.2 s, then 0.05 s), and one saw none prefilled yet
+        # (a migrate at once). Migrate once the data role has the first streamed tokens of the
+        # sequences (flushed every 0.1 s), so they hold KV state and are far from done. Not
+        # draining first is fine: every prompt is leased already, nothing more to take.
+        data = clients.proxy(DataApi, "data")
+        await until(lambda: _decoding(data), timeout=60, interval=0.01)
         report = await source.migrate.call(
             MigrateRequest(
                 destination=ROLLOUTS[1], address=cluster.info[ROLLOUTS[1]]["address"], version=0
@@ -194,7 +198,6 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         assert report.moved, report
         assert report.mode == "kv" and report.kv_tokens > 0 and report.kv_bytes > 0, report
 
-        data = clients.proxy(DataApi, "data")
         status = await until(lambda: _finished(data), timeout=180, interval=0.2)
         assert status.trajectories == PROMPTS * SAMPLES
         done = (await data.sample.call(SampleRequest(n=PROMPTS * SAMPLES))).items
@@ -209,6 +212,12 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
     for t in moved:
         assert t.rollout == ROLLOUTS[1] and t.version == 0
         assert t.response_token_ids == greedy(fleet.model, t.prompt_token_ids), t.trajectory_id
+
+
+async def _decoding(data: DataApi) -> bool:
+    """Every sequence has streamed a few tokens on average, and none has finished."""
+    status = await data.status.call()
+    return status.partial_tokens >= 4 * PROMPTS * SAMPLES and status.trajectories == 0
 
 
 async def _busy(rollout: RolloutApi) -> bool:
