@@ -169,3 +169,18 @@ def test_continuous_systems_train_every_trajectory_once(system: str) -> None:
         assert max(out.staleness) <= 6 and min(out.staleness) >= 0
     else:
         assert out.recompute_tokens > 0
+
+
+@pytest.mark.parametrize("system", ["verl", "one_step", "stream", "rollpacker", "areal", "laminar"])
+def test_every_system_runs_a_paper_cell(system: str) -> None:
+    """7B on 16 GPUs (Table 2's placement), the paper's batch: updates come in order, and no
+    system trains faster than its trainer's GPUs allow (the cost model's ceiling)."""
+    from laminar.simulate.cells import run_cell
+    from laminar.simulate.costs import TrainCost
+    from laminar.simulate.workload import placement
+
+    cell = run_cell(system, "7B", 16, warmup=1, measured=2)
+    train = TrainCost(QWEN25_7B, placement(system, "7B", 16).train)
+    ceiling = 1 / (train.update(1e9) - train.base_s) * 1e9  # tokens/s with no fixed cost
+    assert 0 < cell.tokens_per_s <= ceiling, (cell, ceiling)
+    assert cell.iteration_s > 0
