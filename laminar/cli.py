@@ -165,6 +165,28 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .simulate.cells import run_cell
+    from .simulate.sweep import describe, plot, sweep
+
+    if args.simulate_command == "cell":
+        cell = run_cell(args.system, args.model, args.gpus, seed=args.seed)
+        print(json.dumps(cell.__dict__, indent=2))
+        return 0
+    models = tuple(args.models.split(","))
+    systems = tuple(args.systems.split(","))
+    result = sweep(models, systems, seed=args.seed, measured=args.measured)
+    for line in describe(result):
+        print(line)
+    print(f"{result['wall_s']:.0f} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        print(plot(result, args.plot))
+    return 0
+
+
 def _token(args: argparse.Namespace, cluster: object) -> bytes:
     token = os.environ.get(cluster.token_env, "").encode()  # type: ignore[attr-defined]
     info_file = Path(args.run_dir) / "cluster.json"
@@ -358,6 +380,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--trainer-metrics", help="the trainer's JSONL (default: RUN_DIR/trainer.jsonl)"
     )
     plot.set_defaults(fn=cmd_plot)
+
+    simulate = sub.add_parser(
+        "simulate", help="the paper's scale on cost models, one process (laminar/simulate)"
+    )
+    simulate_sub = simulate.add_subparsers(dest="simulate_command", required=True)
+    sweep = simulate_sub.add_parser("sweep", help="every system at every scale (Fig. 11)")
+    sweep.add_argument("--json", help="write the figures here")
+    sweep.add_argument("--plot", help="draw the Fig. 11-style figure here (PNG)")
+    sweep.add_argument("--models", default="7B,32B,72B")
+    sweep.add_argument("--systems", default="verl,one_step,stream,areal,rollpacker,laminar")
+    sweep.add_argument("--measured", type=int, default=4, help="updates averaged per cell")
+    sweep.add_argument("--seed", type=int, default=0)
+    cell = simulate_sub.add_parser("cell", help="one system, model and GPU count")
+    cell.add_argument("--system", required=True)
+    cell.add_argument("--model", required=True, help="7B, 32B or 72B")
+    cell.add_argument("--gpus", type=int, required=True, help="a Table 2 scale")
+    cell.add_argument("--seed", type=int, default=0)
+    simulate.set_defaults(fn=cmd_simulate)
 
     def connection(p: argparse.ArgumentParser, *, inherit: bool = False) -> None:
         # On a nested sub-command the copies default to SUPPRESS, so they do not overwrite what
