@@ -132,6 +132,13 @@ class Fence:
             newest.result()
         return clock.time() - start
 
+    def abandon(self) -> None:
+        """End the thread after what it is doing, without waiting: the group broke, and a copy
+        blocked in one of its collectives ends when that collective fails."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
     def close(self) -> None:
         """Wait for the copies under way, then end the thread."""
         self.wait()

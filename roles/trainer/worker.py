@@ -84,20 +84,24 @@ def serve_rank(
     if state_path is not None:
         trainer.load_checkpoint(state_path)
     evaluator = Evaluator(config.eval, config.model) if config.eval is not None else None
-    while (header := broadcast_op())[0] != Op.STOP:
-        op, a, b = header
-        if op == Op.TRAIN:
-            trainer.train(broadcast_batch(None, (a, b)))
-        elif op == Op.WEIGHTS:  # rank 0 keeps them; this rank only takes part in each gather
-            for _ in trainer.weights():
-                pass
-        elif op == Op.STATE:
-            trainer.training_state()
-        elif op == Op.SLICES:
-            write_rows(trainer, a, None, None)
-        elif op == Op.ROWS:
-            send_rows(trainer, a)
-        elif op == Op.EVAL and evaluator is not None:
-            evaluator(trainer.model, a, synced=True)
+    try:
+        while (header := broadcast_op())[0] != Op.STOP:
+            op, a, b = header
+            if op == Op.TRAIN:
+                trainer.train(broadcast_batch(None, (a, b)))
+            elif op == Op.WEIGHTS:  # rank 0 keeps them; this rank takes part in each gather
+                for _ in trainer.weights():
+                    pass
+            elif op == Op.STATE:
+                trainer.training_state()
+            elif op == Op.SLICES:
+                write_rows(trainer, a, None, None)
+            elif op == Op.ROWS:
+                send_rows(trainer, a)
+            elif op == Op.EVAL and evaluator is not None:
+                evaluator(trainer.model, a, synced=True)
+    except BaseException:
+        trainer.fence.abandon()  # a served rank goes on to the next generation: no stray thread
+        raise
     trainer.close()  # rank 0 waited for its copies before STOP: so did every barrier
     dist.destroy_process_group()

@@ -177,3 +177,17 @@ async def test_a_version_under_copy_goes_out_when_its_copy_is_done() -> None:
         runner.cancel()
         with pytest.raises(asyncio.CancelledError):
             await runner
+
+
+def test_an_abandoned_fence_ends_its_thread_after_the_copy_under_way() -> None:
+    fence, gate = Fence("abandoned-copy"), threading.Event()
+    copying = fence.start(gate.wait, torch.device("cpu"))
+    fence.abandon()  # returns at once, the copy still blocked
+    assert not copying.done()
+    gate.set()
+    copying.result(timeout=10)
+    for _ in range(100):
+        if not any(t.name == "abandoned-copy" for t in threading.enumerate()):
+            break
+        threading.Event().wait(0.01)
+    assert not any(t.name == "abandoned-copy" for t in threading.enumerate())
