@@ -13,8 +13,11 @@ from typing import Any
 
 from .batches import run_batches
 from .continuous import run_continuous
-from .costs import Roofline, TrainCost
+from .costs import EAGER_STEP_S, Roofline, TrainCost
 from .workload import Lengths, model_shape, placement
+
+#: Systems built on verl, whose rollouts run vLLM eagerly (``laminar.simulate.costs``).
+EAGER_SYSTEMS = ("verl", "one_step", "stream", "rollpacker")
 
 
 @dataclass
@@ -35,7 +38,8 @@ def run_cell(
     start = time.perf_counter()
     shape = model_shape(model)
     place = placement(system, model, gpus)
-    roofline = Roofline(shape, place.tp)
+    eager = EAGER_STEP_S if system in EAGER_SYSTEMS else 0.0
+    roofline = Roofline(shape, place.tp, eager_step_s=eager)
     train = TrainCost(shape, place.train)
     lengths = Lengths(model)
     total = warmup + measured + 1

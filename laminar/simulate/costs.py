@@ -11,12 +11,19 @@ stated efficiencies it reproduces the paper's measured 7B table (Fig. 4: 7 / 12.
 batch 1 / 64 / 128 / 256, context 4096) within 10% (``tests/unit/test_simulate_costs.py``), and
 the same formula with the 32B and 72B shapes gives their step times.
 
+**Eager decoding** (an assumption, fitted): the verl-based systems (verl, one-step, stream,
+RollPacker) run vLLM as verl configures it by default, ``enforce_eager: True`` (no CUDA graphs,
+so the cache engine can be freed between rollouts). A step then costs at least the host's time to
+launch its kernels, :data:`EAGER_STEP_S`. The figure is fitted to the paper's verl plateau (7B:
+about 0.48e5 tokens/s from 64 GPUs on, iterations of ~550 s, which a 16K-token straggler at
+about 30 ms per step explains; 32B and 72B plateau alike) and is not measured here.
+
 **Prefill** (and re-prefill after an abort or a migration without KV) is compute-bound:
 ``2 N`` FLOPs per token at ``prefill_mfu``.
 
 **Training** is ``8 N`` FLOPs per token (forward + backward + the forward that recomputes the old
-policy's logprobs; GRPO, no reference model) at ``train_mfu`` of the trainer's GPUs, plus a fixed
-cost per update (:class:`laminar.engines.costmodel.TrainCostModel`'s reasoning).
+policy's logprobs; GRPO, no reference model) at 35% MFU of the trainer's GPUs, plus a fixed
+cost per update (:class:`TrainCost`).
 
 **Weights** move over the relay chain in the paper's pipelined-chunk model (Appendix D):
 ``T(p, k) = (p + k - 2) (M / k T_byte + T_start)`` at the optimal ``k``; a baseline's global
@@ -36,6 +43,10 @@ H800_MEMORY = 80 * 2**30
 NVLINK_BPS = 400e9  # bytes/s within a machine (paper §6.1)
 NIC_BPS = 8 * 400e9 / 8  # 8 x 400 Gbps per machine, in bytes/s (paper §6.1)
 GPUS_PER_MACHINE = 8
+
+
+#: The floor of an eager (no CUDA graph) decode step: see the module docstring.
+EAGER_STEP_S = 0.03
 
 
 @dataclass(frozen=True)
@@ -71,7 +82,9 @@ class Roofline:
 
     ``hbm_efficiency`` and ``decode_mfu``: the fractions of peak bandwidth and FLOP/s a decode
     step reaches; ``step_overhead_s``: per-step fixed cost (scheduler, sampling, kernel launches);
-    ``allreduce_s``: per-layer TP all-reduce latency (NVLink), paid twice per layer when tp > 1.
+    ``allreduce_s``: per-layer TP all-reduce latency (NVLink), paid twice per layer when tp > 1;
+    ``eager_step_s``: without CUDA graphs (vLLM's ``enforce_eager``) a step cannot be shorter
+    than the host's time to launch its kernels (0: CUDA graphs).
     The defaults make the 7B shape match Fig. 4 (see the module docstring)."""
 
     model: ModelShape
@@ -82,6 +95,7 @@ class Roofline:
     step_overhead_s: float = 0.0004
     allreduce_s: float = 8e-6
     memory_fraction: float = 0.9  # of each GPU's memory that vLLM may use
+    eager_step_s: float = 0.0
 
     def decode_step(self, batch: int, context_tokens: float) -> float:
         """Seconds of one decode step of ``batch`` sequences holding ``context_tokens`` tokens of
@@ -94,7 +108,7 @@ class Roofline:
         ) / bandwidth
         compute = 2 * self.model.params * batch / (self.tp * H800_FLOPS * self.decode_mfu)
         comm = 2 * self.model.layers * self.allreduce_s if self.tp > 1 else 0.0
-        return max(memory, compute) + comm + self.step_overhead_s
+        return max(memory, compute, self.eager_step_s) + comm + self.step_overhead_s
 
     def prefill(self, tokens: float) -> float:
         """Seconds to prefill ``tokens`` tokens (compute-bound)."""

@@ -8,7 +8,8 @@ DAPO-Math-17k are short (we take 256 tokens), responses up to 16K tokens.
 * 7B: bimodal, peaks near 0.5-1K and 7-8K, tail to 16K (:class:`laminar.engines.lengths.
   PaperLength`, 25% in the long mode);
 * 32B: one peak near 2-3K, tail to ~15K (lognormal, median 2.5K, sigma 0.6);
-* 72B: one peak near 1K, little beyond ~4K (lognormal, median 1K, sigma 0.45).
+* 72B: one peak near 1K, little beyond ~4K (lognormal, median 1K, sigma 0.6: 1% beyond 4K, and
+  the longest of a batch of 8192 near 10K).
 
 Lengths are drawn per prompt and per response: a prompt's difficulty sets a common factor of its
 16 responses (``prompt_share`` of the log-variance; in the 7B mixture, the mode is the prompt's),
@@ -113,7 +114,7 @@ class Lengths:
         elif self.model == "32B":
             median, sigma = np.full((n, 1), 2500.0), np.full((n, 1), 0.6)
         else:
-            median, sigma = np.full((n, 1), 1000.0), np.full((n, 1), 0.45)
+            median, sigma = np.full((n, 1), 1000.0), np.full((n, 1), 0.6)
         out = np.rint(median * np.exp(sigma * z)).astype(np.int64)
         return np.clip(out, 1, MAX_RESPONSE)
 
