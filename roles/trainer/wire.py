@@ -75,10 +75,30 @@ def init_group(rank: int, world: int, address: str, timeout_s: float) -> None:
     if backend == "nccl":  # each rank its own GPU (resolve_device picks the same one)
         torch.cuda.set_device(rank % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=timeout_s)
+    _reset_group_names()
     dist.init_process_group(
         backend, init_method=address, rank=rank, world_size=world, timeout=timeout
     )
-    _staging = dist.new_group(backend="gloo", timeout=timeout)
+    # Named from its ranks, not from the process's count of groups made so far: a rank 0 that
+    # has re-formed its group (or failed to form one) has counted differently from a fresh rank,
+    # and groups named from those counts never meet (a hang until the timeout).
+    _staging = dist.new_group(
+        list(range(world)), backend="gloo", timeout=timeout, use_local_synchronization=True
+    )
+
+
+def _reset_group_names() -> None:
+    """Number this process's groups from 0 again, as a fresh process does.
+
+    torch names an unnamed group after a per-process counter and keys the group's rendezvous by
+    that name. ``destroy_process_group`` resets the counter, but a rendezvous that failed (its
+    port taken between offer and listen: EADDRINUSE) has already counted one, so rank 0's next
+    group got name 1 while a fresh rank's got 0, and the two never met (a hang until the
+    timeout; ``tests/unit/test_trainer_wire.py``). torch has no public reset."""
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        distributed_c10d._world.group_count = 0
 
 
 def staging_group() -> dist.ProcessGroup:

@@ -188,12 +188,14 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         # in well under a second; CI runs saw every sequence finish before a migrate sent after
         # a drain and a pause (0.2 s, then 0.05 s), one saw none prefilled yet (a migrate at
         # once), and one saw all 8 finish before the first streamed tokens were seen. So the
-        # source holds 8 of 32 sequences at a time and refills as they finish: migrate once
-        # streamed tokens show decoding under way and at most half the sequences are done, so
-        # the ones in flight hold KV state and more follow them. Not draining: the source goes
-        # on with the rest, the destination gets the moved ones.
+        # source holds 8 of 32 sequences at a time and refills as they finish, which staggers
+        # them: once streamed tokens show decoding under way and at most half the sequences are
+        # done, drain it (a repack source takes no prompts; with one still taking them a CI run
+        # recorded a moved trajectory as finished by the source) and migrate at once: the
+        # youngest of its 8 hold KV state and are far from done. Then it takes the rest again.
         data = clients.proxy(DataApi, "data")
         await until(lambda: _decoding(data), timeout=60, interval=0.01)
+        await source.drain.call(DrainRequest(reason="repack source"))
         report = await source.migrate.call(
             MigrateRequest(
                 destination=ROLLOUTS[1], address=cluster.info[ROLLOUTS[1]]["address"], version=0
@@ -202,6 +204,7 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         assert report.error == "" and not report.returned, report
         assert report.moved, report
         assert report.mode == "kv" and report.kv_tokens > 0 and report.kv_bytes > 0, report
+        await source.resume.call()
 
         status = await until(lambda: _finished(data), timeout=180, interval=0.2)
         assert status.trajectories == PROMPTS * SAMPLES
