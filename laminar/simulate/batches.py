@@ -25,9 +25,11 @@ from collections import deque
 
 import numpy as np
 
-from .costs import NVLINK_BPS, Roofline, TrainCost, ring_broadcast
+from laminar.engines.costmodel import TrainCostModel
+
+from .costs import NVLINK_BPS, Roofline, ring_broadcast
 from .engine import Sequence, SimEngine
-from .workload import MINI_BATCHES, PROMPT_TOKENS, PROMPTS, SAMPLES, Lengths, Placement
+from .workload import MINI_BATCHES, PROMPT_TOKENS, PROMPTS, SAMPLES, Lengths, Setup
 
 #: Colocated systems switch their GPUs between rollout and training twice per iteration
 #: (offload / onload of weights and optimizer states, reshard): a fixed cost plus the weights
@@ -68,23 +70,23 @@ def tokens_of(sequences: list[Sequence]) -> int:
     return sum(s.prompt + s.target for s in sequences)
 
 
+def switch_s(roofline: Roofline) -> float:
+    """One switch of colocated GPUs between rollout and training (see SWITCH_BASE_S)."""
+    return SWITCH_BASE_S + roofline.model.weight_bytes / NVLINK_BPS
+
+
 def run_batches(
-    system: str,
-    roofline: Roofline,
-    place: Placement,
-    train: TrainCost,
-    lengths: Lengths,
-    iterations: int,
-    seed: int,
+    system: str, setup: Setup, iterations: int, seed: int
 ) -> tuple[list[float], list[int]]:
     """Actor-update completion times and each update's tokens, for ``iterations`` updates."""
-    engines = [SimEngine(roofline) for _ in range(place.engines)]
-    batches = Batches(lengths, seed)
+    if system not in ("verl", "one_step", "stream", "rollpacker"):
+        raise ValueError(f"not a batch-synchronous system: {system}")
+    roofline, train = setup.roofline, setup.train
+    engines = [SimEngine(roofline) for _ in range(setup.place.engines)]
+    batches = Batches(setup.lengths, seed)
     if system == "rollpacker":
-        return _rollpacker(engines, roofline, place, train, batches, iterations)
-    weights = roofline.model.weight_bytes
-    switch = SWITCH_BASE_S + weights / NVLINK_BPS
-    sync = ring_broadcast(weights, place.rollout)
+        return _rollpacker(engines, switch_s(roofline), train, batches, iterations)
+    sync = ring_broadcast(roofline.model.weight_bytes, setup.place.rollout)
     updates: list[float] = []
     tokens: list[int] = []
     gen_start, trained = 0.0, 0.0
@@ -94,26 +96,18 @@ def run_batches(
         gen_end = max(done.values())
         size = tokens_of(seqs)
         if system == "verl":
-            trained = gen_end + switch + train.update(size) + switch
+            trained = gen_end + 2 * switch_s(roofline) + train.train_time(size)
             gen_start = trained
-        elif system == "one_step":
-            trained = max(gen_end, trained) + train.update(size)
-            # the next batch needs the previous version: step i-1's weights, broadcast
+        else:  # staleness 1: the next batch needs the version before this one, broadcast
+            if system == "one_step":
+                trained = max(gen_end, trained) + train.train_time(size)
+            else:  # stream: each mini-batch once enough of the batch is done
+                ends = sorted(done.values())
+                per = len(ends) // MINI_BATCHES
+                step = train.train_time(size) / MINI_BATCHES  # linear: its share of the base
+                for j in range(MINI_BATCHES):
+                    trained = max(trained, ends[(j + 1) * per - 1]) + step
             gen_start = max(gen_end, (updates[-1] if updates else 0.0) + sync)
-        elif system == "stream":
-            ends = sorted(done.values())
-            per = len(ends) // MINI_BATCHES
-            t = trained
-            for j in range(MINI_BATCHES):
-                t = (
-                    max(t, ends[(j + 1) * per - 1])
-                    + train.update(size / MINI_BATCHES)
-                    - (train.base_s * (MINI_BATCHES - 1) / MINI_BATCHES)
-                )
-            trained = t
-            gen_start = max(gen_end, (updates[-1] if updates else 0.0) + sync)
-        else:
-            raise ValueError(f"not a batch-synchronous system: {system}")
         updates.append(trained)
         tokens.append(size)
     return updates, tokens
@@ -121,14 +115,12 @@ def run_batches(
 
 def _rollpacker(
     engines: list[SimEngine],
-    roofline: Roofline,
-    place: Placement,
-    train: TrainCost,
+    switch: float,
+    train: TrainCostModel,
     batches: Batches,
     iterations: int,
 ) -> tuple[list[float], list[int]]:
     """Tail batching (see the module docstring), colocated like verl."""
-    switch = SWITCH_BASE_S + roofline.model.weight_bytes / NVLINK_BPS
     eta = 1.25
     launched_prompts, per_prompt = round(PROMPTS * eta), round(SAMPLES * eta)
     queue: deque[list[Sequence]] = deque()
@@ -160,7 +152,7 @@ def _rollpacker(
             # the engines ran every sequence to its end above; the round really ends at `end`
             # (the rest aborted), so only the time up to `end` is charged
         size = tokens_of(kept)
-        now = end + switch + train.update(size) + switch
+        now = end + 2 * switch + train.train_time(size)
         updates.append(now)
         tokens.append(size)
     return updates, tokens

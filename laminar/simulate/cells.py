@@ -13,8 +13,8 @@ from typing import Any
 
 from .batches import run_batches
 from .continuous import run_continuous
-from .costs import EAGER_STEP_S, Roofline, TrainCost
-from .workload import Lengths, model_shape, placement
+from .costs import EAGER_STEP_S, Roofline, train_cost
+from .workload import Lengths, Setup, model_shape, placement
 
 #: Systems built on verl, whose rollouts run vLLM eagerly (``laminar.simulate.costs``).
 EAGER_SYSTEMS = ("verl", "one_step", "stream", "rollpacker")
@@ -40,12 +40,11 @@ def run_cell(
     place = placement(system, model, gpus)
     eager = EAGER_STEP_S if system in EAGER_SYSTEMS else 0.0
     roofline = Roofline(shape, place.tp, eager_step_s=eager)
-    train = TrainCost(shape, place.train)
-    lengths = Lengths(model)
+    setup = Setup(roofline, place, train_cost(shape, place.train), Lengths(model))
     total = warmup + measured + 1
     extra: dict[str, Any] = {}
     if system in ("areal", "laminar"):
-        out = run_continuous(system, roofline, place, train, lengths, total, seed)
+        out = run_continuous(system, setup, total, seed)
         updates, tokens = out.updates, out.tokens
         extra = {
             "recompute_tokens": out.recompute_tokens,
@@ -53,7 +52,7 @@ def run_cell(
             "staleness_max": max(out.staleness, default=0),
         }
     else:
-        updates, tokens = run_batches(system, roofline, place, train, lengths, total, seed)
+        updates, tokens = run_batches(system, setup, total, seed)
     gaps = [b - a for a, b in zip(updates[warmup:], updates[warmup + 1 :], strict=False)]
     measured_tokens = tokens[warmup + 1 :]
     iteration = sum(gaps) / len(gaps)

@@ -30,16 +30,9 @@ from dataclasses import dataclass, field
 from laminar.repack.planner import RepackPolicy, RolloutLoad, plan_repack
 
 from .batches import Batches
-from .costs import (
-    GPUS_PER_MACHINE,
-    Roofline,
-    TrainCost,
-    chain_broadcast,
-    kv_transfer,
-    ring_broadcast,
-)
+from .costs import GPUS_PER_MACHINE, Roofline, chain_broadcast, kv_transfer, ring_broadcast
 from .engine import SimEngine
-from .workload import BATCH, SAMPLES, Lengths, Placement
+from .workload import BATCH, SAMPLES, Setup
 
 #: A rollout loading a version from its relay's host memory: PCIe Gen5 x16 per GPU, effective.
 PCIE_BPS = 40e9
@@ -70,10 +63,7 @@ class Outcome:
 
 def run_continuous(
     system: str,
-    roofline: Roofline,
-    place: Placement,
-    train: TrainCost,
-    lengths: Lengths,
+    setup: Setup,
     iterations: int,
     seed: int,
     max_in_flight: int = 1024,
@@ -84,12 +74,13 @@ def run_continuous(
     """Run ``system`` (``areal`` or ``laminar``) until ``iterations`` actor updates."""
     if system not in ("areal", "laminar"):
         raise ValueError(f"not a continuous system: {system}")
+    roofline, place, train = setup.roofline, setup.place, setup.train
     policy = repack or RepackPolicy(batch_limit=roofline.roofline_batch())
     max_ahead = 2 * batch if max_ahead is None else max_ahead
     rollouts = [
         Rollout(SimEngine(roofline, max_running=max_in_flight)) for _ in range(place.engines)
     ]
-    batches = Batches(lengths, seed)
+    batches = Batches(setup.lengths, seed)
     weights = roofline.model.weight_bytes
     load_s = weights / (PCIE_BPS * roofline.tp)
     relays = max(1, place.rollout // GPUS_PER_MACHINE)
@@ -140,6 +131,14 @@ def run_continuous(
         r.ready_at = r.engine.now
         r.version = version
 
+    def catch_up(i: int, now: float) -> bool:
+        """Laminar: a rollout with nothing in flight loads the newest version (True if so)."""
+        r = rollouts[i]
+        if system != "laminar" or r.engine.in_flight or r.version >= newest:
+            return False
+        load(i, now, newest, load_s)
+        return True
+
     for i in range(len(rollouts)):
         refill(i, 0.0)
         push(i)
@@ -181,17 +180,15 @@ def run_continuous(
                 trainer_free = now + stall
         elif pending and pending[0][0] <= now:  # a version reached the relays
             newest = pending.pop(0)[1]
-            for i, r in enumerate(rollouts):
-                if r.engine.in_flight == 0:
-                    load(i, now, newest, load_s)
+            for i in range(len(rollouts)):
+                if catch_up(i, now):
                     refill(i, now)
                     push(i)
             next_repack = min(next_repack, now) if policy.on_publish else next_repack
         elif system == "laminar" and next_repack <= now:
             outcome.migrated += _repack(rollouts, policy, newest, now, roofline, advance, push)
-            for i, r in enumerate(rollouts):
-                if r.engine.in_flight == 0 and r.version < newest:
-                    load(i, now, newest, load_s)
+            for i in range(len(rollouts)):
+                if catch_up(i, now):
                     refill(i, now)
                     push(i)
             next_repack = now + policy.period_s
@@ -201,8 +198,7 @@ def run_continuous(
             if stamp != r.stamp:
                 continue
             advance(i, t)
-            if system == "laminar" and r.engine.in_flight == 0 and r.version < newest:
-                load(i, now, newest, load_s)
+            catch_up(i, now)
             refill(i, now)
             push(i)
         if training is None and len(done) >= batch and now >= trainer_free:
@@ -210,7 +206,7 @@ def run_continuous(
             outcome.trained.extend(sid for sid, _, _ in taken)
             outcome.staleness += [trainer_version - v for _, _, v in taken]
             tokens = sum(n for _, n, _ in taken)
-            training = (max(now, trainer_free) + train.update(tokens), tokens)
+            training = (max(now, trainer_free) + train.train_time(tokens), tokens)
             for i in range(len(rollouts)):  # room under max_ahead again
                 if rollouts[i].engine.in_flight < max_in_flight:
                     refill(i, now)

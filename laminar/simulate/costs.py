@@ -23,7 +23,8 @@ about 30 ms per step explains; 32B and 72B plateau alike) and is not measured he
 
 **Training** is ``8 N`` FLOPs per token (forward + backward + the forward that recomputes the old
 policy's logprobs; GRPO, no reference model) at 35% MFU of the trainer's GPUs, plus a fixed
-cost per update (:class:`TrainCost`).
+cost per update (:func:`train_cost`: the sim trainer's own :class:`laminar.engines.costmodel.
+TrainCostModel`).
 
 **Weights** move over the relay chain in the paper's pipelined-chunk model (Appendix D):
 ``T(p, k) = (p + k - 2) (M / k T_byte + T_start)`` at the optimal ``k``; a baseline's global
@@ -35,9 +36,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from laminar.engines.costmodel import H800_BF16_FLOPS, TrainCostModel
+
 # -- hardware: one H800-80GB (NVIDIA H800 SXM datasheet) ------------------------------------------
 
-H800_FLOPS = 989e12  # dense bf16 FLOP/s
 H800_HBM_BPS = 3.35e12  # HBM3 bytes/s
 H800_MEMORY = 80 * 2**30
 NVLINK_BPS = 400e9  # bytes/s within a machine (paper §6.1)
@@ -106,7 +108,7 @@ class Roofline:
         memory = (
             self.model.weight_bytes + context_tokens * self.model.kv_bytes_per_token
         ) / bandwidth
-        compute = 2 * self.model.params * batch / (self.tp * H800_FLOPS * self.decode_mfu)
+        compute = 2 * self.model.params * batch / (self.tp * H800_BF16_FLOPS * self.decode_mfu)
         comm = 2 * self.model.layers * self.allreduce_s if self.tp > 1 else 0.0
         return max(memory, compute, self.eager_step_s) + comm + self.step_overhead_s
 
@@ -114,7 +116,7 @@ class Roofline:
         """Seconds to prefill ``tokens`` tokens (compute-bound)."""
         if tokens <= 0:
             return 0.0
-        return 2 * self.model.params * tokens / (self.tp * H800_FLOPS * self.prefill_mfu)
+        return 2 * self.model.params * tokens / (self.tp * H800_BF16_FLOPS * self.prefill_mfu)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -138,19 +140,11 @@ class Roofline:
         return lo
 
 
-@dataclass(frozen=True)
-class TrainCost:
-    """Seconds of one actor update on ``tokens`` tokens with ``gpus`` GPUs."""
-
-    model: ModelShape
-    gpus: int
-    mfu: float = 0.35  # FSDP + Ulysses on long sequences (the paper's assumption, issue 17)
-    base_s: float = 5.0  # optimizer step, gradient reduce, offload: per update, fixed
-
-    def update(self, tokens: float) -> float:
-        if tokens <= 0:
-            return 0.0
-        return self.base_s + 8 * self.model.params * tokens / (self.gpus * H800_FLOPS * self.mfu)
+def train_cost(model: ModelShape, gpus: int) -> TrainCostModel:
+    """One actor update of ``model`` on ``gpus`` GPUs: ``8 N`` FLOPs per token at 35% MFU (the
+    paper's assumption, issue 17), plus 5 s per update (optimizer step, gradient reduce,
+    offload); :meth:`TrainCostModel.train_time` gives the seconds."""
+    return TrainCostModel(flops_per_token=8 * model.params, gpus=gpus, mfu=0.35, base_s=5.0)
 
 
 #: The relay chain's effective link rate and per-chunk start cost, fitted to the paper's Fig. 18

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .costs import MODELS, ModelShape
+from laminar.engines.costmodel import TrainCostModel
+
+from .costs import MODELS, ModelShape, Roofline
 
 PROMPTS, SAMPLES = 512, 16
 BATCH = PROMPTS * SAMPLES
@@ -121,3 +123,14 @@ class Lengths:
 
 def model_shape(model: str) -> ModelShape:
     return MODELS[model]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a cell's systems run on: each rollout engine's costs, the GPU placement, the
+    trainer's update cost and the response lengths."""
+
+    roofline: Roofline
+    place: Placement
+    train: TrainCostModel
+    lengths: Lengths

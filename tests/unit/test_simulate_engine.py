@@ -16,6 +16,7 @@ import math
 import numpy as np
 import pytest
 
+from laminar.engines.costmodel import PAPER_FIG4_7B
 from laminar.simulate.costs import (
     QWEN25_7B,
     QWEN25_32B,
@@ -26,14 +27,13 @@ from laminar.simulate.costs import (
 )
 from laminar.simulate.engine import Sequence, SimEngine
 
-FIG4 = [(1, 0.007), (64, 0.0125), (128, 0.018), (256, 0.030)]  # paper Fig. 4: 7B, context 4096
 FIG18 = {  # machines: (32B, 72B) seconds, paper Fig. 18
     4: (0.42, 0.95), 8: (0.49, 1.10), 16: (0.55, 1.23), 32: (0.61, 1.37), 64: (0.67, 1.50),
     128: (0.73, 1.62),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(("batch", "seconds"), FIG4)
+@pytest.mark.parametrize(("batch", "seconds"), PAPER_FIG4_7B)  # 7B, context 4096
 def test_the_roofline_reproduces_the_measured_7b_decode_steps(batch: int, seconds: float) -> None:
     step = Roofline(QWEN25_7B).decode_step(batch, batch * 4096)
     assert abs(step - seconds) <= 0.1 * seconds, (batch, step, seconds)
@@ -154,15 +154,12 @@ def test_continuous_systems_train_every_trajectory_once(system: str) -> None:
     trainer's order is completion order; Laminar's staleness stays bounded and its repack moves
     trajectories; AReaL recomputes what each publish aborted."""
     from laminar.simulate.continuous import run_continuous
-    from laminar.simulate.costs import TrainCost
-    from laminar.simulate.workload import Lengths, Placement
+    from laminar.simulate.costs import train_cost
+    from laminar.simulate.workload import Lengths, Placement, Setup
 
     place = Placement(total=8, train=4, rollout=4, tp=1)
-    roofline = Roofline(QWEN25_7B)
-    out = run_continuous(
-        system, roofline, place, TrainCost(QWEN25_7B, 4), Lengths("7B"), iterations=6, seed=3,
-        max_in_flight=64, batch=128,
-    )  # fmt: skip
+    setup = Setup(Roofline(QWEN25_7B), place, train_cost(QWEN25_7B, 4), Lengths("7B"))
+    out = run_continuous(system, setup, iterations=6, seed=3, max_in_flight=64, batch=128)
     assert len(out.updates) == 6 and out.updates == sorted(out.updates)
     assert len(out.trained) == 6 * 128 and len(set(out.trained)) == len(out.trained)
     if system == "laminar":
@@ -176,11 +173,10 @@ def test_every_system_runs_a_paper_cell(system: str) -> None:
     """7B on 16 GPUs (Table 2's placement), the paper's batch: updates come in order, and no
     system trains faster than its trainer's GPUs allow (the cost model's ceiling)."""
     from laminar.simulate.cells import run_cell
-    from laminar.simulate.costs import TrainCost
+    from laminar.simulate.costs import train_cost
     from laminar.simulate.workload import placement
 
     cell = run_cell(system, "7B", 16, warmup=1, measured=2)
-    train = TrainCost(QWEN25_7B, placement(system, "7B", 16).train)
-    ceiling = 1 / (train.update(1e9) - train.base_s) * 1e9  # tokens/s with no fixed cost
+    ceiling = train_cost(QWEN25_7B, placement(system, "7B", 16).train).tokens_per_s()
     assert 0 < cell.tokens_per_s <= ceiling, (cell, ceiling)
     assert cell.iteration_s > 0
