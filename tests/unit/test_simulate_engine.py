@@ -148,8 +148,9 @@ def test_a_sequence_bigger_than_the_cache_is_a_clear_error() -> None:
         engine.add(sequences([10], prompt=5_000), at=0.0)
 
 
+@pytest.mark.parametrize("seed", [3, 4])
 @pytest.mark.parametrize("system", ["areal", "laminar"])
-def test_continuous_systems_train_every_trajectory_once(system: str) -> None:
+def test_continuous_systems_train_every_trajectory_once(system: str, seed: int) -> None:
     """Small batches on a few 7B rollouts: every update takes whole, distinct trajectories; the
     trainer's order is completion order; Laminar's staleness stays bounded and its repack moves
     trajectories; AReaL recomputes what each publish aborted."""
@@ -159,7 +160,7 @@ def test_continuous_systems_train_every_trajectory_once(system: str) -> None:
 
     place = Placement(total=8, train=4, rollout=4, tp=1)
     setup = Setup(Roofline(QWEN25_7B), place, train_cost(QWEN25_7B, 4), Lengths("7B"))
-    out = run_continuous(system, setup, iterations=6, seed=3, max_in_flight=64, batch=128)
+    out = run_continuous(system, setup, iterations=6, seed=seed, max_in_flight=64, batch=128)
     assert len(out.updates) == 6 and out.updates == sorted(out.updates)
     assert len(out.trained) == 6 * 128 and len(set(out.trained)) == len(out.trained)
     if system == "laminar":
