@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -46,12 +45,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from laminar.config import ClusterConfig  # noqa: E402
+from laminar.config import ClusterConfig, load_config  # noqa: E402
 from laminar.harness.launch import ProcessCluster  # noqa: E402
 from laminar.membership import MembershipApi  # noqa: E402
 from laminar.rpc_client import RpcClient, remote  # noqa: E402
 from laminar.service import transport_options  # noqa: E402
-from laminar.stats import RolloutStats, TrainerStats  # noqa: E402
+from laminar.simulate.cluster import SAMPLE_S, run_config  # noqa: E402
+from laminar.simulate.measure import figures, sample_cluster, trainer_records  # noqa: E402
 
 TOKEN = "schedules-bench-token"
 SCHEDULES = ("laminar", "sync", "one_step", "tail_batching")
@@ -125,6 +125,15 @@ def write_config(directory: Path, args: argparse.Namespace, schedule: str) -> Pa
                 "load_time_s": 0.2,
             },
         },
+        "run": {
+            "roles": [
+                {"role": "manager"},
+                {"role": "data"},
+                {"role": "relay"},
+                {"role": "sim_trainer"},
+                {"role": "rollout", "count": args.rollouts},
+            ]
+        },
         "sim_trainer": {
             "metrics": None,
             "batch": {"prompts": args.batch_prompts, "samples": args.samples},
@@ -139,37 +148,9 @@ def write_config(directory: Path, args: argparse.Namespace, schedule: str) -> Pa
     return path
 
 
-async def sample_cluster(manager: MembershipApi) -> dict[str, Any]:
-    status = await manager.status.call()
-    rollouts = [m for m in status.members if m.role == "rollout" and m.state == "alive"]
-    trainer = [m for m in status.members if m.role == "sim_trainer"]
-    stats = [m.rollout_stats() or RolloutStats() for m in rollouts]
-    trained = (trainer[0].trainer_stats() if trainer else None) or TrainerStats()
-    return {
-        "t": time.time(),
-        "tokens": float(sum(s.generated_tokens for s in stats)),
-        "busy": [float(s.running > 0) for s in stats],
-        "kv": [s.kv_cache_usage for s in stats],
-        "versions": [s.version for s in stats],
-        "trainer_version": trained.version,
-    }
-
-
-async def trainer_records(cluster: ProcessCluster, options: Any) -> list[dict[str, Any]]:
-    from laminar.roles.trainer.sim import SimTrainerService
-
-    client = RpcClient(cluster.info["trainer"]["address"], options, timeout=30.0)
-    try:
-        status = await remote(SimTrainerService, client).status.call()
-        return status.records
-    finally:
-        await client.close()
-
-
-async def run_once(args: argparse.Namespace, schedule: str, work: Path) -> dict[str, Any]:
-    directory = work / schedule
-    directory.mkdir(parents=True)
-    config = write_config(directory, args, schedule)
+async def run_processes(args: argparse.Namespace, config: Path) -> dict[str, Any]:
+    """The schedule on real processes, in real time."""
+    directory = config.parent
     env = {"LAMINAR_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
     options = transport_options(ClusterConfig(), TOKEN.encode())
     with ProcessCluster(config, directory / "logs", env=env) as cluster:
@@ -183,39 +164,45 @@ async def run_once(args: argparse.Namespace, schedule: str, work: Path) -> dict[
             cluster.serve("rollout", f"rollout-{i}")
         assert cluster.manager is not None
         client = RpcClient(cluster.manager, options, timeout=30.0)
+        trainer = RpcClient(cluster.info["trainer"]["address"], options, timeout=30.0)
         manager = remote(MembershipApi, client)
         samples = []
         try:
             start = time.time()
             while time.time() - start < args.warmup + args.duration:
-                samples.append(await sample_cluster(manager))
-                await asyncio.sleep(0.5)
-            records = await trainer_records(cluster, options)
+                samples.append(await sample_cluster(manager, time.time()))
+                await asyncio.sleep(SAMPLE_S)
+            records = await trainer_records(trainer)
         finally:
             await client.close()
-    t_warm = start + args.warmup
-    window = [s for s in samples if s["t"] >= t_warm]
-    updates = [r for r in records if r["train_end"] >= t_warm]
-    out: dict[str, Any] = {"versions": len(records), "updates_in_window": len(updates)}
-    if len(updates) >= 2:
-        span = updates[-1]["train_end"] - updates[0]["train_end"]
-        out["trained_tokens_per_s"] = sum(r["tokens"] for r in updates[1:]) / span
-        out["iteration_s_mean"] = span / (len(updates) - 1)
-    else:
-        out["trained_tokens_per_s"] = None
-    trained = [r for r in records if r["version"] > 1]  # staleness from the second batch on
-    if trained:
-        out["staleness_mean"] = statistics.fmean(r["staleness_mean"] for r in trained)
-        out["staleness_max"] = max(r["staleness_max"] for r in trained)
-    out["train_s_mean"] = statistics.fmean(r["train_s"] for r in records) if records else None
-    out["batch_tokens_mean"] = statistics.fmean(r["tokens"] for r in records) if records else None
-    if len(window) >= 2:
-        out["gen_tokens_per_s"] = (window[-1]["tokens"] - window[0]["tokens"]) / (
-            window[-1]["t"] - window[0]["t"]
-        )
-        out["rollout_utilisation"] = statistics.fmean(b for s in window for b in s["busy"])
-        out["kv_util"] = statistics.fmean(k for s in window for k in s["kv"])
-        out["window_s"] = window[-1]["t"] - window[0]["t"]
+            await trainer.close()
+    return figures(samples, records, start + args.warmup)
+
+
+def run_simulated(args: argparse.Namespace, config: Path) -> dict[str, Any]:
+    """The same config in the simulator (every role in one process, virtual time)."""
+    started = time.perf_counter()
+    out = run_config(load_config(config), duration_s=args.duration, warmup_s=args.warmup)
+    out["wall_s"] = time.perf_counter() - started
+    return out
+
+
+def run_once(args: argparse.Namespace, schedule: str, work: Path, mode: str) -> dict[str, Any]:
+    directory = work / f"{schedule}-{mode}"
+    directory.mkdir(parents=True)
+    config = write_config(directory, args, schedule)
+    if mode == "simulate":
+        return run_simulated(args, config)
+    return asyncio.run(run_processes(args, config))
+
+
+def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Laminar over each other schedule, by trained tokens/s."""
+    out: dict[str, Any] = {}
+    lam = runs.get("laminar", {}).get("trained_tokens_per_s")
+    for other in ("sync", "one_step", "tail_batching"):
+        theirs = runs.get(other, {}).get("trained_tokens_per_s")
+        out[f"laminar_over_{other}"] = lam / theirs if lam and theirs else None
     return out
 
 
@@ -235,22 +222,41 @@ def main() -> None:
     p.add_argument("--step-scale", type=float, default=8.0)
     p.add_argument("--warmup", type=float, default=25.0)
     p.add_argument("--duration", type=float, default=80.0)
+    p.add_argument(
+        "--mode",
+        choices=("processes", "simulate", "both"),
+        default="processes",
+        help="real processes in real time; the simulator (laminar simulate run: the same roles "
+        "in one process on virtual time); or both, with the simulator's error per schedule",
+    )
     args = p.parse_args()
 
     results: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
-    runs: dict[str, dict[str, Any]] = {}
+    modes = ["processes", "simulate"] if args.mode == "both" else [args.mode]
+    by_mode: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in modes}
     with tempfile.TemporaryDirectory(prefix="laminar-schedules-") as tmp:
         for schedule in args.schedules.split(","):
-            runs[schedule] = asyncio.run(run_once(args, schedule, Path(tmp)))
-            print(f"{schedule}: {json.dumps(runs[schedule])}", flush=True)
+            for mode in modes:
+                by_mode[mode][schedule] = run = run_once(args, schedule, Path(tmp), mode)
+                print(f"{schedule} ({mode}): {json.dumps(run)}", flush=True)
+    runs = by_mode[modes[0]]
     results["runs"] = runs
     results["trained_tokens_per_s"] = {k: v["trained_tokens_per_s"] for k, v in runs.items()}
-    lam = runs.get("laminar", {}).get("trained_tokens_per_s")
-    for other in ("sync", "one_step", "tail_batching"):
-        theirs = runs.get(other, {}).get("trained_tokens_per_s")
-        results[f"laminar_over_{other}"] = lam / theirs if lam and theirs else None
-    ratios = {k: v for k, v in results.items() if k.startswith("laminar_over_")}
-    print(json.dumps({"trained_tokens_per_s": results["trained_tokens_per_s"], **ratios}, indent=2))
+    results.update(compare(runs))
+    summary = {"trained_tokens_per_s": results["trained_tokens_per_s"], **compare(runs)}
+    if args.mode == "both":
+        simulated = by_mode["simulate"]
+        results["simulated"] = simulated
+        results["simulated_over_processes"] = {
+            k: (simulated[k]["trained_tokens_per_s"] or 0) / v["trained_tokens_per_s"]
+            if v["trained_tokens_per_s"]
+            else None
+            for k, v in runs.items()
+        }
+        results["simulated_ratios"] = compare(simulated)
+        summary["simulated_over_processes"] = results["simulated_over_processes"]
+        summary["simulated_ratios"] = results["simulated_ratios"]
+    print(json.dumps(summary, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

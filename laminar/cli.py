@@ -169,6 +169,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .simulate.cells import run_cell
     from .simulate.sweep import describe, plot, sweep
 
+    if args.simulate_command == "run":
+        return _simulate_run(args)
     if args.simulate_command == "cell":
         cell = run_cell(args.system, args.model, args.gpus, seed=args.seed)
         print(json.dumps(cell.__dict__, indent=2))
@@ -184,6 +186,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
         print(plot(result, args.plot))
+    return 0
+
+
+def _simulate_run(args: argparse.Namespace) -> int:
+    from .simulate.cluster import describe_runs, plan
+
+    config = load_config(args.config, args.set)
+    duration = args.duration or config.run.duration_s or 120.0
+    rows = plan(
+        config,
+        rollouts=[int(n) for n in args.rollouts.split(",")] if args.rollouts else None,
+        schedules=args.schedules.split(",") if args.schedules else None,
+        duration_s=duration,
+        warmup_s=args.warmup,
+        seed=args.seed,
+    )
+    for line in describe_runs(rows):
+        print(line)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
 
 
@@ -397,6 +420,23 @@ def build_parser() -> argparse.ArgumentParser:
     cell.add_argument("--model", required=True, help="7B, 32B or 72B")
     cell.add_argument("--gpus", type=int, required=True, help="a Table 2 scale")
     cell.add_argument("--seed", type=int, default=0)
+    run = simulate_sub.add_parser(
+        "run",
+        help="your cluster config: every role's real code in one process, on virtual time",
+        description="Run the config's run.roles (sim rollouts, sim_trainer) in one process on "
+        "virtual time and print trained tokens/s, how busy the trainer is, rollout and KV use "
+        "and staleness; --rollouts and --schedules make a table of one run per combination.",
+    )
+    run.add_argument("--config", required=True, help="a cluster YAML (as for laminar run)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--rollouts", help="comma-separated rollout counts (default: the config's)")
+    run.add_argument("--schedules", help="comma-separated cluster.schedule.kind values")
+    run.add_argument(
+        "--duration", type=float, help="virtual seconds measured (default: run.duration_s, or 120)"
+    )
+    run.add_argument("--warmup", type=float, default=30.0, help="virtual seconds before measuring")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--json", help="write one row per run here")
     simulate.set_defaults(fn=cmd_simulate)
 
     def connection(p: argparse.ArgumentParser, *, inherit: bool = False) -> None:

@@ -99,3 +99,10 @@ class SimEngineConfig(Strict):
     load_time_s: Annotated[float, Field(ge=0)] = Field(
         0.0, description="Simulated seconds that load_weights takes."
     )
+    chunk_steps: Annotated[int, Field(ge=1, le=4096)] = Field(
+        1,
+        description="Most decode steps taken as one event while nothing changes (no sequence "
+        "finishes, the KV cache does not fill): the simulator's speed-up. 1 = one event per "
+        "step, as vLLM; above, requests arriving meanwhile wait for the chunk's end and its "
+        "tokens arrive together.",
+    )

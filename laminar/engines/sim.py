@@ -35,6 +35,16 @@ The step loop (one task, started by :meth:`start`, cancelled by :meth:`close`), 
    step boundary.
 4. **decode**: each sequence still running gets one token; one ``_emit`` carries the whole step.
 
+With ``chunk_steps`` k > 1 (the simulator's setting) steps 3 and 4 cover up to k steps at once,
+as long as nothing would change in between: no more steps than the batch's shortest remaining
+sequence needs, nor than the free KV cache holds at one token per sequence per step. The sleep is
+the sum of the k steps' times (the context term grows by the batch size each step: an arithmetic
+series) and each sequence gets k tokens in one output. The tokens, the finish times and the KV
+use at chunk boundaries are those of k single steps; what differs is that a request arriving
+mid-chunk is admitted at the chunk's end instead of the next step, and an abort mid-chunk loses
+the chunk's tokens. One event per chunk instead of per step is what lets a cluster of tens of
+rollouts run minutes of cluster time in seconds (``laminar simulate run``).
+
 KV use = tokens held (prompt + generated of every running sequence) / ``kv_capacity_tokens``; it
 never exceeds 1. When there is nothing to do the loop waits on an event — no polling, which under
 the virtual clock would burn virtual time. All time goes through the injected :class:`Clock`.
@@ -207,12 +217,24 @@ class SimEngine(Engine):
                 if seq.needs_prefill:
                     prefill += seq.held
                     seq.needs_prefill = False
-            self._last_batch = len(batch)
+            self._last_batch = size = len(batch)
             self.prefill_tokens += prefill
-            seconds = cost.step_time(len(batch), self._kv_held) + cost.prefill_time(prefill)
+            k = self._chunk(batch)
+            context = k * self._kv_held + size * k * (k - 1) // 2  # summed over the k steps
+            seconds = k * cost.batch_time(size) + cost.context_s_per_token * context
+            seconds += cost.prefill_time(prefill)
             await clock.sleep(seconds)
-            self.steps += 1
-            self._emit(self._decode(batch))
+            self.steps += k
+            self._emit(self._decode(batch, k))
+
+    def _chunk(self, batch: list[_Seq]) -> int:
+        """Steps to take as one event (module docstring): >= 1, since after :meth:`_preempt` the
+        cache holds one more token per running sequence."""
+        k = self.config.chunk_steps
+        if k == 1:
+            return 1
+        room = (self.config.kv_capacity_tokens - self._kv_held) // len(batch)
+        return max(1, min(k, room, min(seq.remaining for seq in batch)))
 
     def _admit(self) -> None:
         cfg = self.config
@@ -235,27 +257,30 @@ class SimEngine(Engine):
             self._waiting.appendleft(seq)
             self.preemptions += 1
 
-    def _decode(self, batch: list[_Seq]) -> list[EngineOutput]:
+    def _decode(self, batch: list[_Seq], k: int = 1) -> list[EngineOutput]:
+        """``k`` tokens for each sequence of ``batch`` still running (k <= its remaining)."""
         vocab = self.config.vocab_size
         running = self._running
         outputs = []
         for seq in batch:
             if running.get(seq.backend_id) is not seq:  # cancelled during the step
                 continue
-            x = _mix64((seq.key + seq.position) & _M64)
-            token = (x >> 32) % vocab
-            logprob = math.log(((x & 0xFFFFFFFF) + 0.5) * _INV_2_32)
-            seq.position += 1
-            seq.held += 1
-            seq.remaining -= 1
+            tokens, logprobs = [], []
+            for position in range(seq.position, seq.position + k):
+                x = _mix64((seq.key + position) & _M64)
+                tokens.append((x >> 32) % vocab)
+                logprobs.append(math.log(((x & 0xFFFFFFFF) + 0.5) * _INV_2_32))
+            seq.position += k
+            seq.held += k
+            seq.remaining -= k
             if seq.remaining > 0:
-                self._kv_held += 1
-                outputs.append(EngineOutput(seq.backend_id, [token], [logprob]))
+                self._kv_held += k
+                outputs.append(EngineOutput(seq.backend_id, tokens, logprobs))
             else:
                 del running[seq.backend_id]
-                self._kv_held -= seq.held - 1
+                self._kv_held -= seq.held - k
                 outputs.append(
-                    EngineOutput(seq.backend_id, [token], [logprob], True, seq.finish_reason)
+                    EngineOutput(seq.backend_id, tokens, logprobs, True, seq.finish_reason)
                 )
         return outputs
 

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
-
-from laminar.engines.costmodel import TrainCostModel
 
 from .costs import NVLINK_BPS, Roofline, ring_broadcast
 from .engine import Sequence, SimEngine
@@ -81,12 +80,13 @@ def run_batches(
     """Actor-update completion times and each update's tokens, for ``iterations`` updates."""
     if system not in ("verl", "one_step", "stream", "rollpacker"):
         raise ValueError(f"not a batch-synchronous system: {system}")
-    roofline, train = setup.roofline, setup.train
+    roofline, train_time = setup.roofline, setup.train_time
     engines = [SimEngine(roofline) for _ in range(setup.place.engines)]
     batches = Batches(setup.lengths, seed)
+    switch = setup.cost(switch_s(roofline))
     if system == "rollpacker":
-        return _rollpacker(engines, switch_s(roofline), train, batches, iterations)
-    sync = ring_broadcast(roofline.model.weight_bytes, setup.place.rollout)
+        return _rollpacker(engines, switch, train_time, batches, iterations)
+    sync = setup.cost(ring_broadcast(roofline.model.weight_bytes, setup.place.rollout))
     updates: list[float] = []
     tokens: list[int] = []
     gen_start, trained = 0.0, 0.0
@@ -96,15 +96,15 @@ def run_batches(
         gen_end = max(done.values())
         size = tokens_of(seqs)
         if system == "verl":
-            trained = gen_end + 2 * switch_s(roofline) + train.train_time(size)
+            trained = gen_end + 2 * switch + train_time(size)
             gen_start = trained
         else:  # staleness 1: the next batch needs the version before this one, broadcast
             if system == "one_step":
-                trained = max(gen_end, trained) + train.train_time(size)
+                trained = max(gen_end, trained) + train_time(size)
             else:  # stream: each mini-batch once enough of the batch is done
                 ends = sorted(done.values())
                 per = len(ends) // MINI_BATCHES
-                step = train.train_time(size) / MINI_BATCHES  # linear: its share of the base
+                step = train_time(size) / MINI_BATCHES  # linear: its share of the base
                 for j in range(MINI_BATCHES):
                     trained = max(trained, ends[(j + 1) * per - 1]) + step
             gen_start = max(gen_end, (updates[-1] if updates else 0.0) + sync)
@@ -116,7 +116,7 @@ def run_batches(
 def _rollpacker(
     engines: list[SimEngine],
     switch: float,
-    train: TrainCostModel,
+    train_time: Callable[[int], float],
     batches: Batches,
     iterations: int,
 ) -> tuple[list[float], list[int]]:
@@ -152,7 +152,7 @@ def _rollpacker(
             # the engines ran every sequence to its end above; the round really ends at `end`
             # (the rest aborted), so only the time up to `end` is charged
         size = tokens_of(kept)
-        now = end + 2 * switch + train.train_time(size)
+        now = end + 2 * switch + train_time(size)
         updates.append(now)
         tokens.append(size)
     return updates, tokens

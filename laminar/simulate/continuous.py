@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from laminar.repack.planner import RepackPolicy, RolloutLoad, plan_repack
 
 from .batches import Batches
-from .costs import GPUS_PER_MACHINE, Roofline, chain_broadcast, kv_transfer, ring_broadcast
+from .costs import GPUS_PER_MACHINE, chain_broadcast, kv_transfer, ring_broadcast
 from .engine import SimEngine
 from .workload import BATCH, SAMPLES, Setup
 
@@ -59,6 +59,9 @@ class Outcome:
     recompute_tokens: int  # prefilled again (aborts, preemptions)
     migrated: int  # trajectories moved by repack
     trained: list[int] = field(default_factory=list)  # trajectory ids, in training order
+    issued: int = 0  # trajectories started (ids 0 .. issued - 1)
+    in_flight: int = 0  # at the end: in the engines (counted there)
+    queued: int = 0  # at the end: finished, not trained yet
 
 
 def run_continuous(
@@ -74,15 +77,15 @@ def run_continuous(
     """Run ``system`` (``areal`` or ``laminar``) until ``iterations`` actor updates."""
     if system not in ("areal", "laminar"):
         raise ValueError(f"not a continuous system: {system}")
-    roofline, place, train = setup.roofline, setup.place, setup.train
-    policy = repack or RepackPolicy(batch_limit=roofline.roofline_batch())
+    roofline, place, cost = setup.roofline, setup.place, setup.cost
+    policy = repack or RepackPolicy(batch_limit=min(roofline.roofline_batch(), max_in_flight))
     max_ahead = 2 * batch if max_ahead is None else max_ahead
     rollouts = [
         Rollout(SimEngine(roofline, max_running=max_in_flight)) for _ in range(place.engines)
     ]
     batches = Batches(setup.lengths, seed)
     weights = roofline.model.weight_bytes
-    load_s = weights / (PCIE_BPS * roofline.tp)
+    load_s = cost(weights / (PCIE_BPS * roofline.tp))
     relays = max(1, place.rollout // GPUS_PER_MACHINE)
     heap: list[tuple[float, int, int]] = []
     done: deque[tuple[int, int, int]] = deque()  # (id, tokens, version) in completion order
@@ -163,7 +166,7 @@ def run_continuous(
             training = None
             trainer_version += 1
             if system == "areal":
-                sync = ring_broadcast(weights, place.rollout)
+                sync = cost(ring_broadcast(weights, place.rollout))
                 for i, r in enumerate(rollouts):
                     back = r.engine.take(at=now)  # aborted: tokens kept, KV recomputed
                     load(i, now, trainer_version, sync)
@@ -174,8 +177,8 @@ def run_continuous(
                 newest = trainer_version
                 trainer_free = now + sync
             else:
-                stall = weights / STALL_BPS
-                arrival = now + stall + chain_broadcast(weights, relays + 1)
+                stall = cost(weights / STALL_BPS)
+                arrival = now + stall + cost(chain_broadcast(weights, relays + 1))
                 pending.append((arrival, trainer_version))
                 trainer_free = now + stall
         elif pending and pending[0][0] <= now:  # a version reached the relays
@@ -186,7 +189,7 @@ def run_continuous(
                     push(i)
             next_repack = min(next_repack, now) if policy.on_publish else next_repack
         elif system == "laminar" and next_repack <= now:
-            outcome.migrated += _repack(rollouts, policy, newest, now, roofline, advance, push)
+            outcome.migrated += _repack(rollouts, policy, newest, now, setup, advance, push)
             for i in range(len(rollouts)):
                 if catch_up(i, now):
                     refill(i, now)
@@ -206,12 +209,15 @@ def run_continuous(
             outcome.trained.extend(sid for sid, _, _ in taken)
             outcome.staleness += [trainer_version - v for _, _, v in taken]
             tokens = sum(n for _, n, _ in taken)
-            training = (max(now, trainer_free) + train.train_time(tokens), tokens)
+            training = (max(now, trainer_free) + setup.train_time(tokens), tokens)
             for i in range(len(rollouts)):  # room under max_ahead again
                 if rollouts[i].engine.in_flight < max_in_flight:
                     refill(i, now)
                     push(i)
     outcome.recompute_tokens = sum(r.engine.stats.recompute_tokens for r in rollouts)
+    outcome.issued = batches.next_id
+    outcome.in_flight = sum(r.engine.in_flight for r in rollouts)
+    outcome.queued = len(done)
     return outcome
 
 
@@ -220,7 +226,7 @@ def _repack(
     policy: RepackPolicy,
     newest: int,
     now: float,
-    roofline: Roofline,
+    setup: Setup,
     advance: Callable[[int, float], None],
     push: Callable[[int], None],
 ) -> int:
@@ -250,7 +256,8 @@ def _repack(
         tokens = sum(s.context for s in seqs)
         for s in seqs:
             dst.sources[s.id] = src.sources.pop(s.id)
-        dst.engine.busy_until(max(now, dst.engine.now) + kv_transfer(tokens, roofline.model))
+        transfer = setup.cost(kv_transfer(tokens, setup.roofline.model))
+        dst.engine.busy_until(max(now, dst.engine.now) + transfer)
         dst.engine.add(seqs, at=dst.engine.now)
         moved += len(seqs)
         push(int(move.destination))

@@ -128,9 +128,24 @@ def model_shape(model: str) -> ModelShape:
 @dataclass(frozen=True)
 class Setup:
     """What a cell's systems run on: each rollout engine's costs, the GPU placement, the
-    trainer's update cost and the response lengths."""
+    trainer's update cost and the response lengths.
+
+    ``overheads=False`` charges nothing but the engines' own steps: no training time, no weight
+    movement (broadcasts, the relay chain, loads, the trainer's copy, colocated switches) and no
+    KV transfer. Only decode (and prefill, which the roofline prices) then takes time, and each
+    system's throughput has a closed form: the simulator's own check
+    (``tests/unit/test_simulate_engine.py``)."""
 
     roofline: Roofline
     place: Placement
     train: TrainCostModel
     lengths: Lengths
+    overheads: bool = True
+
+    def cost(self, seconds: float) -> float:
+        """An overhead's ``seconds`` (0 with overheads off)."""
+        return seconds if self.overheads else 0.0
+
+    def train_time(self, tokens: int) -> float:
+        """Seconds of one update on ``tokens`` tokens."""
+        return self.cost(self.train.train_time(tokens))

@@ -1,4 +1,4 @@
-"""Failure isolation on the in-process cluster (``tests/support/inproc.py``): a killed rollout's
+"""Failure isolation on the in-process cluster (``laminar/harness/inproc.py``): a killed rollout's
 trajectories continue elsewhere, and a killed data role restarts losing nothing.
 
 The process-level ground truth for the data role is ``test_generation_processes.py`` (a real
@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
+from laminar.harness.inproc import inproc_cluster, run_inproc
 from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.rollout import RolloutApi
 from laminar.roles.rollout.api import DrainRequest
 from laminar.trajectory import Trajectory
 
-from ..support.inproc import inproc_cluster, run_inproc
 from ..support.poll import until
 from ..support.task import write_prompts, write_tokenizer
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from laminar.clock import get_clock
+from laminar.harness.inproc import InprocCluster, inproc_cluster, run_inproc
 from laminar.roles.relay import LatestRequest, RelayApi, RelayStatus
 from laminar.rpc_client import RpcClient, remote
 from laminar.transport.shm import map_segment
@@ -22,7 +23,6 @@ from laminar.weights.chain import ChainView, RelayChainApi
 from laminar.weights.manifest import WeightManifest
 from laminar.weights.publisher import PublishConfig, WeightPublisher
 
-from ..support.inproc import InprocCluster, inproc_cluster, run_inproc
 from ..support.poll import until
 from .test_relay_chain import verified, weights
 

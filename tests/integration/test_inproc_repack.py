@@ -1,4 +1,4 @@
-"""Repack migration on the in-process cluster (``tests/support/inproc.py``): manager, data and sim
+"""Repack migration on the in-process cluster (``laminar/harness/inproc.py``): manager, data and sim
 rollouts in one event loop on virtual time.
 
 The same scenarios and checks as the process tests in ``test_repack.py`` (the first of which
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
+from laminar.harness.inproc import InprocCluster, inproc_cluster, run_inproc
 from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.rollout import MigrateRequest, RolloutApi
 from laminar.roles.rollout.api import DrainRequest
 
-from ..support.inproc import InprocCluster, inproc_cluster, run_inproc
 from ..support.poll import until
 from ..support.task import write_prompts, write_tokenizer
 from .test_repack import MAX_TOKENS, PROMPTS, SAMPLES, SIM, reference

@@ -1,4 +1,4 @@
-"""Each schedule's defining property on the in-process cluster (``tests/support/inproc.py``):
+"""Each schedule's defining property on the in-process cluster (``laminar/harness/inproc.py``):
 manager, data, relay, three sim rollouts and the sim trainer in one event loop on virtual time.
 
 The checks of ``test_schedules.py`` (orderings of recorded events, never durations), whose
@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
+from laminar.harness.inproc import inproc_cluster, run_inproc
 from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.rollout import RolloutApi
 from laminar.roles.trainer.sim import SimTrainerService
 from laminar.trajectory import Trajectory
 
-from ..support.inproc import inproc_cluster, run_inproc
 from ..support.poll import until
 from .test_schedules import (
     PROMPTS,

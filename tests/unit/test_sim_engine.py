@@ -466,3 +466,35 @@ def test_thousand_requests_in_virtual_time_take_a_second_of_wall() -> None:
     assert len(results) == n and all(r.reason in ("stop", "length") for r in results.values())
     assert virtual > 10.0  # tens of seconds of simulated decoding...
     assert wall < 5.0  # ...in about a second of wall time
+
+
+@pytest.mark.parametrize("capacity", [BIG, 3000])
+def test_chunked_steps_finish_like_single_steps(capacity: int) -> None:
+    """``chunk_steps`` (the simulator's speed-up) changes the events, not the outcome: the same
+    tokens, logprobs, finish reasons and finish times as one step at a time, with the context
+    term on and, at 3000 tokens, preemptions."""
+    cost = {"batch_points": [[1, 0.007], [64, 0.0125]], "context_s_per_token": 1e-7}
+    lengths = {"kind": "lognormal", "median": 120, "sigma": 0.8, "max_length": 600}
+
+    async def run(chunk: int) -> tuple[dict[str, Result], dict[str, float], int]:
+        eng = engine(
+            lengths=lengths, cost=cost, kv_capacity_tokens=capacity, chunk_steps=chunk, seed=4
+        )
+        await eng.start()
+        for i in range(24):
+            await eng.add_request(request(f"r{i}", 40))
+        finished: dict[str, float] = {}
+
+        def on_batch(t: float, outs: list[EngineOutput]) -> None:
+            finished.update((o.request_id, t) for o in outs if o.finished)
+
+        out = await drain(eng, 24, on_batch)
+        await eng.close()
+        return out, finished, eng.steps
+
+    one, one_t, one_steps = run_virtual(run(1))
+    many, many_t, many_steps = run_virtual(run(64))
+    assert one == many and one_steps == many_steps
+    assert one_t.keys() == many_t.keys()
+    for rid, t in one_t.items():
+        assert many_t[rid] == pytest.approx(t, rel=1e-9)

@@ -28,7 +28,8 @@ from laminar.service import Service, ServiceContext, ServiceHost, transport_opti
 
 from .inproc_fence import Fence
 from .inproc_loop import MEMBER, InprocLoop, run_inproc
-from .procs import TOKEN
+
+TOKEN = "inproc-cluster-token"  # never leaves this process
 
 __all__ = ["InprocCluster", "InprocLoop", "inproc_cluster", "run_inproc"]
 
@@ -46,6 +47,7 @@ class Member:
     host: ServiceHost
     task: asyncio.Task[None]
     overrides: dict[str, Any] = field(default_factory=dict)
+    role: str | None = None  # ``run.roles[].role`` when it is not the section's name
     killed: bool = False
 
 
@@ -61,9 +63,11 @@ class InprocCluster:
         self.fence = Fence()
         self._clients: dict[str, RpcClient] = {}
 
-    def role_config(self, section: str, overrides: dict[str, Any] | None = None) -> Any:
+    def role_config(
+        self, section: str, overrides: dict[str, Any] | None = None, role: str | None = None
+    ) -> Any:
         """The validated config a member of ``section`` gets (binds on ``inproc://``)."""
-        cls = load_role(section)
+        cls = load_role(role or section)
         over: dict[str, Any] = {"bind": "inproc://*", "metrics": None}
         if section == "relay":
             over["weights_bind"] = "inproc://*"
@@ -72,17 +76,22 @@ class InprocCluster:
         return self.config.role_config(section, cls.config_model, {**over, **(overrides or {})})
 
     async def start(
-        self, section: str, name: str, overrides: dict[str, Any] | None = None
+        self,
+        section: str,
+        name: str,
+        overrides: dict[str, Any] | None = None,
+        role: str | None = None,
     ) -> Service:
-        """Start a member of ``section`` named ``name`` and wait until it is serving."""
+        """Start a member of ``section`` named ``name`` and wait until it is serving (``role``:
+        the role to load when it is not the section's name, as in ``run.roles``)."""
         if name in self.members and not self.members[name].killed:
             raise RuntimeError(f"{name} is already running")
-        cls = load_role(section)
+        cls = load_role(role or section)
         ctx = ServiceContext(
             role=section,
             instance=name,
             cluster=self.config.cluster,
-            config=self.role_config(section, overrides),
+            config=self.role_config(section, overrides, role),
             options=self.options,
             executors=self.loop.executor,  # blocking work on the loop, in order (inproc_loop)
         )
@@ -93,7 +102,7 @@ class InprocCluster:
         context = contextvars.copy_context()
         context.run(MEMBER.set, name)
         task = self.loop.create_task(host.run(), name=f"{name}:host", context=context)
-        self.members[name] = Member(name, section, host, task, dict(overrides or {}))
+        self.members[name] = Member(name, section, host, task, dict(overrides or {}), role)
         started = asyncio.create_task(host.started())
         await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -145,7 +154,7 @@ class InprocCluster:
         if not member.task.done():
             raise RuntimeError(f"{name} is still running")
         self.fence.lift(name)
-        return await self.start(member.section, name, member.overrides)
+        return await self.start(member.section, name, member.overrides, member.role)
 
     async def stop(self, name: str, timeout: float = 30.0) -> None:
         """A graceful stop: ``on_stop``, leave, close."""

@@ -1,4 +1,4 @@
-"""The event loop of the in-process cluster (:mod:`tests.support.inproc`): virtual time, no
+"""The event loop of the in-process cluster (:mod:`laminar.harness.inproc`): virtual time, no
 threads, real I/O that freezes the clock, and tasks that know which member started them.
 
 What makes a run deterministic (the same events, in the same order, at the same virtual times):
