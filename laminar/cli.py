@@ -171,6 +171,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.simulate_command == "run":
         return _simulate_run(args)
+    if args.simulate_command == "rollmux":
+        return _simulate_rollmux(args)
     if args.simulate_command == "cell":
         cell = run_cell(args.system, args.model, args.gpus, seed=args.seed)
         print(json.dumps(cell.__dict__, indent=2))
@@ -204,6 +206,32 @@ def _simulate_run(args: argparse.Namespace) -> int:
     )
     for line in describe_runs(rows):
         print(line)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _simulate_rollmux(args: argparse.Namespace) -> int:
+    from .simulate.cells import run_cell
+    from .simulate.multiplex import run_multiplexed
+    from .simulate.workload import SCALES
+
+    scales = [args.gpus] if args.gpus else SCALES[args.model]
+    print(
+        f"{'GPUs':>5}  {'one job':>9}  {'two jobs (RollMux)':>18}  {'gain':>5}  "
+        f"{'laminar, one job':>16}   tokens/s x1e5, same GPUs"
+    )
+    rows = []
+    for gpus in scales:
+        mux = run_multiplexed(args.model, gpus, seed=args.seed)
+        lam = run_cell("laminar", args.model, gpus, seed=args.seed).tokens_per_s
+        rows.append({**mux.__dict__, "laminar_tokens_per_s": lam})
+        print(
+            f"{gpus:>5}  {mux.solo_tokens_per_s / 1e5:>9.2f}  "
+            f"{mux.multiplexed_tokens_per_s / 1e5:>18.2f}  {mux.efficiency_gain:>5.2f}  "
+            f"{lam / 1e5:>16.2f}"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=2))
@@ -420,6 +448,14 @@ def build_parser() -> argparse.ArgumentParser:
     cell.add_argument("--model", required=True, help="7B, 32B or 72B")
     cell.add_argument("--gpus", type=int, required=True, help="a Table 2 scale")
     cell.add_argument("--seed", type=int, default=0)
+    mux = simulate_sub.add_parser(
+        "rollmux",
+        help="two synchronous jobs sharing one pair of pools (RollMux) vs one job, vs Laminar",
+    )
+    mux.add_argument("--model", default="7B", help="7B, 32B or 72B")
+    mux.add_argument("--gpus", type=int, help="a Table 2 scale (default: every scale)")
+    mux.add_argument("--seed", type=int, default=0)
+    mux.add_argument("--json", help="write one row per scale here")
     run = simulate_sub.add_parser(
         "run",
         help="your cluster config: every role's real code in one process, on virtual time",

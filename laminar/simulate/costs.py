@@ -8,7 +8,7 @@ H800-80GB GPUs, 8 per machine, NVLink 400 GB/s, 8 x 400 Gbps between machines; Q
 whole KV cache of its batch once (memory-bound), or does ``2 N`` FLOPs per sequence
 (compute-bound), whichever takes longer, plus a tensor-parallel all-reduce per layer. With the
 stated efficiencies it reproduces the paper's measured 7B table (Fig. 4: 7 / 12.5 / 18 / 30 ms at
-batch 1 / 64 / 128 / 256, context 4096) within 10% (``tests/unit/test_simulate_costs.py``), and
+batch 1 / 64 / 128 / 256, context 4096) within 10% (``tests/unit/test_simulate_engine.py``), and
 the same formula with the 32B and 72B shapes gives their step times.
 
 **Eager decoding** (an assumption, fitted): the verl-based systems (verl, one-step, stream,
