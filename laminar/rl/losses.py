@@ -18,6 +18,25 @@ are the same computation with grad. Three modes (``PolicyLossConfig.off_policy``
   ``decoupled_cap`` set, tokens whose ``w`` exceeds it are dropped from the loss (AReaL's
   behaviour-weight cap) rather than truncated.
 
+The objective (``PolicyLossConfig.objective``): ``ppo`` is the clipped surrogate above. Two
+REINFORCE-style objectives from ROLL Flash's off-policy study (arXiv 2510.11345) replace it; both
+let the gradient flow through ``log π_θ`` only, with a detached per-token weight, so no token's
+gradient is ever clipped to zero:
+
+* ``cispo`` (MiniMax-M1, arXiv 2506.13585): ``-sg(min(r, 1 + cispo_clip_high)) · A · logp``, the
+  importance ratio ``r = exp(logp - old_logp)`` clipped (from above only, as MiniMax does) and
+  detached. PPO drops the gradient of a token whose ratio left the trust region; CISPO keeps it,
+  bounded by the clipped weight, which matters for the rare tokens (reflection words) that
+  decide a long trace.
+* ``topr`` (Tapered Off-Policy REINFORCE, Le Roux et al., arXiv 2503.14286): per trajectory,
+  ``-w · A · logp`` with ``w = 1`` when ``A >= 0`` (positive samples: a plain SFT-like update,
+  however off-policy) and ``w = min(1, exp(Σ_t (logp_t - behaviour_t)))`` (detached) when
+  ``A < 0`` (negative samples: truncated importance sampling over the whole trajectory, so an
+  unlikely bad sample cannot push the policy hard). TOPR is defined on the reward's sign; with
+  group-normalised advantages the advantage's sign is used (above or below the group's mean).
+
+``off_policy`` weights (``tis``, ``decoupled``) multiply any objective's per-token loss.
+
 Optional terms: ``kl_coef * k3`` to a reference policy, ``k3 = exp(ref - logp) - (ref - logp) - 1``
 (unbiased, non-negative, low variance), and an entropy bonus ``- entropy_coef * H``.
 
@@ -59,6 +78,14 @@ class PolicyLossConfig(Strict):
     clip_low: float = Field(0.2, ge=0, lt=1, description="ε_low: ratio clipped below at 1 - ε_low.")
     clip_high: float = Field(
         0.28, ge=0, description="ε_high: ratio clipped above at 1 + ε_high (DAPO Clip-Higher)."
+    )
+    objective: Literal["ppo", "cispo", "topr"] = Field(
+        "ppo",
+        description="ppo: the clipped surrogate; cispo: REINFORCE weighted by the clipped, "
+        "detached ratio (MiniMax-M1); topr: tapered off-policy REINFORCE (ROLL Flash).",
+    )
+    cispo_clip_high: float = Field(
+        4.0, gt=0, description="CISPO's weight is min(ratio, 1 + this) (objective=cispo)."
     )
     off_policy: Literal["none", "tis", "decoupled"] = Field(
         "none", description="Off-policy correction: none, truncated IS, or decoupled PPO."
@@ -169,10 +196,7 @@ def policy_loss(
     adv = advantages.to(logprobs.dtype)
 
     ratio = torch.exp(logprobs - old)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    is_clipped = (clipped > unclipped) & mask
+    per_token, is_clipped = _objective(cfg, logprobs, ratio, adv, behaviour_logprobs, mask)
 
     w, keep = _is_weight(old, behaviour_logprobs, cfg)
     per_token = per_token * w
@@ -192,6 +216,30 @@ def policy_loss(
         loss = per_token.sum() / total_tokens
     stats = _stats(mask, keep, is_clipped, ratio, w, old, behaviour_logprobs, entropy, kl_ref)
     return loss, stats
+
+
+def _objective(
+    cfg: PolicyLossConfig,
+    logprobs: torch.Tensor,
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss of ``cfg.objective`` (module docstring) and where its weight was clipped."""
+    if cfg.objective == "ppo":
+        unclipped = -adv * ratio
+        clipped = -adv * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+        return torch.maximum(unclipped, clipped), (clipped > unclipped) & mask
+    if cfg.objective == "cispo":
+        weight = ratio.detach().clamp(max=1 + cfg.cispo_clip_high)
+        return -weight * adv * logprobs, (ratio.detach() > 1 + cfg.cispo_clip_high) & mask
+    # topr: one weight per trajectory (row), from its whole log-ratio to the behaviour policy
+    log_ratio = torch.where(mask, logprobs.detach() - behaviour, torch.zeros_like(logprobs))
+    seq_ratio = torch.exp(log_ratio.sum(dim=1, keepdim=True).clamp(max=0.0))  # min(1, ratio)
+    negative = adv < 0
+    weight = torch.where(negative, seq_ratio.expand_as(adv), torch.ones_like(adv))
+    return -weight * adv * logprobs, negative & (weight < 1) & mask
 
 
 def _outside_zero(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

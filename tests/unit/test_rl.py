@@ -298,3 +298,51 @@ def test_config_validates() -> None:
         PolicyLossConfig(kl_coef=-1.0)
     with pytest.raises(ValidationError):
         PolicyLossConfig(clip_hi=0.3)
+
+
+def test_cispo_keeps_the_gradient_ppo_clips_bounded_by_its_weight() -> None:
+    """Hand-computed: ratios 1.5, 6 and 0.5 with advantages 1, 1 and -2. PPO (0.2/0.28) gives the
+    last two no gradient (outside the trust region on the side the advantage pushes); CISPO's
+    gradient is -min(r, 1 + 4) A / n for every token: -1.5/3, -5/3 and +1/3."""
+    ratios, adv = [1.5, 6.0, 0.5], [1.0, 1.0, -2.0]
+    _, _, ppo = loss_of(ratios, adv, PolicyLossConfig())
+    assert ppo[1] == 0 and ppo[2] == 0
+    loss, stats, grad = loss_of(ratios, adv, PolicyLossConfig(objective="cispo"))
+    torch.testing.assert_close(grad, torch.tensor([-1.5, -5.0, 1.0]) / 3)
+    assert loss.item() == 0.0  # logp = 0: the value is -w A logp
+    assert stats.clipped == 1  # the ratio of 6 was clipped to 5
+    # the value: -w A logp with logp = log(0.5) and old = log(0.25) (r = 2): -2 * 1 * log(0.5)
+    logp = torch.log(torch.tensor([[0.5]])).requires_grad_()
+    old = torch.log(torch.tensor([[0.25]]))
+    cfg = PolicyLossConfig(objective="cispo")
+    value, _ = policy_loss(logp, old, old, torch.tensor([[1.0]]), torch.ones(1, 1), cfg,
+                           total_tokens=1.0)  # fmt: skip
+    assert value.item() == pytest.approx(-2.0 * math.log(0.5))
+
+
+def test_topr_is_plain_on_positives_and_truncated_on_negatives() -> None:
+    """Three trajectories of two tokens. A positive one far off-policy (behaviour ratio e^6):
+    weight 1, a plain REINFORCE step. A negative one with trajectory ratio 1/4: weight 1/4. A
+    negative one with trajectory ratio 2: weight min(1, 2) = 1."""
+    logp = torch.zeros(3, 2, requires_grad=True)
+    half = math.log(2) / 2
+    behaviour = torch.tensor([[-3.0, -3.0], [math.log(2), math.log(2)], [-half, -half]])
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    cfg = PolicyLossConfig(objective="topr")
+    loss, stats = policy_loss(logp, torch.zeros(3, 2), behaviour, adv, torch.ones(3, 2), cfg,
+                              total_tokens=6.0)  # fmt: skip
+    loss.backward()
+    want = torch.tensor([[-1.0, -1.0], [0.25, 0.25], [1.0, 1.0]]) / 6
+    torch.testing.assert_close(logp.grad, want)
+    assert stats.clipped == 2  # the two tokens of the truncated negative trajectory
+
+
+def test_objectives_take_the_off_policy_weight_and_refuse_unknowns() -> None:
+    """A TIS weight multiplies CISPO's per-token loss like PPO's; a misspelt objective is a
+    config error naming the choices."""
+    behaviour = torch.log(torch.tensor([[1 / 5]]))  # old = 0: TIS weight min(5, 2) = 2
+    cfg = PolicyLossConfig(objective="cispo", off_policy="tis", tis_cap=2.0)
+    _, _, grad = loss_of([1.0], [1.0], cfg, behaviour=behaviour)
+    assert grad[0].item() == pytest.approx(-2.0)
+    with pytest.raises(ValidationError, match="ppo"):
+        PolicyLossConfig(objective="grpo")
