@@ -103,6 +103,16 @@ class DataConfig(ServiceConfig):
         "training, an unbounded backlog makes staleness grow without limit (FIFO consumption); "
         "about 2 global batches keeps it at 1-3 versions. Unset: no limit.",
     )
+    async_ratio: Annotated[int, Field(ge=0)] | None = Field(
+        None,
+        description="ROLL Flash's asynchronous ratio alpha: a rollout is given new prompts only "
+        "while the trainer is at most this many versions ahead of its weights (it may still "
+        "resume trajectories it started); a staler one gets none until it loads newer weights. "
+        "0 = on-policy starts. Unset: no bound (Laminar's default). Under the laminar schedule, "
+        "where a rollout already takes no prompts once its relay holds a newer version, it binds "
+        "only while versions are on their way to the relays (measured: no effect on the "
+        "simulate example's throughput or staleness).",
+    )
     reward_workers: Annotated[int, Field(ge=1)] = Field(
         1, description="Worker processes running the reward function."
     )

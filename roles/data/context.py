@@ -36,6 +36,7 @@ class DataContext:
     db: OnStoreThread
     need_store: Callable[[], Store]  # the open store (a clear error while starting or stopping)
     rounds: RoundGate | None  # round schedules (``rounds``); None under laminar
+    trainer_version: int = 0  # the newest the trainer sampled at (its ``SampleRequest``)
 
 
 def store_clock(clock: Clock) -> Callable[[], float]:

@@ -3,9 +3,10 @@
 A take queues whole groups as needed (``queue_ahead``; under a round schedule only the open
 round's, see ``rounds``) and leases queued samples to the rollout: re-deliveries of leases whose
 reply was lost, resumes of requeued samples at the rollout's version, then fresh ones, within
-``max_ahead`` (backpressure). With none to give it waits, up to the request's ``wait_s``, for
-:meth:`Leasing.wake` (a report ended a round, the trainer made room, a dead rollout's leases came
-back).
+``max_ahead`` (backpressure) and, with ``async_ratio`` set, only to a rollout whose weights are at
+most that many versions behind the trainer's (:func:`may_start`; resumes still go to it). With
+none to give it waits, up to the request's ``wait_s``, for :meth:`Leasing.wake` (a report ended
+a round, the trainer made room, a dead rollout's leases came back).
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from .context import DataContext
 from .store import Store
 
 HANDOFF_GRACE_S = 60.0  # a repack handoff not arrived by then is a lost lease (re-delivered)
+
+
+def may_start(trainer_version: int, rollout_version: int, async_ratio: int | None) -> bool:
+    """ROLL Flash's asynchronous ratio: a rollout may start trajectories only while the trainer
+    is at most ``async_ratio`` versions ahead of its weights (``None``: no bound)."""
+    return async_ratio is None or trainer_version - rollout_version <= async_ratio
 
 
 def trajectory_seed(seed: int, trajectory_id: str) -> int:
@@ -97,8 +104,15 @@ class Leasing:
         else:
             store.refill(c.queue_ahead + req.max_count, c.samples_per_prompt, c.seed, c.epochs)
             fresh = None if c.max_ahead is None else max(0, c.max_ahead - store.ahead())
+            start = may_start(self.ctx.trainer_version, req.version, c.async_ratio)
             out = store.lease(
-                req.rollout, req.max_count, req.version, holding, self.params, fresh_limit=fresh
+                req.rollout,
+                req.max_count,
+                req.version,
+                holding,
+                self.params,
+                fresh_limit=fresh,
+                start_new=start,
             )
         if c.sampling.seed is not None:
             out = [

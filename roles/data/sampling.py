@@ -43,6 +43,7 @@ class Sampling:
         buffer = self.buffer
         assert buffer is not None
         buffer.check(req.n, req.whole_groups)
+        self.ctx.trainer_version = max(self.ctx.trainer_version, req.trainer_version)
         clock = self.ctx.clock
         deadline = clock.time() + req.wait_s
         while True:

@@ -375,3 +375,27 @@ def test_a_lost_lease_of_an_older_version_is_requeued_for_that_version_not_re_de
     resumed = store.lease("r0", 2, 0, set(), PARAMS)
     assert [x.trajectory_id for x in resumed] == [a.trajectory_id]
     assert resumed[0].version == 0 and resumed[0].resume_token_ids == [5, 6]
+
+
+def test_async_ratio_stops_new_starts_on_stale_weights_but_not_resumes(tmp_path):
+    """ROLL Flash's alpha, hand-computed: with the trainer at version 5 and alpha = 2, a rollout
+    on version 3 may start trajectories (5 - 3 = 2 <= 2) and one on version 2 may not (3 > 2);
+    alpha = 0 allows only the trainer's own version; no alpha, any. The stale rollout still
+    gets back the trajectory it had started at its version (a resume), and nothing fresh."""
+    from laminar.roles.data.leasing import may_start
+
+    assert may_start(5, 3, 2) and not may_start(5, 2, 2)
+    assert may_start(5, 5, 0) and not may_start(5, 4, 0)
+    assert may_start(50, 0, None)
+    store = make_store(tmp_path)
+    store.refill(10, samples=1, seed=0, epochs=None)
+    (a,) = store.lease("r1", 1, 2, set(), PARAMS)
+    chunk = PartialChunk(trajectory_id=a.trajectory_id, version=2, offset=0, token_ids=[4],
+                         logprobs=[-1.0])  # fmt: skip
+    store.append_partials("r1", [chunk])
+    store.release("r1")
+    stale = store.lease("r2", 5, 2, set(), PARAMS, start_new=may_start(5, 2, 2))
+    assert [s.trajectory_id for s in stale] == [a.trajectory_id]
+    assert stale[0].resume_token_ids == [4]
+    fresh = store.lease("r3", 5, 3, set(), PARAMS, start_new=may_start(5, 3, 2))
+    assert len(fresh) == 5 and a.trajectory_id not in {f.trajectory_id for f in fresh}

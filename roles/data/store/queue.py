@@ -129,6 +129,7 @@ class Queue(StoreBase):
         holding: set[str],
         params: SamplingParams,
         fresh_limit: int | None = None,
+        start_new: bool = True,
     ) -> list[Assignment]:
         """Up to ``count`` assignments for ``rollout``: re-deliveries, resumes, then fresh ones.
 
@@ -136,9 +137,11 @@ class Queue(StoreBase):
         of an earlier lease was lost). Resumes are requeued samples with partial tokens of
         ``version``; samples with partials of another version are left for a matching rollout.
         ``fresh_limit`` caps the samples newly leased (backpressure); re-deliveries are already
-        leased, so they are never held back. A *suspect* (strikes > 0: a rollout died holding it)
-        goes only to a rollout that holds no other suspect still without progress, so that if it
-        is what kills rollouts, it does not take other suspects down with it again
+        leased, so they are never held back. ``start_new=False`` leases no sample that has not
+        started yet (the asynchronous ratio): only re-deliveries and resumes. A *suspect*
+        (strikes > 0: a rollout died holding it) goes only to a rollout that holds no other
+        suspect still without progress, so that if it is what kills rollouts, it does not take
+        other suspects down with it again
         (``failures``).
         """
         out: list[Assignment] = []
@@ -161,7 +164,7 @@ class Queue(StoreBase):
             want = count - len(out)
             if fresh_limit is not None:
                 want = min(want, fresh_limit)
-            for tid in self._leasable(rollout, version, want):
+            for tid in self._leasable(rollout, version, want, start_new):
                 self.db.execute(
                     "UPDATE samples SET state = 'leased', rollout = ?, version = ?, progress = 0, "
                     "started_at = COALESCE(started_at, ?) WHERE trajectory_id = ?",
@@ -170,11 +173,15 @@ class Queue(StoreBase):
                 out.append(self._assignment(tid))
         return [a.model_copy(update={"params": params}) for a in out]
 
-    def _leasable(self, rollout: str, version: int, want: int) -> list[str]:
-        """Up to ``want`` queued samples for ``rollout``, in queue order, at most one suspect."""
+    def _leasable(self, rollout: str, version: int, want: int, start_new: bool = True) -> list[str]:
+        """Up to ``want`` queued samples for ``rollout``, in queue order, at most one suspect
+        (with ``start_new=False`` only resumes: samples bound to ``version``)."""
         if want <= 0:
             return []
-        match = "state = 'queued' AND (version IS NULL OR version = ?)"
+        if start_new:
+            match = "state = 'queued' AND (version IS NULL OR version = ?)"
+        else:
+            match = "state = 'queued' AND version = ?"
         rows = self.db.execute(
             f"SELECT seq, trajectory_id FROM samples WHERE {match} AND strikes = 0 "
             "ORDER BY seq LIMIT ?",
