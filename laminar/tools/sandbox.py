@@ -1,0 +1,252 @@
+"""Running untrusted tool code (an agent's Python or calculator call): limits, no network, no token.
+
+Why its own module: an agentic episode hands a model's text to an interpreter, and the model is
+being trained to do whatever earns reward. Whatever it writes (an infinite loop, a fork bomb, a
+gigabyte of output, a connection to the cluster, a read of the cluster's token) must fail that
+turn with a reason, and nothing else: not the data role, not the machine, not the run.
+
+:func:`run_python` writes the code to a fresh directory and starts :mod:`.jail` in a session of
+its own; the jail puts the tool in new network and PID namespaces, under CPU, memory, process and
+file-size limits and (as root) a user of its own, and execs the interpreter in isolated mode with
+a minimal environment (``PATH``, ``HOME`` = its directory, ``LANG``; nothing of the caller's, so
+no token). Here, in the caller:
+
+* **wall clock**: past ``wall_s`` the whole session is killed (``killpg``); the jail's death kills
+  the tool (parent-death signal) and the tool's death empties its PID namespace;
+* **output**: stdout and stderr are read as they come, at most ``output_bytes`` each; past that the
+  tool is killed and the turn fails (``output over N bytes``), so a flood costs bounded memory;
+* **afterwards**: every process still running as the tool's uid is killed (as root), and the
+  directory removed.
+
+A result always comes back (:class:`ToolResult`): ``ok`` with the output, or not with a
+``reason`` (``timed out after 5 s``, ``cpu limit (5 s)``, ``killed by SIGKILL``, ``exit status
+1``, ``output over 65536 bytes``, ``sandbox unavailable: ...``).
+
+Where isolation is impossible (not root and no unprivileged user namespaces), every call fails
+with the jail's reason; :func:`check_sandbox` says so up front (``laminar doctor`` can ask).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
+
+from laminar.config import Strict
+
+from .jail import SETUP_FAILED
+
+__all__ = ["SandboxLimits", "ToolResult", "check_sandbox", "run_python"]
+
+#: uids a tool runs as (as root): one per call, drawn from a range no distribution allocates
+#: (systemd's dynamic users stop at 61183; container ranges start at 524288).
+SANDBOX_UIDS = range(200_000, 260_000)
+
+
+class SandboxLimits(Strict):
+    """What one tool call may use."""
+
+    wall_s: Annotated[float, Field(gt=0, le=3600)] = Field(
+        10.0, description="Wall-clock seconds before the call is killed."
+    )
+    cpu_s: Annotated[int, Field(ge=1)] = Field(5, description="CPU seconds (RLIMIT_CPU).")
+    memory_mib: Annotated[int, Field(ge=64)] = Field(
+        512, description="Address space per process, MiB (RLIMIT_AS)."
+    )
+    max_processes: Annotated[int, Field(ge=1)] = Field(
+        16, description="Processes and threads (RLIMIT_NPROC, for the tool's own uid)."
+    )
+    file_mib: Annotated[int, Field(ge=1)] = Field(
+        16, description="Largest file the tool may write, MiB (RLIMIT_FSIZE)."
+    )
+    output_bytes: Annotated[int, Field(ge=1024)] = Field(
+        65536, description="Most bytes of stdout (and of stderr) kept; more fails the call."
+    )
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    ok: bool
+    stdout: str
+    stderr: str
+    exit_status: int | None  # None: killed by the sandbox before it exited
+    reason: str | None  # why it failed (None when ok)
+    wall_s: float
+
+
+class _Overflow(Exception):
+    pass
+
+
+async def _read(stream: asyncio.StreamReader, limit: int, into: bytearray) -> None:
+    while chunk := await stream.read(65536):
+        into += chunk[: limit + 1 - len(into)]
+        if len(into) > limit:
+            raise _Overflow
+
+
+def _others_may_run(path: str) -> bool:
+    """Whether a user of no group of ours may execute ``path`` (every directory on the way
+    searchable, the file readable and executable by others)."""
+    real = Path(os.path.realpath(path))
+    try:
+        for parent in real.parents:
+            if not parent.stat().st_mode & stat.S_IXOTH:
+                return False
+        mode = real.stat().st_mode
+    except OSError:
+        return False
+    return bool(mode & stat.S_IXOTH and mode & stat.S_IROTH)
+
+
+def interpreter(root: bool) -> str:
+    """The Python the tool runs: this process's, unless (as root, the tool running as a user of
+    its own) that user cannot reach it (e.g. under a ``/root`` of mode 700): then the system's
+    ``python3``. The tool needs the standard library only."""
+    if not root or _others_may_run(sys.executable):
+        return sys.executable
+    for name in ("python3", "python"):
+        found = shutil.which(name, path="/usr/local/bin:/usr/bin:/bin")
+        if found and _others_may_run(found):
+            return found
+    raise RuntimeError("no Python interpreter that an unprivileged user may run was found")
+
+
+def _uid_processes(uid: int) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(entry.path).st_uid == uid:
+                    found.append(int(entry.name))
+    return found
+
+
+def _kill_uid(uid: int, wait_s: float = 5.0) -> None:
+    """SIGKILL every process running as ``uid`` (the tool's own: nothing else uses it) until
+    none is left: a process killed is listed until it is reaped, and one may fork meanwhile."""
+    deadline = time.monotonic() + wait_s
+    while (pids := _uid_processes(uid)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def _status_reason(status: int, limits: SandboxLimits, stderr: str) -> str | None:
+    if status == 0:
+        return None
+    if status == SETUP_FAILED and stderr.startswith("sandbox:"):
+        return f"sandbox unavailable: {stderr.strip().splitlines()[-1]}"
+    if status > 128:
+        sig = signal.Signals(status - 128)
+        if sig == signal.SIGXCPU:
+            return f"cpu limit ({limits.cpu_s} s)"
+        return f"killed by {sig.name}"
+    if "MemoryError" in stderr:
+        return f"memory limit ({limits.memory_mib} MiB)"
+    return f"exit status {status}"
+
+
+async def run_python(code: str, limits: SandboxLimits | None = None) -> ToolResult:
+    """Run ``code`` with the interpreter this process runs, sandboxed; see the module docstring."""
+    limits = limits or SandboxLimits()
+    start = time.perf_counter()
+    uid = SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))] if os.geteuid() == 0 else None
+    work, spec_file = _prepare(code, limits, uid)
+    try:
+        return await _run(spec_file, limits, uid, start)
+    finally:
+        _cleanup(work, spec_file, uid)
+
+
+def _prepare(code: str, limits: SandboxLimits, uid: int | None) -> tuple[Path, Path]:
+    """The tool's directory (its file inside, owned by ``uid``) and the jail's spec file."""
+    work = Path(tempfile.mkdtemp(prefix="laminar-tool-"))
+    program = work / "tool.py"
+    program.write_text(code)
+    if uid is not None:
+        os.chown(work, uid, uid)
+        os.chown(program, uid, uid)
+    spec = {
+        "python": interpreter(uid is not None),
+        "program": str(program),
+        "workdir": str(work),
+        "env": {"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8"},
+        "uid": uid,
+        "gid": uid,
+        "cpu_s": limits.cpu_s,
+        "memory_mib": limits.memory_mib,
+        "max_processes": limits.max_processes,
+        "file_mib": limits.file_mib,
+    }
+    fd, name = tempfile.mkstemp(prefix="laminar-jail-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(spec, f)
+    return work, Path(name)
+
+
+def _cleanup(work: Path, spec_file: Path, uid: int | None) -> None:
+    if uid is not None:
+        _kill_uid(uid)
+    spec_file.unlink(missing_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+async def _run(spec_file: Path, limits: SandboxLimits, uid: int | None, start: float) -> ToolResult:
+    jail = [sys.executable, "-I", "-m", "laminar.tools.jail", str(spec_file)]
+    proc = await asyncio.create_subprocess_exec(
+        *jail,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+    )
+    out, err = bytearray(), bytearray()
+    assert proc.stdout is not None and proc.stderr is not None
+    reason = None
+    try:
+        async with asyncio.timeout(limits.wall_s):
+            await asyncio.gather(
+                _read(proc.stdout, limits.output_bytes, out),
+                _read(proc.stderr, limits.output_bytes, err),
+            )
+            await proc.wait()
+    except TimeoutError:
+        reason = f"timed out after {limits.wall_s:g} s"
+    except _Overflow:
+        reason = f"output over {limits.output_bytes} bytes"
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        if uid is not None:
+            _kill_uid(uid)
+    stdout = out[: limits.output_bytes].decode(errors="replace")
+    stderr = err[: limits.output_bytes].decode(errors="replace")
+    status = None if reason else proc.returncode
+    if reason is None:
+        assert status is not None
+        reason = _status_reason(status, limits, stderr)
+    return ToolResult(reason is None, stdout, stderr, status, reason, time.perf_counter() - start)
+
+
+def check_sandbox() -> str | None:
+    """None if tools can be sandboxed here, else why not (one sandboxed ``pass``)."""
+    result = asyncio.run(run_python("pass", SandboxLimits(wall_s=30)))
+    return None if result.ok else result.reason

@@ -1,0 +1,125 @@
+"""The tool sandbox (``laminar/tools/sandbox.py``) against hostile code: every call fails alone,
+with its reason, and leaves nothing behind.
+
+Each case is a real interpreter in the real jail (namespaces, limits, its own uid as root).
+"Nothing behind" is checked the way it would go wrong: no process of a sandbox uid survives the
+call (a fork bomb's children, a daemon that left the session), no tool directory stays in the
+temporary directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from laminar.tools.sandbox import SANDBOX_UIDS, SandboxLimits, run_python
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = os.geteuid() == 0
+FAST = SandboxLimits(wall_s=5.0, cpu_s=3)
+
+
+def run(code: str, limits: SandboxLimits = FAST):  # type: ignore[no-untyped-def]
+    return asyncio.run(run_python(code, limits))
+
+
+def sandbox_processes() -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.stat(entry.path).st_uid in SANDBOX_UIDS:
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def tool_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("laminar-tool-*")}
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing_behind():  # type: ignore[no-untyped-def]
+    before = tool_dirs()
+    yield
+    assert sandbox_processes() == []
+    assert tool_dirs() <= before
+
+
+def test_a_plain_call_returns_its_output_with_nothing_of_ours_in_its_environment() -> None:
+    os.environ["LAMINAR_TOKEN"] = "secret-token-never-seen"
+    try:
+        result = run("import os, sys\nprint(6 * 7)\nprint(sorted(os.environ))")
+    finally:
+        del os.environ["LAMINAR_TOKEN"]
+    assert result.ok and result.reason is None and result.exit_status == 0
+    assert result.stdout.splitlines() == ["42", "['HOME', 'LANG', 'PATH']"]
+
+
+def test_an_infinite_loop_is_stopped_by_the_cpu_limit_or_the_clock() -> None:
+    result = run("while True:\n    pass", SandboxLimits(wall_s=20.0, cpu_s=1))
+    assert not result.ok
+    assert result.reason in ("cpu limit (1 s)", "timed out after 20 s")
+    sleeper = run("import time\ntime.sleep(600)", SandboxLimits(wall_s=1.0))
+    assert sleeper.reason == "timed out after 1 s" and sleeper.wall_s < 10
+
+
+def test_a_fork_bomb_is_contained_and_leaves_no_process() -> None:
+    result = run("import os\nwhile True:\n    os.fork()")
+    assert not result.ok and result.reason is not None
+
+
+def test_a_daemon_that_left_the_session_dies_with_the_tool() -> None:
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(600)\n"
+        "    os._exit(0)\n"
+        "print('parent done')\n"
+    )
+    result = run(code)
+    assert result.ok and result.stdout == "parent done\n"  # the fixture checks the daemon is gone
+
+
+def test_huge_output_fails_the_call_at_the_cap() -> None:
+    limits = SandboxLimits(wall_s=10.0, output_bytes=4096)
+    result = run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", limits)
+    assert result.reason == "output over 4096 bytes" and len(result.stdout) == 4096
+
+
+def test_a_memory_hog_gets_a_memory_error() -> None:
+    result = run("x = bytearray(4 << 30)", SandboxLimits(memory_mib=256))
+    assert result.reason == "memory limit (256 MiB)" and "MemoryError" in result.stderr
+
+
+def test_no_network_not_even_this_machine() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    try:
+        code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)"
+        result = run(code)
+    finally:
+        server.close()
+    assert result.reason == "exit status 1"
+    assert "Network is unreachable" in result.stderr or "Connection refused" in result.stderr
+
+
+@pytest.mark.skipif(not ROOT, reason="as root the tool runs as a user of its own")
+def test_the_tool_cannot_read_or_write_what_we_own(tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("cluster-token")
+    secret.chmod(0o600)
+    tmp_path.chmod(0o755)
+    code = f"open({str(secret)!r}).read()"
+    assert "PermissionError" in run(code).stderr
+    code = f"open({str(tmp_path / 'new')!r}, 'w').write('x')"
+    assert "PermissionError" in run(code).stderr
