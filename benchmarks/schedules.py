@@ -5,7 +5,10 @@ role, one relay, ``--rollouts`` sim-engine rollouts and the sim trainer (``roles
 which publishes ``--weight-mib`` MiB per version through the real publisher and relay. Only
 ``cluster.schedule.kind`` differs (and repack, on for laminar only: it is part of Laminar's
 design). Same rollouts, same decode step-time model (the paper's Fig. 4, 7B), same length
-distribution (the paper's bimodal Fig. 17), same batch size, same train cost model.
+distribution (the paper's bimodal Fig. 17), same batch size, same train cost model. With
+``--workload tool``: the paper's tool-calling workload instead (Fig. 12: responses near 1K tokens,
+up to 8 code-sandbox calls each of long-tailed latency, during which the episode's sequence leaves
+its engine's batch and the others decode; ``laminar.engines.configs.ToolCalls``).
 
 Resources: every schedule has the same GPUs. ``--rollouts`` R rollout GPUs and ``--train-gpus`` T
 trainer GPUs (default T = R: the paper's smallest 7B placement, 16 = 8 train + 8 rollout).
@@ -47,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from laminar.config import ClusterConfig, load_config  # noqa: E402
 from laminar.harness.launch import ProcessCluster  # noqa: E402
+from laminar.log import configure_logging  # noqa: E402
 from laminar.membership import MembershipApi  # noqa: E402
 from laminar.rpc_client import RpcClient, remote  # noqa: E402
 from laminar.service import transport_options  # noqa: E402
@@ -57,6 +61,38 @@ TOKEN = "schedules-bench-token"
 SCHEDULES = ("laminar", "sync", "one_step", "tail_batching")
 COLOCATED = {"sync", "tail_batching"}
 FIG4_7B = [[1, 0.007], [64, 0.0125], [128, 0.018], [256, 0.030]]  # paper Fig. 4, seconds
+
+
+#: The paper's tool-calling workload (Fig. 12, ``shared/paper-notes.md`` §6.1 and Fig. 17): a 7B
+#: ReTool checkpoint whose responses peak sharply near 1K tokens, at most 8 code-sandbox calls,
+#: sandbox latencies "mostly under 50 s, with a tail to ~600 s". Assumed shapes: calls uniform in
+#: 0..8; latency lognormal with median 8 s and sigma 1.4 (p90 48 s, p99.9 600 s), cut at 600 s;
+#: 128 tokens of tool output per call; lengths lognormal, median 1024, sigma 0.3.
+TOOL_LATENCY = {"median_s": 8.0, "sigma": 1.4, "max_s": 600.0}
+
+
+def workload_engine(workload: str, s: float, L: float) -> dict[str, Any]:
+    """The engine's lengths (and tool calls) of ``workload``, time-scaled (module docstring:
+    emulated time runs at S / L of real time, so a tool's latency is multiplied by S / L)."""
+    if workload == "math":
+        lengths = {"kind": "paper", "short_median": 1024 / L, "long_median": 8192 / L}
+        return {"lengths": {**lengths, "max_length": int(16384 / L)}}
+    scale = s / L
+    return {
+        "lengths": {
+            "kind": "lognormal",
+            "median": 1024 / L,
+            "sigma": 0.3,
+            "max_length": int(16384 / L),
+        },
+        "tools": {
+            "max_calls": 8,
+            "latency_median_s": TOOL_LATENCY["median_s"] * scale,
+            "latency_sigma": TOOL_LATENCY["sigma"],
+            "latency_max_s": TOOL_LATENCY["max_s"] * scale,
+            "output_tokens": max(1, round(128 / L)),
+        },
+    }
 
 
 def task_files(directory: Path) -> tuple[Path, Path]:
@@ -110,12 +146,7 @@ def write_config(directory: Path, args: argparse.Namespace, schedule: str) -> Pa
                 "backend": "sim",
                 "vocab_size": 64,
                 "seed": 0,
-                "lengths": {
-                    "kind": "paper",
-                    "short_median": 1024 / L,
-                    "long_median": 8192 / L,
-                    "max_length": int(16384 / L),
-                },
+                **workload_engine(args.workload, s, L),
                 "cost": {
                     "batch_points": [[b, t * s] for b, t in FIG4_7B],
                     "prefill_s_per_token": 2e-5 * s,
@@ -223,6 +254,13 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=25.0)
     p.add_argument("--duration", type=float, default=80.0)
     p.add_argument(
+        "--workload",
+        choices=("math", "tool"),
+        default="math",
+        help="math: the paper's bimodal 7B lengths; tool: multi-turn episodes with up to 8 "
+        "code-sandbox calls of long-tailed latency (the paper's Fig. 12 workload)",
+    )
+    p.add_argument(
         "--mode",
         choices=("processes", "simulate", "both"),
         default="processes",
@@ -232,6 +270,8 @@ def main() -> None:
     args = p.parse_args()
 
     results: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
+    if args.mode != "processes":  # the simulated members log here: what a process would log
+        configure_logging(role="simulate", instance="simulate", level="error")
     modes = ["processes", "simulate"] if args.mode == "both" else [args.mode]
     by_mode: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in modes}
     with tempfile.TemporaryDirectory(prefix="laminar-schedules-") as tmp:

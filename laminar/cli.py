@@ -192,9 +192,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _simulate_run(args: argparse.Namespace) -> int:
+    from .log import configure_logging
     from .simulate.cluster import describe_runs, plan
 
     config = load_config(args.config, args.set)
+    # every member logs in this one process; members stopping at the end warn of peers gone
+    configure_logging(role="simulate", instance="simulate", level=args.log_level)
     duration = args.duration or config.run.duration_s or 120.0
     rows = plan(
         config,
@@ -473,6 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--warmup", type=float, default=30.0, help="virtual seconds before measuring")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--json", help="write one row per run here")
+    run.add_argument(
+        "--log-level",
+        default="error",
+        choices=("debug", "info", "warning", "error"),
+        help="the members' log level (all log to this process's stderr)",
+    )
     simulate.set_defaults(fn=cmd_simulate)
 
     def connection(p: argparse.ArgumentParser, *, inherit: bool = False) -> None:

@@ -64,6 +64,30 @@ class VllmEngineConfig(Strict):
     )
 
 
+class ToolCalls(Strict):
+    """Multi-turn episodes with tool calls (issue 19; the paper's Fig. 12 workload: a code
+    sandbox, at most 8 calls). A response is cut into turns at ``calls`` points evenly spread
+    over its length; at each, the sequence leaves the batch for the tool's latency (its KV cache
+    released: the next turn is a new request, its whole context prefilled again), gains the
+    tool's output as context, and queues again. Other sequences decode meanwhile."""
+
+    max_calls: Annotated[int, Field(ge=0, le=64)] = Field(
+        8, description="Tool calls per response: uniform in 0..max_calls, by request id."
+    )
+    latency_median_s: Annotated[float, Field(gt=0)] = Field(
+        1.0, description="Median tool latency, seconds of the engine's clock (lognormal)."
+    )
+    latency_sigma: Annotated[float, Field(ge=0)] = Field(
+        1.0, description="Std. dev. of log(latency): long-tailed like generation (assumed)."
+    )
+    latency_max_s: Annotated[float, Field(gt=0)] = Field(
+        30.0, description="Latencies are cut to this (a tool call's timeout)."
+    )
+    output_tokens: Annotated[int, Field(ge=0)] = Field(
+        64, description="Tokens of tool output each call adds to the context (not generated)."
+    )
+
+
 class SimEngineConfig(Strict):
     """A model-free engine: lengths from a distribution, step times from a cost model.
 
@@ -98,6 +122,9 @@ class SimEngineConfig(Strict):
     )
     load_time_s: Annotated[float, Field(ge=0)] = Field(
         0.0, description="Simulated seconds that load_weights takes."
+    )
+    tools: ToolCalls | None = Field(
+        None, description="Tool calls within a response (multi-turn episodes); null: none."
     )
     chunk_steps: Annotated[int, Field(ge=1, le=4096)] = Field(
         1,

@@ -53,11 +53,14 @@ the virtual clock would burn virtual time. All time goes through the injected :c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -100,6 +103,7 @@ class _Seq:
     remaining: int  # tokens still to generate in this submission
     finish_reason: FinishReason
     needs_prefill: bool = True  # set at submission and by preemption
+    calls: list[tuple[int, float]] = field(default_factory=list)  # (position, latency) ahead
 
 
 class SimEngine(Engine):
@@ -113,6 +117,8 @@ class SimEngine(Engine):
         self._clock = clock
         self._running: dict[str, _Seq] = {}  # by backend id, in admission order (newest last)
         self._waiting: deque[_Seq] = deque()
+        self._paused: list[tuple[float, int, _Seq]] = []  # in a tool call: (resume at, n, seq)
+        self._pause_order = itertools.count()
         self._kv_held = 0
         self._last_batch = 0
         self._wake = asyncio.Event()
@@ -120,6 +126,7 @@ class SimEngine(Engine):
         self.steps = 0
         self.preemptions = 0
         self.prefill_tokens = 0  # prompt tokens prefilled, re-prefills after preemption included
+        self.tool_calls_made = 0
         self.max_model_len = config.kv_capacity_tokens  # what the KV cache could ever hold
         self.vocab_size = config.vocab_size
 
@@ -132,6 +139,24 @@ class SimEngine(Engine):
         """The total response length drawn for ``request_id`` (before any clipping)."""
         rng = np.random.default_rng([self.config.seed, _hash64(request_id)])
         return int(self.config.lengths.sample(rng, 1)[0])
+
+    def tool_calls(self, request_id: str, start: int, end: int) -> list[tuple[int, float]]:
+        """The tool calls of ``request_id`` between positions ``start`` and ``end`` (exclusive):
+        (position, latency), drawn from the request id like its length, so a sequence continued
+        elsewhere makes the same calls."""
+        tools = self.config.tools
+        if tools is None:
+            return []
+        full = self.response_length(request_id)
+        rng = np.random.default_rng([self.config.seed, _hash64(request_id), 7])
+        n = int(rng.integers(0, tools.max_calls + 1))
+        latencies = rng.lognormal(math.log(tools.latency_median_s), tools.latency_sigma, n)
+        points = [round(full * (i + 1) / (n + 1)) for i in range(n)]
+        return [
+            (p, min(float(t), tools.latency_max_s))
+            for p, t in zip(points, latencies, strict=True)
+            if start < p < end
+        ]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -149,6 +174,7 @@ class SimEngine(Engine):
             await asyncio.wait([task])
         self._running.clear()
         self._waiting.clear()
+        self._paused.clear()
         self._kv_held = 0
         self._last_batch = 0
 
@@ -169,7 +195,9 @@ class SimEngine(Engine):
         budget = min(params.max_tokens, room)
         remaining, reason = (budget, "length") if want >= budget else (want, "stop")
         key = _hash64(f"{cfg.seed}:{request_id}")
-        self._waiting.append(_Seq(backend_id, key, produced, len(prompt), remaining, reason))
+        seq = _Seq(backend_id, key, produced, len(prompt), remaining, reason)
+        seq.calls = self.tool_calls(request_id, produced, produced + remaining)
+        self._waiting.append(seq)
         self._wake.set()
 
     async def _cancel(self, backend_id: str) -> None:
@@ -180,6 +208,11 @@ class SimEngine(Engine):
         for seq in self._waiting:
             if seq.backend_id == backend_id:
                 self._waiting.remove(seq)
+                return
+        for i, (_, _, seq) in enumerate(self._paused):
+            if seq.backend_id == backend_id:
+                self._paused.pop(i)
+                heapq.heapify(self._paused)
                 return
 
     async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
@@ -204,12 +237,17 @@ class SimEngine(Engine):
         clock = self.clock
         cost = self.config.cost
         while True:
+            self._unpause(clock.time())
             self._admit()
             self._preempt()
             if not self._running:  # idle (or, defensively, nothing admissible): wait, no polling
                 self._last_batch = 0
                 self._wake.clear()
-                await self._wake.wait()
+                if not self._paused:
+                    await self._wake.wait()
+                    continue
+                with contextlib.suppress(TimeoutError):  # until a tool call returns
+                    await asyncio.wait_for(self._wake.wait(), self._paused[0][0] - clock.time())
                 continue
             batch = list(self._running.values())
             prefill = 0
@@ -225,16 +263,30 @@ class SimEngine(Engine):
             seconds += cost.prefill_time(prefill)
             await clock.sleep(seconds)
             self.steps += k
-            self._emit(self._decode(batch, k))
+            self._emit(self._decode(batch, k, clock.time()))
+
+    def _unpause(self, now: float) -> None:
+        """Sequences whose tool call has returned queue again (their context to prefill)."""
+        while self._paused and self._paused[0][0] <= now:
+            _, _, seq = heapq.heappop(self._paused)
+            self._waiting.append(seq)
 
     def _chunk(self, batch: list[_Seq]) -> int:
         """Steps to take as one event (module docstring): >= 1, since after :meth:`_preempt` the
-        cache holds one more token per running sequence."""
+        cache holds one more token per running sequence. A chunk ends at the batch's next tool
+        call, and near the time the first tool call returns."""
         k = self.config.chunk_steps
         if k == 1:
             return 1
         room = (self.config.kv_capacity_tokens - self._kv_held) // len(batch)
-        return max(1, min(k, room, min(seq.remaining for seq in batch)))
+        k = min(k, room, min(seq.remaining for seq in batch))
+        for seq in batch:
+            if seq.calls:
+                k = min(k, seq.calls[0][0] - seq.position)
+        if self._paused:
+            step = self.config.cost.batch_time(len(batch))
+            k = min(k, int((self._paused[0][0] - self.clock.time()) / step) + 1)
+        return max(1, k)
 
     def _admit(self) -> None:
         cfg = self.config
@@ -257,8 +309,9 @@ class SimEngine(Engine):
             self._waiting.appendleft(seq)
             self.preemptions += 1
 
-    def _decode(self, batch: list[_Seq], k: int = 1) -> list[EngineOutput]:
-        """``k`` tokens for each sequence of ``batch`` still running (k <= its remaining)."""
+    def _decode(self, batch: list[_Seq], k: int = 1, now: float = 0.0) -> list[EngineOutput]:
+        """``k`` tokens for each sequence of ``batch`` still running (k <= its remaining); one
+        that reaches a tool call leaves for it (``ToolCalls``)."""
         vocab = self.config.vocab_size
         running = self._running
         outputs = []
@@ -276,6 +329,8 @@ class SimEngine(Engine):
             if seq.remaining > 0:
                 self._kv_held += k
                 outputs.append(EngineOutput(seq.backend_id, tokens, logprobs))
+                if seq.calls and seq.position >= seq.calls[0][0]:
+                    self._call_tool(seq, now)
             else:
                 del running[seq.backend_id]
                 self._kv_held -= seq.held - k
@@ -283,6 +338,23 @@ class SimEngine(Engine):
                     EngineOutput(seq.backend_id, tokens, logprobs, True, seq.finish_reason)
                 )
         return outputs
+
+    def _call_tool(self, seq: _Seq, now: float) -> None:
+        """``seq`` ends its turn: out of the batch, KV released, back after the tool's latency
+        with the tool's output in its context."""
+        _, latency = seq.calls.pop(0)
+        tools = self.config.tools
+        assert tools is not None
+        del self._running[seq.backend_id]
+        self._kv_held -= seq.held
+        capacity = self.config.kv_capacity_tokens
+        seq.held = min(seq.held + tools.output_tokens, capacity - 1)
+        if seq.remaining > capacity - seq.held:  # the output filled the context: cut, as vLLM
+            seq.remaining, seq.finish_reason = capacity - seq.held, "length"
+            seq.calls = [c for c in seq.calls if c[0] < seq.position + seq.remaining]
+        seq.needs_prefill = True
+        self.tool_calls_made += 1
+        heapq.heappush(self._paused, (now + latency, next(self._pause_order), seq))
 
 
 def _report_crash(task: asyncio.Task[None]) -> None:

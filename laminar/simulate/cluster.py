@@ -34,7 +34,6 @@ from laminar.clock import get_clock
 from laminar.config import ConfigError, LaminarConfig
 from laminar.harness.inproc import InprocCluster
 from laminar.harness.inproc_loop import InprocLoop, run_inproc
-from laminar.log import configure_logging
 from laminar.membership import MembershipApi
 from laminar.roles_registry import builtin_roles, load_role
 from laminar.rpc_client import RpcClient
@@ -174,7 +173,6 @@ def run_config(
 ) -> dict[str, Any]:
     """Run ``config``'s cluster for ``warmup_s + duration_s`` virtual seconds; its figures."""
     check_simulatable(config)
-    configure_logging(role="simulate", instance="simulate", level=config.cluster.log_level)
     with tempfile.TemporaryDirectory(prefix="laminar-simulate-") as tmp:
         config = _seeded(config, seed, Path(tmp))
         return run_inproc(lambda: _run(config, duration_s, warmup_s), seed=seed)
@@ -222,8 +220,6 @@ async def _run(config: LaminarConfig, duration_s: float, warmup_s: float) -> dic
                     records = await trainer_records(client)
                 finally:
                     await client.close()
-            # members stopping one by one warn of peers gone away, which is the point here
-            configure_logging(role="simulate", instance="simulate", level="error")
         finally:
             await cluster.close()
     out = figures(samples, records, start + warmup_s)

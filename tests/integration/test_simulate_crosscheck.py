@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 ROOT = Path(__file__).resolve().parents[2]
 
 REDUCED = {
+    "workload": "math",
     "rollouts": 4,
     "train_gpus": 4,
     "concurrency": 16,

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import structlog
 
 from laminar.cli import main
 from laminar.config import ConfigError, load_config
@@ -21,6 +22,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples/simulate/cluster.yaml"
+
+
+@pytest.fixture(autouse=True)
+def logging_restored():  # type: ignore[no-untyped-def]
+    """The CLI configures structlog for its process, to this test's captured stderr (closed
+    after it): the next test in this worker must get the configuration it had."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 def test_the_example_answers_how_many_rollouts(

@@ -498,3 +498,45 @@ def test_chunked_steps_finish_like_single_steps(capacity: int) -> None:
     assert one_t.keys() == many_t.keys()
     for rid, t in one_t.items():
         assert many_t[rid] == pytest.approx(t, rel=1e-9)
+
+
+def test_tool_calls_pause_a_sequence_while_the_others_decode() -> None:
+    """Hand-computed, with a constant 10 ms step and free prefill. Alone, a 100-token response
+    making tool calls finishes at 100 steps plus the sum of its calls' latencies. Beside others,
+    a response without calls finishes at its own 100 steps, undelayed, and one with calls at most
+    one step later per call (it rejoins at the next step boundary). Chunked steps agree."""
+    tools = {"max_calls": 2, "latency_median_s": 0.3, "latency_sigma": 1.0, "output_tokens": 5}
+    cost = {"batch_points": [[1, 0.01], [256, 0.01]], "prefill_s_per_token": 0.0}
+    step = 0.01
+
+    async def run(chunk: int, ids: tuple[str, ...]) -> tuple[dict[str, float], dict, dict]:
+        eng = engine(lengths={"kind": "fixed", "value": 100}, cost=cost, tools=tools,
+                     chunk_steps=chunk, seed=1)  # fmt: skip
+        calls = {rid: eng.tool_calls(rid, 0, 100) for rid in ids}
+        await eng.start()
+        for rid in ids:
+            await eng.add_request(request(rid, 10))
+        finished: dict[str, float] = {}
+
+        def on_batch(t: float, outs: list[EngineOutput]) -> None:
+            finished.update((o.request_id, t) for o in outs if o.finished)
+
+        out = await drain(eng, len(ids), on_batch)
+        assert eng.tool_calls_made == sum(len(c) for c in calls.values())
+        await eng.close()
+        return finished, out, calls
+
+    ids = tuple("abcdefgh")
+    for chunk in (1, 64):
+        finished, out, calls = run_virtual(run(chunk, ids))
+        assert all(len(r.tokens) == 100 for r in out.values())
+        quiet = [rid for rid in ids if not calls[rid]]
+        busy = [rid for rid in ids if calls[rid]]
+        assert quiet and busy  # seed 1 draws both kinds among eight
+        for rid in quiet:
+            assert finished[rid] == pytest.approx(100 * step)
+        for rid in busy:
+            alone = 100 * step + sum(t for _, t in calls[rid])
+            assert alone - 1e-9 <= finished[rid] <= alone + len(calls[rid]) * step + 1e-9
+        lone, _, lone_calls = run_virtual(run(chunk, (busy[0],)))
+        assert lone[busy[0]] == pytest.approx(100 * step + sum(t for _, t in lone_calls[busy[0]]))
