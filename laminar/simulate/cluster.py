@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from laminar.clock import get_clock
 from laminar.config import ConfigError, LaminarConfig
 from laminar.harness.inproc import InprocCluster
@@ -106,8 +108,13 @@ def with_rollouts(config: LaminarConfig, count: int) -> LaminarConfig:
 
 def with_schedule(config: LaminarConfig, kind: str) -> LaminarConfig:
     """``config`` under schedule ``kind`` (``cluster.schedule.kind``)."""
+    schedule = config.cluster.schedule
+    try:
+        checked = type(schedule).model_validate({**schedule.model_dump(), "kind": kind})
+    except ValidationError as exc:
+        raise ConfigError(f"--schedules: {kind!r}: {exc.errors()[0]['msg']}") from None
     new = config.model_copy(deep=True)
-    new.cluster.schedule = new.cluster.schedule.model_copy(update={"kind": kind})
+    new.cluster.schedule = checked
     return new
 
 

@@ -16,7 +16,7 @@ import structlog
 
 from laminar.cli import main
 from laminar.config import ConfigError, load_config
-from laminar.simulate.cluster import check_simulatable
+from laminar.simulate.cluster import check_simulatable, with_schedule
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -63,3 +63,5 @@ def test_roles_without_a_cost_model_are_refused(tmp_path: Path) -> None:
     torch.write_text(text.replace("- role: sim_trainer", "- role: trainer"))
     with pytest.raises(ConfigError, match="simulate with role sim_trainer"):
         check_simulatable(load_config(torch))
+    with pytest.raises(ConfigError, match="'synchronous': Input should be 'laminar'"):
+        with_schedule(load_config(EXAMPLE), "synchronous")
