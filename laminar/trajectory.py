@@ -99,6 +99,11 @@ class Trajectory(BaseModel):
     rollout: str = ""  # instance that finished it
     reward: float | None = None  # set by the data role's writer
     reward_error: str | None = None  # why there is no reward (raised, timed out)
+    # A multi-turn episode's response holds the environment's turns too (tool output,
+    # observations): [start, end) response positions the environment wrote. The model reads them
+    # but is not trained on them (no loss; their logprobs are placeholders, 0). Empty: every
+    # response token is the model's (single-turn).
+    env_spans: list[tuple[int, int]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _same_length(self) -> Trajectory:
@@ -106,4 +111,16 @@ class Trajectory(BaseModel):
             raise ValueError(
                 f"{len(self.response_token_ids)} response tokens but {len(self.logprobs)} logprobs"
             )
+        end = 0
+        for start, stop in self.env_spans:
+            if not end <= start < stop <= len(self.response_token_ids):
+                raise ValueError(
+                    f"env_spans {self.env_spans}: each [start, end) must be non-empty, in order, "
+                    f"disjoint and within the {len(self.response_token_ids)} response tokens"
+                )
+            end = stop
         return self
+
+    def model_tokens(self) -> int:
+        """Response tokens the model generated (the environment's spans excluded)."""
+        return len(self.response_token_ids) - sum(b - a for a, b in self.env_spans)

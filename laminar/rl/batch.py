@@ -7,6 +7,9 @@ and ``advantages[b, t]`` is the trajectory's advantage. :func:`laminar.rl.token_
 its values on the same grid (value at ``t`` is ``log p(input_ids[t] | input_ids[:t])``), so the
 loss is plain elementwise arithmetic with no shifting anywhere else.
 
+A multi-turn episode's environment turns (``Trajectory.env_spans``: tool output, observations)
+sit in the response as context and get ``loss_mask`` 0, like the prompt.
+
 Rows are ``prompt + response`` padded on the right with ``pad_id``. Right padding keeps the
 positions of real tokens at ``0..len-1``, so a model needs no ``position_ids``; padding tokens are
 excluded by ``attention_mask`` (long, 1 for real tokens, as HF models expect) and never predicted
@@ -105,6 +108,8 @@ def pack(
         input_ids[row, :end] = torch.tensor(t.prompt_token_ids + t.response_token_ids)
         attention_mask[row, :end] = 1
         loss_mask[row, start:end] = 1.0
+        for lo, hi in t.env_spans:  # the environment's turns: context, not trained on
+            loss_mask[row, start + lo : start + hi] = 0.0
         behaviour[row, start:end] = torch.tensor(t.logprobs, dtype=torch.float32)
         adv[row, start:end] = float(a)
     return PackedBatch(input_ids, attention_mask, loss_mask, behaviour, adv)

@@ -11,8 +11,9 @@ file-size limits and (as root) a user of its own, and execs the interpreter in i
 a minimal environment (``PATH``, ``HOME`` = its directory, ``LANG``; nothing of the caller's, so
 no token). Here, in the caller:
 
-* **wall clock**: past ``wall_s`` the whole session is killed (``killpg``); the jail's death kills
-  the tool (parent-death signal) and the tool's death empties its PID namespace;
+* **wall clock**: past ``wall_s`` the jail is told to stop, kills the tool and reaps it, and the
+  tool's death empties its PID namespace (a jail that does not stop is killed with its session;
+  the tool then dies by its parent-death signal);
 * **output**: stdout and stderr are read as they come, at most ``output_bytes`` each; past that the
   tool is killed and the turn fails (``output over N bytes``), so a flood costs bounded memory;
 * **afterwards**: every process still running as the tool's uid is killed (as root), and the
@@ -232,11 +233,11 @@ async def _run(spec_file: Path, limits: SandboxLimits, uid: int | None, start: f
         reason = f"output over {limits.output_bytes} bytes"
     finally:
         if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+            await _stop(proc)
         if uid is not None:
             _kill_uid(uid)
+        with contextlib.suppress(TimeoutError):  # the rest (a pipe's worth at most), then EOF
+            await asyncio.wait_for(proc.communicate(), 5.0)
     stdout = out[: limits.output_bytes].decode(errors="replace")
     stderr = err[: limits.output_bytes].decode(errors="replace")
     status = None if reason else proc.returncode
@@ -244,6 +245,21 @@ async def _run(spec_file: Path, limits: SandboxLimits, uid: int | None, start: f
         assert status is not None
         reason = _status_reason(status, limits, stderr)
     return ToolResult(reason is None, stdout, stderr, status, reason, time.perf_counter() - start)
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    """End the jail and its tool. SIGTERM first: the jail SIGKILLs the tool and reaps it (the
+    tool's exit empties its namespace, the kernel reaping the rest), so no zombie is left to a
+    process 1 that may never reap it. A jail that does not exit at once is killed with its session
+    (the tool then dies by its parent-death signal)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), 5.0)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
 
 
 def check_sandbox() -> str | None:

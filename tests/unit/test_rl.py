@@ -101,6 +101,36 @@ def test_pack_places_response_values_at_response_positions() -> None:
     assert b.select(slice(0, 1)).n_tokens == 3
 
 
+def test_environment_turns_are_context_not_loss() -> None:
+    """A multi-turn episode: model tokens 7 8, the environment's 50 51 52 (tool output), model
+    token 9. The environment's span is read (attention) but has no loss, so no gradient and no
+    weight in a token mean; the model's three tokens carry it all."""
+    episode = traj([5], [7, 8, 50, 51, 52, 9], [-0.5, -0.5, 0.0, 0.0, 0.0, -0.5])
+    episode = episode.model_copy(update={"env_spans": [(2, 5)]})
+    assert episode.model_tokens() == 3
+    b = pack([episode], [1.0])
+    assert b.attention_mask.tolist() == [[1] * 7]
+    assert b.loss_mask.tolist() == [[0, 1, 1, 0, 0, 0, 1]] and b.n_tokens == 3
+    logp = torch.zeros(1, 7, requires_grad=True)
+    old = torch.zeros(1, 7)  # on-policy: ratio 1, nothing clipped
+    loss, _ = policy_loss(logp, old, b.behaviour_logprobs, b.advantages, b.loss_mask,
+                          PolicyLossConfig(), total_tokens=b.n_tokens)  # fmt: skip
+    loss.backward()
+    assert logp.grad is not None
+    assert logp.grad[0, 3:6].tolist() == [0.0, 0.0, 0.0]
+    assert logp.grad[0, [1, 2, 6]].tolist() == pytest.approx([-1 / 3] * 3)
+
+
+@pytest.mark.parametrize(
+    "spans", [[(2, 2)], [(3, 1)], [(0, 7)], [(2, 4), (3, 5)], [(4, 5), (1, 2)]]
+)
+def test_bad_environment_spans_are_refused(spans: list[tuple[int, int]]) -> None:
+    with pytest.raises(ValidationError, match="env_spans"):
+        Trajectory.model_validate(
+            {**traj([5], [1, 2, 3, 4, 5, 6]).model_dump(), "env_spans": spans}
+        )
+
+
 def test_pack_validates() -> None:
     bad = traj([1], [2, 3])
     bad.logprobs.append(-1.0)  # mutated after validation
