@@ -45,6 +45,12 @@ mid-chunk is admitted at the chunk's end instead of the next step, and an abort 
 the chunk's tokens. One event per chunk instead of per step is what lets a cluster of tens of
 rollouts run minutes of cluster time in seconds (``laminar simulate run``).
 
+With ``tools`` set (:class:`~.configs.ToolCalls`, multi-turn episodes), a sequence reaching one
+of its tool calls (positions and latencies drawn from its request id) leaves the batch after the
+step, its KV released; when the latency has passed it queues again with the tool's output added
+to its context (prefilled on readmission). An idle engine with calls out waits for the first to
+return. Chunks end at the batch's next call and near the first return.
+
 KV use = tokens held (prompt + generated of every running sequence) / ``kv_capacity_tokens``; it
 never exceeds 1. When there is nothing to do the loop waits on an event — no polling, which under
 the virtual clock would burn virtual time. All time goes through the injected :class:`Clock`.
