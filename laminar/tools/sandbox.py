@@ -86,6 +86,7 @@ class ToolResult:
     exit_status: int | None  # None: killed by the sandbox before it exited
     reason: str | None  # why it failed (None when ok)
     wall_s: float
+    uid: int | None = None  # the user it ran as (as root: its own, unused by anything else)
 
 
 class _Overflow(Exception):
@@ -244,7 +245,8 @@ async def _run(spec_file: Path, limits: SandboxLimits, uid: int | None, start: f
     if reason is None:
         assert status is not None
         reason = _status_reason(status, limits, stderr)
-    return ToolResult(reason is None, stdout, stderr, status, reason, time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    return ToolResult(reason is None, stdout, stderr, status, reason, wall, uid)
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:

@@ -2,9 +2,10 @@
 with its reason, and leaves nothing behind.
 
 Each case is a real interpreter in the real jail (namespaces, limits, its own uid as root).
-"Nothing behind" is checked the way it would go wrong: no process of a sandbox uid survives the
-call (a fork bomb's children, a daemon that left the session), no tool directory stays in the
-temporary directory.
+"Nothing behind" is checked the way it would go wrong: no process of the uid a call ran as
+survives it (a fork bomb's children, a daemon that left the session), no tool directory stays in
+the temporary directory. The module runs on one pytest-xdist worker (its own group), so no other
+test's tool directory is being used meanwhile.
 """
 
 from __future__ import annotations
@@ -19,22 +20,30 @@ import pytest
 
 from laminar.tools.sandbox import SANDBOX_UIDS, SandboxLimits, run_python
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("sandbox")]
 
 ROOT = os.geteuid() == 0
 FAST = SandboxLimits(wall_s=5.0, cpu_s=3)
 
 
+USED: list[int] = []  # the uids this test's calls ran as
+
+
 def run(code: str, limits: SandboxLimits = FAST):  # type: ignore[no-untyped-def]
-    return asyncio.run(run_python(code, limits))
+    result = asyncio.run(run_python(code, limits))
+    if result.uid is not None:
+        assert result.uid in SANDBOX_UIDS
+        USED.append(result.uid)
+    return result
 
 
 def sandbox_processes() -> list[int]:
+    """Processes of the uids this test's calls ran as."""
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                if os.stat(entry.path).st_uid in SANDBOX_UIDS:
+                if os.stat(entry.path).st_uid in USED:
                     found.append(int(entry.name))
             except OSError:
                 pass
@@ -48,6 +57,7 @@ def tool_dirs() -> set[str]:
 @pytest.fixture(autouse=True)
 def leaves_nothing_behind():  # type: ignore[no-untyped-def]
     before = tool_dirs()
+    USED.clear()
     yield
     assert sandbox_processes() == []
     assert tool_dirs() <= before
