@@ -106,11 +106,12 @@ def test_with_overheads_the_same_runs_are_slower() -> None:
     assert steady_rate(out.updates, out.tokens) < 0.99 * CLOSED_FORM
 
 
-def test_laminar_at_1024_gpus_loses_and_doubles_nothing() -> None:
+@pytest.mark.parametrize("seed", [0, 1])
+def test_laminar_at_1024_gpus_loses_and_doubles_nothing(seed: int) -> None:
     place = placement("laminar", "72B", 1024)  # what run_cell("laminar", "72B", 1024) runs
     shape = model_shape("72B")
     setup = Setup(Roofline(shape, place.tp), place, train_cost(shape, place.train), Lengths("72B"))
-    out = run_continuous("laminar", setup, iterations=4, seed=0)
+    out = run_continuous("laminar", setup, iterations=4, seed=seed)
     assert len(out.trained) == len(set(out.trained)) == 4 * BATCH
     assert all(0 <= sid < out.issued for sid in out.trained)
     assert len(out.trained) + out.in_flight + out.queued == out.issued
