@@ -11,14 +11,19 @@ test's tool directory is being used meanwhile.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
+import signal
 import socket
+import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from laminar.tools.sandbox import SANDBOX_UIDS, SandboxLimits, run_python
+from laminar.tools import jail as jail_module
+from laminar.tools.sandbox import SANDBOX_UIDS, SandboxLimits, interpreter, run_python
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("sandbox")]
 
@@ -37,17 +42,21 @@ def run(code: str, limits: SandboxLimits = FAST):  # type: ignore[no-untyped-def
     return result
 
 
-def sandbox_processes() -> list[int]:
-    """Processes of the uids this test's calls ran as."""
-    found = []
+def processes_of(uids: list[int]) -> set[int]:
+    found = set()
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                if os.stat(entry.path).st_uid in USED:
-                    found.append(int(entry.name))
+                if os.stat(entry.path).st_uid in uids:
+                    found.add(int(entry.name))
             except OSError:
                 pass
     return found
+
+
+def sandbox_processes() -> set[int]:
+    """Processes of the uids this test's calls ran as."""
+    return processes_of(USED)
 
 
 def tool_dirs() -> set[str]:
@@ -59,7 +68,7 @@ def leaves_nothing_behind():  # type: ignore[no-untyped-def]
     before = tool_dirs()
     USED.clear()
     yield
-    assert sandbox_processes() == []
+    assert sandbox_processes() == set()
     assert tool_dirs() <= before
 
 
@@ -133,3 +142,52 @@ def test_the_tool_cannot_read_or_write_what_we_own(tmp_path: Path) -> None:
     assert "PermissionError" in run(code).stderr
     code = f"open({str(tmp_path / 'new')!r}, 'w').write('x')"
     assert "PermissionError" in run(code).stderr
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(
+    not ROOT or shutil.which("setpriv") is None, reason="needs root to become a plain user"
+)
+@pytest.mark.parametrize(
+    ("code", "status", "says"),
+    [
+        ("print(6 * 7)", 0, "42"),
+        ("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=2)", 1,
+         "Network is unreachable"),
+        ("while True:\n    pass", 128 + signal.SIGXCPU, ""),
+        ("import os\nwhile True:\n    os.fork()", 1, "BlockingIOError"),
+    ],
+)  # fmt: skip
+def test_the_jail_isolates_a_plain_user_too(code: str, status: int, says: str) -> None:
+    """Not root, the jail makes a user namespace first (then the network and PID ones inside
+    it). Run here as ``nobody`` with the system interpreter: the same isolation and limits."""
+    python = interpreter(root=True)  # one a plain user may run
+    work = Path(tempfile.mkdtemp(prefix="laminar-jail-test-"))  # pytest's tmp_path is root's only
+    before = processes_of([NOBODY])  # a machine may run daemons as nobody
+    try:
+        _run_as_nobody(python, work, code, status, says)
+    finally:
+        shutil.rmtree(work)
+    assert processes_of([NOBODY]) <= before
+
+
+def _run_as_nobody(python: str, work: Path, code: str, status: int, says: str) -> None:
+    (work / "tool.py").write_text(code)
+    spec = {
+        "python": python, "program": str(work / "tool.py"), "workdir": str(work),
+        "env": {"PATH": "/usr/bin:/bin"}, "uid": None, "gid": None, "cpu_s": 1,
+        "memory_mib": 512, "max_processes": 16, "file_mib": 16,
+    }  # fmt: skip
+    (work / "spec.json").write_text(json.dumps(spec))
+    for path in (work, work / "tool.py", work / "spec.json"):
+        os.chown(path, NOBODY, NOBODY)
+    jail = Path(jail_module.__file__)
+    as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    done = subprocess.run(
+        [*as_nobody, python, "-I", str(jail), str(work / "spec.json")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == status, done.stderr
+    assert says in done.stdout + done.stderr
