@@ -183,7 +183,9 @@ def _run_as_nobody(python: str, work: Path, code: str, status: int, says: str) -
     (work / "spec.json").write_text(json.dumps(spec))
     for path in (work, work / "tool.py", work / "spec.json"):
         os.chown(path, NOBODY, NOBODY)
-    jail = Path(jail_module.__file__)
+    jail = work / "jail.py"  # a copy: the checkout may be out of nobody's reach (mode 700)
+    shutil.copy(jail_module.__file__, jail)
+    os.chown(jail, NOBODY, NOBODY)
     as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
     done = subprocess.run(
         [*as_nobody, python, "-I", str(jail), str(work / "spec.json")],
