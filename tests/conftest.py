@@ -78,6 +78,7 @@ async def serve(cluster, options):  # type: ignore[no-untyped-def]
         await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             started.cancel()
+            hosts.remove((host, task))  # raised here: nothing to stop at teardown
             task.result()  # raises the startup error
         return host, started.result()
 

@@ -168,7 +168,19 @@ async def test_data_role_restart_keeps_completed_and_partials(serve, tmp_path, c
     data_host.stop()
     await asyncio.sleep(0.5)  # rollouts keep generating; their reports fail and pile up
     config = data_host.ctx.config.model_copy(update={"bind": address})
-    host2, _ = await serve(DataService, instance="data-0", manager=data_host.manager, config=config)
+    # The old port was an ephemeral one: meanwhile a connection of this machine may have taken
+    # it as its source port (a CI run saw EADDRINUSE). A restarted data role would wait for it
+    # under a supervisor too; here, try again for a few seconds.
+    for attempt in range(20):
+        try:
+            host2, _ = await serve(
+                DataService, instance="data-0", manager=data_host.manager, config=config
+            )
+            break
+        except Exception as exc:  # an ExceptionGroup from the host's task group
+            if "address already in use" not in repr(exc) or attempt == 19:
+                raise
+            await asyncio.sleep(0.25)
     data2 = host2.ctx.connect(DataApi, host2.ctx.address)
     assert done_before <= set((await data2.completed_ids.call()).ids)
     status = await wait_finished(data2)
