@@ -194,12 +194,16 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         # recorded a moved trajectory as finished by the source) and migrate at once: the
         # youngest of its 8 hold KV state and are far from done. Then it takes the rest again.
         # A loaded machine can still see the source's last sequences finish between the look
-        # and the migrate (a suite run did: nothing to move). Then it takes prompts again and
-        # the next look tries again, while a few sequences are left to migrate.
+        # and the migrate (a suite run did: nothing to move). Then it takes prompts again, and
+        # the next try waits until the sequences it took since stream tokens (they hold KV
+        # state: a migrate before their prefill would move them without it).
         data = clients.proxy(DataApi, "data")
-        total = PROMPTS * SAMPLES
-        for done_at_most in (total // 2, total // 2 + CONCURRENCY, total - CONCURRENCY):
-            await until(lambda n=done_at_most: _decoding(data, n), timeout=60, interval=0.01)
+        known: set[str] | None = None
+        for _ in range(3):
+            if known is None:
+                await until(lambda: _decoding(data), timeout=60, interval=0.01)
+            else:
+                await until(lambda k=known: _new_decoding(data, k), timeout=60, interval=0.01)
             await source.drain.call(DrainRequest(reason="repack source"))
             report = await source.migrate.call(
                 MigrateRequest(
@@ -209,6 +213,7 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
             )  # fmt: skip
             if report.moved or report.error:
                 break
+            known = set((await data.partial_lengths.call()).lengths)
             await source.resume.call()
         assert report.error == "" and not report.returned, report
         assert report.moved, report
@@ -234,10 +239,19 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         assert t.response_token_ids == greedy(fleet.model, t.prompt_token_ids), t.trajectory_id
 
 
-async def _decoding(data: DataApi, done_at_most: int) -> bool:
-    """Sequences are decoding (a few streamed tokens each), at most ``done_at_most`` are done."""
+async def _decoding(data: DataApi) -> bool:
+    """Sequences are decoding (a few streamed tokens each), at most half of them are done."""
     status = await data.status.call()
-    return status.partial_tokens >= 4 * CONCURRENCY and status.trajectories <= done_at_most
+    return (
+        status.partial_tokens >= 4 * CONCURRENCY and status.trajectories <= PROMPTS * SAMPLES // 2
+    )
+
+
+async def _new_decoding(data: DataApi, known: set[str]) -> bool:
+    """Half a source's worth of sequences not in ``known`` have streamed a few tokens each."""
+    lengths = (await data.partial_lengths.call()).lengths
+    fresh = [n for tid, n in lengths.items() if tid not in known and n >= 4]
+    return len(fresh) >= CONCURRENCY // 2
 
 
 async def _busy(rollout: RolloutApi) -> bool:
