@@ -32,15 +32,22 @@ class Cell:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_cell(
-    system: str, model: str, gpus: int, *, seed: int = 0, warmup: int = 2, measured: int = 4
-) -> Cell:
-    start = time.perf_counter()
+def cell_setup(system: str, model: str, gpus: int) -> Setup:
+    """What ``system`` runs on for ``model`` at Table 2's ``gpus`` placement: its engines' costs
+    (decoding eagerly for the verl-based systems), the placement, the trainer, the lengths."""
     shape = model_shape(model)
     place = placement(system, model, gpus)
     eager = EAGER_STEP_S if system in EAGER_SYSTEMS else 0.0
     roofline = Roofline(shape, place.tp, eager_step_s=eager)
-    setup = Setup(roofline, place, train_cost(shape, place.train), Lengths(model))
+    return Setup(roofline, place, train_cost(shape, place.train), Lengths(model))
+
+
+def run_cell(
+    system: str, model: str, gpus: int, *, seed: int = 0, warmup: int = 2, measured: int = 4
+) -> Cell:
+    start = time.perf_counter()
+    setup = cell_setup(system, model, gpus)
+    place = setup.place
     total = warmup + measured + 1
     extra: dict[str, Any] = {}
     if system in ("areal", "laminar"):

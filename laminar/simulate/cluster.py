@@ -102,7 +102,6 @@ def with_rollouts(config: LaminarConfig, count: int) -> LaminarConfig:
     for spec in new.run.roles:
         if (spec.section or spec.role) == "rollout":
             spec.count = count
-    new.source = config.source
     return new
 
 

@@ -26,10 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .batches import Batches, generate, tokens_of
+from .cells import cell_setup
 from .continuous import PCIE_BPS
-from .costs import EAGER_STEP_S, Roofline, ring_broadcast, train_cost
+from .costs import ring_broadcast
 from .engine import SimEngine
-from .workload import PROMPTS, Lengths, Setup, model_shape, placement
+from .workload import PROMPTS, Setup
 
 __all__ = ["Multiplexed", "run_jobs", "run_multiplexed"]
 
@@ -43,15 +44,6 @@ class Multiplexed:
     efficiency_gain: float  # multiplexed / solo: tokens/s per GPU, same GPUs
     rollout_busy_solo: float  # share of time the rollout pool generates
     rollout_busy_multiplexed: float
-
-
-def setup_for(model: str, gpus: int) -> Setup:
-    """The one-step placement of ``model`` at ``gpus`` (disaggregated; decoding eagerly, as the
-    other verl-based systems do: ``.costs.EAGER_STEP_S``)."""
-    shape = model_shape(model)
-    place = placement("one_step", model, gpus)
-    roofline = Roofline(shape, place.tp, eager_step_s=EAGER_STEP_S)
-    return Setup(roofline, place, train_cost(shape, place.train), Lengths(model))
 
 
 def run_jobs(setup: Setup, jobs: int, iterations: int, seed: int) -> tuple[float, float]:
@@ -84,7 +76,7 @@ def run_jobs(setup: Setup, jobs: int, iterations: int, seed: int) -> tuple[float
 
 def run_multiplexed(model: str, gpus: int, *, iterations: int = 6, seed: int = 0) -> Multiplexed:
     """One job alone vs two multiplexed on Table 2's one-step placement of ``model``."""
-    setup = setup_for(model, gpus)
+    setup = cell_setup("one_step", model, gpus)  # disaggregated, decoding eagerly
     solo, solo_busy = run_jobs(setup, 1, iterations, seed)
     both, both_busy = run_jobs(setup, 2, iterations, seed)
     return Multiplexed(model, gpus, solo, both, both / solo, solo_busy, both_busy)

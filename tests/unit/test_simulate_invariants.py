@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from laminar.simulate.batches import run_batches
+from laminar.simulate.cells import cell_setup
 from laminar.simulate.continuous import run_continuous
 from laminar.simulate.costs import QWEN25_7B, Roofline, train_cost
 from laminar.simulate.workload import (
@@ -30,8 +31,6 @@ from laminar.simulate.workload import (
     Lengths,
     Placement,
     Setup,
-    model_shape,
-    placement,
 )
 
 STEP = 0.02  # seconds per decode step, whatever the batch
@@ -108,9 +107,7 @@ def test_with_overheads_the_same_runs_are_slower() -> None:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_laminar_at_1024_gpus_loses_and_doubles_nothing(seed: int) -> None:
-    place = placement("laminar", "72B", 1024)  # what run_cell("laminar", "72B", 1024) runs
-    shape = model_shape("72B")
-    setup = Setup(Roofline(shape, place.tp), place, train_cost(shape, place.train), Lengths("72B"))
+    setup = cell_setup("laminar", "72B", 1024)  # what run_cell("laminar", "72B", 1024) runs
     out = run_continuous("laminar", setup, iterations=4, seed=seed)
     assert len(out.trained) == len(set(out.trained)) == 4 * BATCH
     assert all(0 <= sid < out.issued for sid in out.trained)
