@@ -64,6 +64,11 @@ class Assignment(BaseModel):
     resume_token_ids: TokenIds = Field(default_factory=list)
     resume_logprobs: Logprobs = Field(default_factory=list)
     started_at: float | None = None  # wall clock of the first start, kept across resumes
+    # A multi-turn episode (the data role's environment answers the turns that end at one of
+    # ``params.stop_token_ids``); ``resume_env_spans``: the environment's spans of the resumed
+    # tokens (``Trajectory.env_spans``).
+    episode: bool = False
+    resume_env_spans: list[tuple[int, int]] = Field(default_factory=list)
 
 
 class PartialChunk(BaseModel):
@@ -74,11 +79,16 @@ class PartialChunk(BaseModel):
     offset: Annotated[int, Field(ge=0)]
     token_ids: TokenIds
     logprobs: Logprobs
+    # The environment's spans among these tokens, as absolute response positions (episodes).
+    env_spans: list[tuple[int, int]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _same_length(self) -> PartialChunk:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"{len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+        end = self.offset + len(self.token_ids)
+        if any(not self.offset <= a < b <= end for a, b in self.env_spans):
+            raise ValueError(f"env_spans {self.env_spans} outside the chunk [{self.offset}, {end})")
         return self
 
 

@@ -18,7 +18,8 @@ What a request gets:
   id outside ``[0, vocab_size)``, finishes at once with ``error`` set; the engine goes on.
 * token ids and logprobs from a 64-bit hash of (seed, request id, position): deterministic,
   identical after a migration, ids in ``[0, vocab_size)``, logprobs ``log(u)`` with u uniform in
-  (0, 1) (mean -1).
+  (0, 1) (mean -1). A token among the request's ``stop_token_ids`` ends it there (``"stop"``),
+  as in vLLM: with a small ``vocab_size`` that makes multi-turn episodes of random lengths.
 
 The step loop (one task, started by :meth:`start`, cancelled by :meth:`close`), each iteration:
 
@@ -110,6 +111,7 @@ class _Seq:
     finish_reason: FinishReason
     needs_prefill: bool = True  # set at submission and by preemption
     calls: list[tuple[int, float]] = field(default_factory=list)  # (position, latency) ahead
+    stops: frozenset[int] = frozenset()  # token ids that end it (``stop_token_ids``)
 
 
 class SimEngine(Engine):
@@ -202,6 +204,7 @@ class SimEngine(Engine):
         remaining, reason = (budget, "length") if want >= budget else (want, "stop")
         key = _hash64(f"{cfg.seed}:{request_id}")
         seq = _Seq(backend_id, key, produced, len(prompt), remaining, reason)
+        seq.stops = frozenset(params.stop_token_ids)
         seq.calls = self.tool_calls(request_id, produced, produced + remaining)
         self._waiting.append(seq)
         self._wake.set()
@@ -325,21 +328,26 @@ class SimEngine(Engine):
             if running.get(seq.backend_id) is not seq:  # cancelled during the step
                 continue
             tokens, logprobs = [], []
+            n = k  # this sequence's tokens this step (fewer if it writes a stop token)
             for position in range(seq.position, seq.position + k):
                 x = _mix64((seq.key + position) & _M64)
                 tokens.append((x >> 32) % vocab)
                 logprobs.append(math.log(((x & 0xFFFFFFFF) + 0.5) * _INV_2_32))
-            seq.position += k
-            seq.held += k
-            seq.remaining -= k
+                if tokens[-1] in seq.stops:  # a stop token ends it here, as in vLLM
+                    n = len(tokens)
+                    seq.remaining, seq.finish_reason = n, "stop"
+                    break
+            seq.position += n
+            seq.held += n
+            seq.remaining -= n
             if seq.remaining > 0:
-                self._kv_held += k
+                self._kv_held += n
                 outputs.append(EngineOutput(seq.backend_id, tokens, logprobs))
                 if seq.calls and seq.position >= seq.calls[0][0]:
                     self._call_tool(seq, now)
             else:
                 del running[seq.backend_id]
-                self._kv_held -= seq.held - k
+                self._kv_held -= seq.held - n
                 outputs.append(
                     EngineOutput(seq.backend_id, tokens, logprobs, True, seq.finish_reason)
                 )

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field
 
 from laminar.endpoint import endpoint
-from laminar.trajectory import Assignment, PartialChunk, Trajectory
+from laminar.trajectory import Assignment, PartialChunk, TokenIds, Trajectory
 
 
 class TakeRequest(BaseModel):
@@ -150,6 +150,29 @@ class DataStatus(BaseModel):
     leases: dict[str, int]  # rollout -> leased trajectories
 
 
+class EnvStepRequest(BaseModel):
+    """A rollout's episode ended a model turn at a stop token: the environment's answer, please.
+
+    Carries the whole response so far (the data role may have to rebuild the episode by replaying
+    its earlier actions). Idempotent: asked again for the same turn (a retry, or the rollout a
+    repack moved the episode to), it gets the same answer, from the step already made."""
+
+    rollout: str
+    trajectory_id: str
+    version: int
+    response_token_ids: TokenIds
+    env_spans: list[tuple[int, int]] = Field(default_factory=list)
+
+
+class EnvStepReply(BaseModel):
+    observation_token_ids: TokenIds = Field(default_factory=list)  # append, then generate on
+    done: bool = False  # the episode is over: complete the trajectory as it is
+    error: str | None = None  # the step failed (the episode is over, without a reward)
+    dropped: bool = False  # not leased to the asking rollout (any more): stop working on it
+    wait_s: float = 0.0  # queued for a free environment slot
+    step_s: float = 0.0  # the environment's step itself
+
+
 class DataApi:
     """Endpoints of the data role. Declaration only; ``DataService`` serves them."""
 
@@ -171,6 +194,10 @@ class DataApi:
 
     @endpoint
     async def status(self) -> DataStatus:
+        raise NotImplementedError
+
+    @endpoint
+    async def env_step(self, req: EnvStepRequest) -> EnvStepReply:
         raise NotImplementedError
 
     @endpoint

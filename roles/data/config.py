@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from laminar.config import ServiceConfig, Strict
 
@@ -48,10 +48,33 @@ class StalenessConfig(Strict):
     )
 
 
+class EnvConfig(Strict):
+    spec: str = Field(
+        description="The task's environment: module:Class or file.py:Class, a subclass of "
+        "laminar.tools.env.Environment (multi-turn episodes; docs/agents.md)."
+    )
+    max_turns: Annotated[int, Field(ge=1)] = Field(
+        8, description="Most model turns (actions) per episode; the last one ends it."
+    )
+    step_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        30.0, description="A step running longer ends its episode (no reward, the reason kept)."
+    )
+    concurrency: Annotated[int, Field(ge=1)] = Field(
+        16, description="Environment steps run at once; more wait (the wait is measured)."
+    )
+
+
 class DataConfig(ServiceConfig):
     prompts: str = Field(description="Prompt dataset: .jsonl or .parquet (relative to the cwd).")
     tokenizer: str = Field(description="Model directory (or tokenizer.json) to tokenize prompts.")
-    reward: str = Field(description="Reward function: module:function or file.py:function.")
+    reward: str | None = Field(
+        None,
+        description="Reward function: module:function or file.py:function (single-turn tasks; "
+        "a task with `env` is rewarded by its environment's steps).",
+    )
+    env: EnvConfig | None = Field(
+        None, description="Multi-turn episodes with an environment instead of a reward function."
+    )
     max_prompt_tokens: Annotated[int, Field(ge=1)] | None = Field(
         None,
         description="Leave out prompts longer than this many tokens (a curriculum, or a bound on "
@@ -133,3 +156,12 @@ class DataConfig(ServiceConfig):
     sampler: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="fifo"))
     eviction: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="none"))
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+
+    @model_validator(mode="after")
+    def _one_scorer(self) -> DataConfig:
+        if (self.reward is None) == (self.env is None):
+            raise ValueError(
+                "set exactly one of data.reward (single-turn: a reward function) and data.env "
+                "(multi-turn: an environment)"
+            )
+        return self

@@ -47,11 +47,17 @@ class Leasing:
             top_k=c.sampling.top_k,
             ignore_eos=c.sampling.ignore_eos,
         )
+        self.episode = False  # multi-turn episodes (``use_episodes``)
         self._work = asyncio.Event()  # set when samples may have become available
         self._rollout_versions: dict[str, int] = {}  # weight version each live rollout last took at
         # Leases repack moved to a rollout whose handoff may still be on its way: its takes must
         # not re-deliver them meanwhile (rollout -> trajectory id -> deadline, clock time).
         self._handoffs: dict[str, dict[str, float]] = {}
+
+    def use_episodes(self, stop_ids: list[int]) -> None:
+        """Multi-turn episodes: turns end at ``stop_ids`` too, and assignments say so."""
+        self.params = self.params.model_copy(update={"stop_token_ids": list(stop_ids)})
+        self.episode = True
 
     def wake(self) -> None:
         """Samples may have become available: waiting takes look again."""
@@ -114,6 +120,8 @@ class Leasing:
                 fresh_limit=fresh,
                 start_new=start,
             )
+        if self.episode:
+            out = [a.model_copy(update={"episode": True}) for a in out]
         if c.sampling.seed is not None:
             out = [
                 a.model_copy(

@@ -16,7 +16,8 @@ from typing import Any
 from .api import SampleRequest, Trajectories
 from .buffer import Batch, ExperienceBuffer
 from .context import DataContext
-from .rewards import RewardPool
+from .episodes import Episodes
+from .rewards import RewardPool, RewardResult
 
 
 class Sampling:
@@ -30,13 +31,22 @@ class Sampling:
         self._wake = wake
         self.buffer: ExperienceBuffer | None = None
         self._rewards: RewardPool | None = None
+        self._episodes: Episodes | None = None
         self._tokenizer: Any = None
         self._ready = asyncio.Event()  # set when scored trajectories arrive
         self._scored = (0, 0.0)  # trajectories scored since the last sample, their reward sum
 
-    def open(self, buffer: ExperienceBuffer, rewards: RewardPool, tokenizer: Any) -> None:
-        """What the service made at start-up (before the score loops run)."""
+    def open(
+        self,
+        buffer: ExperienceBuffer,
+        rewards: RewardPool | None,
+        tokenizer: Any,
+        episodes: Episodes | None = None,
+    ) -> None:
+        """What the service made at start-up (before the score loops run): a reward pool for
+        single-turn tasks, the episodes for multi-turn ones."""
         self.buffer, self._rewards, self._tokenizer = buffer, rewards, tokenizer
+        self._episodes = episodes
 
     async def sample(self, req: SampleRequest) -> Trajectories:
         self.ctx.need_store()
@@ -79,7 +89,7 @@ class Sampling:
 
     async def score_loop(self) -> None:
         store, rewards, db = self.ctx.need_store(), self._rewards, self.ctx.db
-        assert rewards is not None
+        assert rewards is not None or self._episodes is not None
         while True:
             tid = await self.to_score.get()
             try:
@@ -87,8 +97,15 @@ class Sampling:
             except KeyError:  # withdrawn meanwhile (a deferred prompt of tail_batching)
                 continue
             record = await db(store.record_of, tid)
-            text = self._tokenizer.decode(t.response_token_ids, skip_special_tokens=True)
-            result = await rewards.score(record, text)
+            if self._episodes is not None:  # the environment's steps are the reward
+                reward, error = await self._episodes.final_reward(
+                    tid, record, list(t.response_token_ids), list(t.env_spans)
+                )
+                result = RewardResult(reward, error)
+            else:
+                assert rewards is not None
+                text = self._tokenizer.decode(t.response_token_ids, skip_special_tokens=True)
+                result = await rewards.score(record, text)
             if result.error is not None:
                 self.ctx.log.warning("reward failed", trajectory=tid, error=result.error)
             await db(store.set_rewards, [(tid, result.reward, result.error)])

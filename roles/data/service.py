@@ -53,6 +53,8 @@ from .api import (
     CompletedIds,
     DataApi,
     DataStatus,
+    EnvStepReply,
+    EnvStepRequest,
     LeaseTransfer,
     PartialLengths,
     Report,
@@ -65,6 +67,7 @@ from .api import (
 from .buffer import EVICTIONS, SAMPLERS, ExperienceBuffer, make_policy
 from .config import DataConfig, PolicySpec, SamplingConfig, StalenessConfig
 from .context import DataContext, store_clock
+from .episodes import Episodes
 from .leasing import HANDOFF_GRACE_S, Leasing, trajectory_seed
 from .members import WATCH_RETRY_S, RolloutWatch
 from .prompts import fingerprint, load_tokenizer, read_records, tokenize_records
@@ -97,6 +100,7 @@ class DataService(Service, DataApi):
         self._store_executor = ctx.executor("data-store", workers=1)  # one connection, in order
         self.store: Store | None = None
         self.rewards: RewardPool | None = None
+        self.episodes: Episodes | None = None  # multi-turn tasks (``data.env``)
         self.buffer: ExperienceBuffer | None = None
         self.tokenizer: Any = None
         self._counts: dict[str, int] = {}
@@ -191,15 +195,21 @@ class DataService(Service, DataApi):
         # The rounds that deferred them died with the previous incarnation (``rounds``).
         if parked := await self._db(self.store.release_parked):
             self.log.info("deferred samples of an earlier run requeued", count=len(parked))
-        self.rewards = RewardPool(
-            c.reward,
-            workers=c.reward_workers,
-            timeout_s=c.reward_timeout_s,
-            sandbox=c.reward_sandbox,
-            token_env=self.ctx.cluster.token_env,
-            executor=self.ctx.executor("reward-reaper", workers=c.reward_workers),
-        )
-        self.sampling.open(self.buffer, self.rewards, self.tokenizer)
+        if c.reward is not None:
+            self.rewards = RewardPool(
+                c.reward,
+                workers=c.reward_workers,
+                timeout_s=c.reward_timeout_s,
+                sandbox=c.reward_sandbox,
+                token_env=self.ctx.cluster.token_env,
+                executor=self.ctx.executor("reward-reaper", workers=c.reward_workers),
+            )
+        if c.env is not None:
+            self.episodes = Episodes(
+                c.env, self.tokenizer, self.ctx.registry, self.log, self.ctx.clock
+            )
+            self.leasing.use_episodes(self.episodes.stop_ids)
+        self.sampling.open(self.buffer, self.rewards, self.tokenizer, self.episodes)
         for tid in await self._db(self.store.unscored):  # completed before a crash, not scored
             self.sampling.to_score.put_nowait(tid)
         await self._refresh_counts()
@@ -229,7 +239,8 @@ class DataService(Service, DataApi):
     def stats(self) -> dict[str, float]:
         rounds = self.rounds.stats() if self.rounds is not None else {}
         counts = {k: float(v) for k, v in self._counts.items()}
-        return {**counts, "prompts_left_out": float(self._left_out), **rounds}
+        episodes = self.episodes.stats() if self.episodes is not None else {}
+        return {**counts, "prompts_left_out": float(self._left_out), **rounds, **episodes}
 
     # -- endpoints ---------------------------------------------------------------------------
 
@@ -270,6 +281,19 @@ class DataService(Service, DataApi):
             mean_reward=store.mean_reward(),
             held=self.buffer.held if self.buffer is not None else 0,
             leases={k: len(v) for k, v in store.leases().items()},
+        )
+
+    @endpoint
+    async def env_step(self, req: EnvStepRequest) -> EnvStepReply:
+        if self.episodes is None:
+            raise ConfigError("this task has no environment (data.env is not set)")
+        store = self._need_store()
+        holder = await self._db(store.holder, req.trajectory_id)
+        if holder is None or holder[0] != "leased" or holder[1] != req.rollout:
+            return EnvStepReply(dropped=True)  # reassigned (or done): not this rollout's to step
+        record = await self._db(store.record_of, req.trajectory_id)
+        return await self.episodes.step(
+            req.trajectory_id, record, list(req.response_token_ids), list(req.env_spans)
         )
 
     @endpoint

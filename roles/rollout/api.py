@@ -64,6 +64,8 @@ class MigratedSequence(BaseModel):
     started_at: float
     acked: int  # tokens the data role already has
     sequence: InflightSequence  # tokens, logprobs and maybe KV, exactly as the engine had them
+    env_spans: list[tuple[int, int]] = Field(default_factory=list)  # an episode's observations
+    waiting: bool = False  # an episode waiting for the environment (not in any engine)
 
 
 class Handoff(BaseModel):

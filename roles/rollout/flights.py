@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, ItemsView, Iterator, ValuesView
 from dataclasses import dataclass, field
 
+from laminar.tools.env import spans_within
 from laminar.trajectory import Assignment, PartialChunk, Trajectory
 
 
@@ -24,6 +25,11 @@ class Flight:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     acked: int = 0  # tokens the data role has acknowledged
+    # Episodes: the environment's spans of ``tokens``, and whether the episode waits for the
+    # environment's answer to its last turn (then it is not in the engine: no KV held).
+    env_spans: list[tuple[int, int]] = field(default_factory=list)
+    waiting: bool = False
+    asked: int = 0  # bumped per wait: an older ask's late answer is ignored
 
     def unsent(self, trajectory_id: str) -> PartialChunk | None:
         """The tokens the data role has not acknowledged, as one report chunk (None: none)."""
@@ -35,6 +41,7 @@ class Flight:
             offset=self.acked,
             token_ids=self.tokens[self.acked :],
             logprobs=self.logprobs[self.acked :],
+            env_spans=spans_within(self.env_spans, self.acked, len(self.tokens)),
         )
 
     def trajectory(self, reason: str | None, finished_at: float, rollout: str) -> Trajectory:
@@ -52,6 +59,7 @@ class Flight:
             started_at=self.started_at,
             finished_at=finished_at,
             rollout=rollout,
+            env_spans=list(self.env_spans),
         )
 
 

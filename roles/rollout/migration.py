@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from laminar.clock import Clock
-from laminar.engines import Engine
+from laminar.engines import Engine, InflightSequence
 from laminar.engines.base import EngineError
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.roles.data.api import DataApi, LeaseTransfer
@@ -41,6 +41,7 @@ from laminar.roles.data.api import DataApi, LeaseTransfer
 from .api import Handoff, HandoffReply, MigratedSequence, MigrateReport, MigrateRequest, RolloutApi
 from .flights import Flight, FlightTable
 from .state import RolloutPhases, TransitionError
+from .turns import Turns
 
 HANDOFF_TIMEOUT_S = 120.0  # the destination's accept: KV bytes in, import
 
@@ -66,6 +67,9 @@ class MigratingRollout(Protocol):
     @property
     def phases(self) -> RolloutPhases: ...
 
+    @property
+    def turns(self) -> Turns: ...
+
     async def data_api(self) -> DataApi: ...
 
     def peer(self, address: str) -> RolloutApi:
@@ -90,6 +94,7 @@ async def migrate_out(svc: MigratingRollout, req: MigrateRequest) -> MigrateRepo
         return report
     try:
         seqs = await svc.engine.export_sequences(svc.flights.snapshot(), with_kv=req.kv)
+        seqs += [_waiting_sequence(tid, f) for tid, f in svc.flights.items() if f.waiting]
         report.export_s = svc.clock.time() - t0
         flights = svc.flights.pop_many([s.request_id for s in seqs])
         seqs = [s for s in seqs if s.request_id in flights]
@@ -102,6 +107,8 @@ async def migrate_out(svc: MigratingRollout, req: MigrateRequest) -> MigrateRepo
                 started_at=f.started_at,
                 acked=f.acked,
                 sequence=s,
+                env_spans=f.env_spans,
+                waiting=f.waiting,
             )
             for s in seqs
             for f in [flights[s.request_id]]
@@ -141,6 +148,19 @@ async def migrate_out(svc: MigratingRollout, req: MigrateRequest) -> MigrateRepo
                 total_s=round(report.total_s, 3),
                 error=report.error or None,
             )
+
+
+def _waiting_sequence(tid: str, f: Flight) -> InflightSequence:
+    """An episode waiting for the environment (in no engine), as a sequence to hand over."""
+    a = f.assignment
+    return InflightSequence(
+        request_id=tid,
+        prompt_token_ids=a.prompt_token_ids,
+        response_token_ids=f.tokens,
+        response_logprobs=f.logprobs,
+        params=a.params,
+        version=f.version,
+    )
 
 
 async def _hand_off(
@@ -196,17 +216,22 @@ async def _take_back(
 async def _reimport(
     svc: MigratingRollout, returning: list[MigratedSequence], flights: dict[str, Flight]
 ) -> list[str]:
-    """Sequences whose leases are ours back into our engine (without KV: re-prefilled)."""
+    """Sequences whose leases are ours back into our engine (without KV: re-prefilled); waiting
+    episodes back to waiting for the environment."""
     for m in returning:
         svc.flights.add(m.sequence.request_id, flights[m.sequence.request_id])
+    generating = [m for m in returning if not m.waiting]
     try:
         await svc.engine.import_sequences(
-            [m.sequence.model_copy(update={"kv": None}) for m in returning]
+            [m.sequence.model_copy(update={"kv": None}) for m in generating]
         )
     except EngineError:
-        for m in returning:
+        for m in generating:
             svc.flights.pop(m.sequence.request_id)
         raise
+    for m in returning:
+        if m.waiting:
+            svc.turns.wait(m.sequence.request_id, flights[m.sequence.request_id])
     return [m.sequence.request_id for m in returning]
 
 
@@ -230,15 +255,19 @@ async def accept_in(svc: MigratingRollout, req: Handoff) -> HandoffReply:
         seq = m.sequence
         tokens, logprobs = list(seq.response_token_ids), list(seq.response_logprobs)
         acked = min(m.acked, len(tokens))
-        flight = Flight(m.assignment, m.version, m.started_at, tokens, logprobs, acked)
+        flight = Flight(m.assignment, m.version, m.started_at, tokens, logprobs, acked,
+                        env_spans=list(m.env_spans))  # fmt: skip
         svc.flights.add(seq.request_id, flight)
     try:
-        await svc.engine.import_sequences([m.sequence for m in new])
+        await svc.engine.import_sequences([m.sequence for m in new if not m.waiting])
     except EngineError as exc:
         for m in new:
             svc.flights.pop(m.sequence.request_id)
         return HandoffReply(
             accepted=[m.sequence.request_id for m in here], refused=f"import failed: {exc}"
         )
+    for m in new:  # episodes waiting for the environment: ask for the same turn's answer
+        if m.waiting:
+            svc.turns.wait(m.sequence.request_id, svc.flights[m.sequence.request_id])
     svc.flights.changed()
     return HandoffReply(accepted=[m.sequence.request_id for m in req.sequences])

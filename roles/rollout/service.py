@@ -51,7 +51,7 @@ from laminar.membership import rollout_phase
 from laminar.roles.data.api import DataApi, TakeRequest
 from laminar.service import Service, ServiceContext
 from laminar.stats import RolloutStats
-from laminar.trajectory import Assignment
+from laminar.trajectory import Assignment, Trajectory
 
 from .api import (
     DrainRequest,
@@ -69,6 +69,7 @@ from .migration import accept_in, migrate_out
 from .reporting import DATA_ERRORS, Reporter
 from .state import RolloutPhases
 from .switching import WeightSwitcher
+from .turns import Turns
 
 
 class RolloutConfig(ServiceConfig):
@@ -115,6 +116,17 @@ class RolloutService(Service, RolloutApi):
         self.failures = 0  # trajectories that failed here (since start)
         self.completed = 0
         self._take_lock = asyncio.Lock()  # held while leasing and starting; a load waits for it
+        self.turns = Turns(
+            ctx.instance,
+            self.flights,
+            self.engine,
+            self.data,
+            ctx.clock,
+            self.log,
+            spawn=lambda coro, name: self.spawn(coro, name=name),
+            finish=self._finish,
+            fail=self._failed,
+        )
         self.switcher = WeightSwitcher(
             ctx,
             self.engine,
@@ -173,6 +185,7 @@ class RolloutService(Service, RolloutApi):
             generated_tokens=s.generated_tokens,
             completed=self.completed,
             failed=self.failures,
+            env_waiting=self.turns.waiting,
             **self.phases.stats(),  # paused_for_weights, operator_drain, migrating, starved
         ).wire()
 
@@ -267,7 +280,11 @@ class RolloutService(Service, RolloutApi):
         if a.resume_token_ids:
             flight = self.flights[tid]
             flight.tokens, flight.logprobs = list(a.resume_token_ids), list(a.resume_logprobs)
+            flight.env_spans = list(a.resume_env_spans)
             flight.acked = len(flight.tokens)
+            if self.turns.resumed_waiting(flight):  # its last turn's answer is still owed
+                self.turns.wait(tid, flight)
+                return
             await self.engine.import_sequences(
                 [
                     InflightSequence(
@@ -299,12 +316,20 @@ class RolloutService(Service, RolloutApi):
                     continue
                 flight.tokens += out.token_ids
                 flight.logprobs += out.logprobs
-                if out.finished:
-                    self.flights.pop(out.request_id)
-                    self.finished[out.request_id] = flight.trajectory(
-                        out.finish_reason, now, self.ctx.instance
-                    )
-                    self.completed += 1
+                if not out.finished:
+                    continue
+                if self.turns.ended_turn(flight, out.finish_reason):  # the environment's turn
+                    self.turns.wait(out.request_id, flight)
+                    continue
+                self.flights.pop(out.request_id)
+                self._finish(
+                    out.request_id, flight.trajectory(out.finish_reason, now, self.ctx.instance)
+                )
+
+    def _finish(self, tid: str, trajectory: Trajectory) -> None:
+        """``tid`` is done (out of the flight table): report it with the next flush."""
+        self.finished[tid] = trajectory
+        self.completed += 1
 
     def _failed(self, tid: str, why: str) -> None:
         """``tid`` cannot be generated here: report it failed (the data role records it)."""

@@ -6,8 +6,10 @@ whose rollout dies resumes from them on another rollout of the same version.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
+from laminar.tools.env import add_span, spans_within
 from laminar.trajectory import PartialChunk
 
 from .base import StoreBase, f32, floats, i32, ints
@@ -52,15 +54,18 @@ class Partials(StoreBase):
                     "UPDATE samples SET progress = 1 WHERE trajectory_id = ? AND progress = 0",
                     (c.trajectory_id,),
                 )
+                stop = c.offset + len(c.token_ids)
+                spans = spans_within(c.env_spans, end, stop)
                 self.db.execute(
-                    "INSERT INTO partials (trajectory_id, start, stop, token_ids, logprobs) "
-                    "VALUES (?, ?, ?, ?, ?)",
+                    "INSERT INTO partials (trajectory_id, start, stop, token_ids, logprobs, "
+                    "env_spans) VALUES (?, ?, ?, ?, ?, ?)",
                     (
                         c.trajectory_id,
                         end,
-                        c.offset + len(c.token_ids),
+                        stop,
                         i32(c.token_ids[skip:]),
                         f32(c.logprobs[skip:]),
+                        json.dumps(spans) if spans else None,
                     ),
                 )
         return drop, refused
@@ -82,6 +87,18 @@ class Partials(StoreBase):
             tokens += ints(ids)
             logprobs += floats(lps)
         return tokens, logprobs
+
+    def partial_env_spans(self, tid: str) -> list[tuple[int, int]]:
+        """The environment's spans among ``tid``'s stored tokens (an episode's observations)."""
+        spans: list[tuple[int, int]] = []
+        for (raw,) in self.db.execute(
+            "SELECT env_spans FROM partials WHERE trajectory_id = ? AND env_spans IS NOT NULL "
+            "ORDER BY start",
+            (tid,),
+        ):
+            for a, b in json.loads(raw):
+                add_span(spans, int(a), int(b))
+        return spans
 
     def partial_lengths(self) -> dict[str, int]:
         return dict(

@@ -23,6 +23,8 @@ class Queue(StoreBase):
 
         def partial(self, tid: str) -> tuple[list[int], list[float]]: ...
 
+        def partial_env_spans(self, tid: str) -> list[tuple[int, int]]: ...
+
     # -- the dataset -------------------------------------------------------------------------
 
     def prompt_count(self) -> int:
@@ -218,8 +220,16 @@ class Queue(StoreBase):
             version=version,
             resume_token_ids=tokens,
             resume_logprobs=logprobs,
+            resume_env_spans=self.partial_env_spans(tid) if tokens else [],
             started_at=started_at,
         )
+
+    def holder(self, tid: str) -> tuple[str, str | None, int | None] | None:
+        """``(state, rollout, version)`` of sample ``tid`` (None: no such sample)."""
+        row = self.db.execute(
+            "SELECT state, rollout, version FROM samples WHERE trajectory_id = ?", (tid,)
+        ).fetchone()
+        return None if row is None else (row[0], row[1], row[2])
 
     def release(self, rollout: str) -> list[str]:
         """Return a dead rollout's leases to the front of the queue (partials kept)."""

@@ -43,6 +43,7 @@ CREATE TABLE IF NOT EXISTS partials (
     stop INTEGER NOT NULL,
     token_ids BLOB NOT NULL,
     logprobs BLOB NOT NULL,            -- float32
+    env_spans TEXT,                    -- JSON [[start, end], ...]: the environment's tokens
     PRIMARY KEY (trajectory_id, start)
 );
 CREATE TABLE IF NOT EXISTS trajectories (
@@ -83,6 +84,7 @@ MIGRATIONS = (
     ("trajectories", "consume_seq", "INTEGER"),
     ("samples", "strikes", "INTEGER NOT NULL DEFAULT 0"),
     ("samples", "progress", "INTEGER NOT NULL DEFAULT 0"),
+    ("partials", "env_spans", "TEXT"),
 )
 
 SAMPLE_COLUMNS = (
