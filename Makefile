@@ -11,7 +11,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.laminar-installed
 EXAMPLE ?= examples/arith/config.yaml
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run run-tool test lint bench clean
 
 $(STAMP): pyproject.toml
 	command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || \
@@ -29,6 +29,10 @@ setup: $(STAMP)
 # then every role on this machine for run.duration_s (15 min); plots in runs/latest/plots/.
 run: runs/arith/train.jsonl runs/models/arith-sft/config.json
 	$(VENV)/bin/laminar run $(EXAMPLE)
+
+# The agentic example (multi-turn episodes with a sandboxed calculator; docs/agents.md).
+run-tool: runs/arith_tool/train.jsonl runs/models/arith_tool-sft/config.json
+	$(VENV)/bin/laminar run examples/arith_tool/config.yaml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -52,6 +56,16 @@ runs/models/arith-init/config.json: | $(STAMP)
 runs/models/arith-sft/config.json: runs/models/arith-init/config.json
 	$(VENV)/bin/laminar sft --task examples/arith --model runs/models/arith-init \
 		--out runs/models/arith-sft --seed 1
+
+runs/arith_tool/train.jsonl: | $(STAMP)
+	$(PY) examples/arith_tool/task.py generate --out runs/arith_tool --train 20000 --test 500 --seed 0
+
+runs/models/arith_tool-init/config.json: | $(STAMP)
+	$(VENV)/bin/laminar model init --task examples/arith_tool --out runs/models/arith_tool-init --seed 1
+
+runs/models/arith_tool-sft/config.json: runs/models/arith_tool-init/config.json
+	$(VENV)/bin/laminar sft --task examples/arith_tool --model runs/models/arith_tool-init \
+		--out runs/models/arith_tool-sft --seed 1
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -35,6 +35,7 @@ class EvalResult:
     buckets: dict[str, dict[str, float]] = field(default_factory=dict)
     demo_length: dict[str, float] = field(default_factory=dict)
     response_length: dict[str, float] = field(default_factory=dict)
+    tool_calls: float | None = None  # multi-turn tasks: mean tool calls per episode
 
 
 def bucket_of(steps: int) -> str:
@@ -151,14 +152,11 @@ def evaluate_model(
         demo_lens = [len(tok.encode(d).ids) + 1 for d in demos]  # + EOS
         budgets = [2 * length + 16 for length in demo_lens]
         start = time.monotonic()
-        prompts = [r["prompt"] for r in records]
-        responses = greedy_responses(model, tok, prompts, budgets, batch_size, synced)
+        rewards, responses, calls = task_rewards(task, model, tok, records, budgets, batch_size,
+                                                 synced)  # fmt: skip
         seconds = time.monotonic() - start
     finally:
         model.train(was_training)
-    rewards = [
-        float(task.reward(r, tok.decode(ids))) for r, ids in zip(records, responses, strict=True)
-    ]
     groups: dict[str, list[float]] = {}
     for record, reward in zip(records, rewards, strict=True):
         if "steps" in record:
@@ -175,7 +173,38 @@ def evaluate_model(
         buckets=buckets,
         demo_length=length_stats(demo_lens),
         response_length=length_stats([len(r) + 1 for r in responses]),
+        tool_calls=None if calls is None else round(sum(calls) / max(1, len(calls)), 3),
     )
+
+
+def task_rewards(
+    task: Task,
+    model: Any,
+    tok: Any,
+    records: list[Record],
+    budgets: list[int],
+    batch_size: int = 32,
+    synced: bool = False,
+) -> tuple[list[float], list[list[int]], list[int] | None]:
+    """Greedy rewards of ``records``, their responses' token ids, and (multi-turn tasks: greedy
+    episodes, :mod:`.episodes`) each episode's tool calls."""
+    if task.environment is not None:
+        from .episodes import greedy_episodes
+
+        episodes = greedy_episodes(model, tok, task.environment, records, budgets,
+                                   max_turns=task.max_turns, batch_size=batch_size,
+                                   synced=synced)  # fmt: skip
+        return (
+            [e.reward for e in episodes],
+            [e.response for e in episodes],
+            [e.calls for e in episodes],
+        )
+    prompts = [r["prompt"] for r in records]
+    responses = greedy_responses(model, tok, prompts, budgets, batch_size, synced)
+    rewards = [
+        float(task.reward(r, tok.decode(ids))) for r, ids in zip(records, responses, strict=True)
+    ]
+    return rewards, responses, None
 
 
 def render(result: EvalResult) -> str:
@@ -194,6 +223,8 @@ def render(result: EvalResult) -> str:
                 f"  {name} response tokens: median {stats['median']:.0f}, p90 {stats['p90']:.0f}, "
                 f"p99 {stats['p99']:.0f}, max {stats['max']:.0f}"
             )
+    if result.tool_calls is not None:
+        lines.append(f"  tool calls per episode: {result.tool_calls:.2f}")
     return "\n".join(lines)
 
 

@@ -137,18 +137,15 @@ class _Validator:
         self.budgets = [2 * len(tok.encode(d).ids) + 16 for d in demos]
 
     def accuracy(self, model: Any) -> float:
-        from .evaluate import greedy_responses
+        from .evaluate import task_rewards
 
         model.eval()
         try:
-            prompts = [r["prompt"] for r in self.records]
-            responses = greedy_responses(model, self.tok, prompts, self.budgets, batch_size=64)
+            rewards, _, _ = task_rewards(
+                self.task, model, self.tok, self.records, self.budgets, batch_size=64
+            )
         finally:
             model.train()
-        rewards = [
-            float(self.task.reward(r, self.tok.decode(ids)))
-            for r, ids in zip(self.records, responses, strict=True)
-        ]
         return sum(rewards) / len(rewards)
 
 

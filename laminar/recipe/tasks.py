@@ -99,6 +99,16 @@ class Task:
         return str(self.module.demonstration(record))
 
     @property
+    def environment(self) -> Any:
+        """The task's ``ENVIRONMENT`` (a ``laminar.tools.env.Environment`` subclass: a
+        multi-turn task, evaluated by :mod:`.episodes`), or None (single-turn)."""
+        return getattr(self.module, "ENVIRONMENT", None)
+
+    @property
+    def max_turns(self) -> int:
+        return int(getattr(self.module, "MAX_TURNS", 8))
+
+    @property
     def sft_curriculum(self) -> list[tuple[int, dict[str, Any]]]:
         """The task's ``SFT_CURRICULUM``: ``(until_step, generate knobs)`` stages, in order; after
         the last, training draws from the task's own distribution. Empty if it has none."""

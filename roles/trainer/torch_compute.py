@@ -144,6 +144,7 @@ class TorchCompute:
             "n": result.n,
             "eval_s": result.seconds,
             "buckets": result.buckets,
+            **({} if result.tool_calls is None else {"tool_calls": result.tool_calls}),
         }
 
     async def close(self) -> None:

@@ -33,8 +33,7 @@ def sections(tmp: Path, prompts: int, env: str = "CountingEnv") -> dict[str, Any
         "data": {
             "prompts": str(write_prompts(tmp / "prompts.jsonl", prompts)),
             "tokenizer": str(write_tokenizer(tmp / "tok")),
-            "env": {"spec": f"tests.support.envs:{env}", "max_turns": MAX_TURNS,
-                    "concurrency": 4},  # fmt: skip
+            "env": {"spec": f"tests.support.envs:{env}", "max_turns": MAX_TURNS, "concurrency": 4},
             "samples_per_prompt": 4,
             "store": str(tmp / "data.sqlite"),
         },
@@ -101,8 +100,9 @@ async def episodes_scenario(tmp: Path, seed: int, kill: str) -> list[tuple]:
             await victim.drain(DrainRequest(reason="test"))
             waiting = {tid for tid, f in victim.flights.items() if f.waiting}
             report = await victim.migrate(
-                MigrateRequest(destination="rollout-0", address=cluster.address("rollout-0"),
-                               version=0)  # fmt: skip
+                MigrateRequest(
+                    destination="rollout-0", address=cluster.address("rollout-0"), version=0
+                )
             )
             assert report.error == "" and waiting <= set(report.moved), report
             assert len(victim.flights) == 0

@@ -1,0 +1,75 @@
+"""The agentic example (``examples/arith_tool``): its calculator agrees with its demonstrations
+through the real sandbox, and the recipe's greedy episodes run it turn by turn."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from laminar.cli import main
+from laminar.recipe.episodes import greedy_episodes
+from laminar.recipe.evaluate import evaluate
+from laminar.recipe.tasks import load_task
+from laminar.tools.sandbox import check_sandbox
+
+TASK = str(Path(__file__).resolve().parents[2] / "examples" / "arith_tool")
+TINY = ["--hidden", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+        "--intermediate", "128", "--max-len", "512"]  # fmt: skip
+
+pytestmark = pytest.mark.skipif(check_sandbox() is not None, reason="no sandbox here")
+
+
+def test_the_calculator_replays_every_demonstration() -> None:
+    task = load_task(TASK)
+    env_class = task.environment
+    for record in task.test_records(20):
+        demo = task.demonstration(record)
+        turns = demo.split("?")  # model turn i ends with "?", the next starts with the answer
+
+        async def play(record: dict = record, turns: list[str] = turns) -> tuple[float, int]:
+            env = env_class()
+            await env.reset(record)
+            reward, calls = 0.0, 0
+            for i, turn in enumerate(turns):
+                action = turn if i == 0 else turn[1:]  # the digit was the calculator's
+                if i < len(turns) - 1:
+                    step = await env.step(action + "?")
+                    assert step.observation == turns[i + 1][0], (record, i)
+                    calls += 1
+                else:
+                    step = await env.step(action)
+                    assert step.done
+                reward += step.reward
+            return reward, calls
+
+        reward, calls = asyncio.run(play())
+        assert reward == 1.0 and calls == demo.count("?")
+
+
+def test_the_calculator_answers_a_bad_call_with_the_error_mark() -> None:
+    env = load_task(TASK).environment()
+
+    async def go() -> str:
+        await env.reset({"id": "x", "prompt": "1a+1=\n", "answer": 2})
+        return (await env.step("what?")).observation
+
+    assert asyncio.run(go()) == "!"
+
+
+def test_greedy_episodes_of_a_tiny_model(tmp_path: Path) -> None:
+    out = tmp_path / "init"
+    assert main(["model", "init", "--task", TASK, "--out", str(out), *TINY]) == 0
+    task = load_task(TASK)
+    result = evaluate(task, out, n=8, batch_size=4, threads=1)
+    assert result.n == 8 and result.tool_calls is not None
+    from laminar.recipe.model import load_model
+
+    model, tok = load_model(out)
+    records = task.test_records(4)
+    episodes = greedy_episodes(model, tok, task.environment, records, [40] * 4, max_turns=3)
+    for e in episodes:
+        assert e.done and e.actions <= 3 and e.calls <= 2
+        assert len(e.response) <= 40 + e.calls  # the budget (an observation may end past it)
+        assert e.reward in (0.0, 1.0)
