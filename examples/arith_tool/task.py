@@ -1,37 +1,43 @@
-"""Clock arithmetic with a calculator: the arith task, where the model may call a sandboxed tool.
+"""Clock arithmetic with a tool: arith's problems, where the model may call a calculator.
 
-The problems are ``examples/arith``'s (a start digit and k labelled ``+d`` / ``-d`` operations on
-a ten-digit wheel; k long-tailed, median 4). The response writes one line per operation, as
-there, but a line may end in a tool call instead of the model's own result::
+The problems are ``examples/arith``'s: a start digit and k labelled operations ``+d`` / ``-d`` on a
+ten-digit wheel, k long-tailed (median 4), listed last first. The response writes one line per
+operation, as there, but a line may hand the step to the calculator: the model writes the running
+value, the operation's label and ``?``; the calculator, which holds the problem (the environment
+is reset with its record), answers the operation and its result::
 
-    prompt:    "7c+2b-5a+8=\\n"
-    response:  "7a+8?5\\n5b-5=0\\n0c+2?2\\n#2"
-                    ^^ the model wrote "7a+8?"; "5" is the calculator's answer (not trained on)
+    prompt:    "7c+2b-5a+8=\n"
+    response:  "7a?+8=5\n5b-5=0\n0c?+2=2\n#2"
+                   ^^^^ the model wrote "7a?"; "+8=5" is the calculator's answer (not trained on)
 
-``?`` ends the model's turn (the environment's stop string); :class:`Calculator` reads the line's
-expression, evaluates it in the sandbox (:func:`laminar.tools.sandbox.run_python`: a subprocess
-without network, token or more than a second of CPU) and answers the digit, or ``!`` for a call it
+``?`` ends the model's turn (the environment's stop string). :class:`Calculator` looks the label's
+operation up and evaluates the step in the sandbox (:func:`laminar.tools.sandbox.run_python`: a
+subprocess without network, token or more than a second of CPU), or answers ``!`` for a call it
 cannot read. The final turn, ending with ``#answer`` and EOS, earns 1.0 if the answer is right.
 An episode has at most :data:`MAX_TURNS` model turns.
 
-Why this shows tool use being learned: the warm start (``laminar sft`` on :func:`demonstration`)
-sees a call on only :data:`TOOL_RATE` of the lines, so greedy decoding at first never calls it and
-computes by itself, which a small model gets wrong more often on long chains. Under sampling
-(temperature 1) about a third of the lines do call it, and those lines are always right. RL can
-therefore raise accuracy by calling the tool more: the README reports held-out accuracy and tool
-calls per episode before and after.
+Why a tool that knows the problem: what the small model gets wrong on long chains is finding
+operation i among k (arith's README: errors grow with i), not the mod-10 sum. A tool that looks
+the operation up (a search tool, in an agent's terms) and computes the step makes a called line
+always right; the model's part is the running value, the next label and when to call. The warm
+start (``laminar sft`` on :func:`demonstration`) sees a call on only :data:`TOOL_RATE` of the
+lines, so greedy decoding at first never calls it; under sampling (temperature 1) about a third of
+the lines do, and those are right. RL can raise accuracy by calling the tool where the model would
+slip: the README reports held-out accuracy and tool calls per episode, by chain length, before and
+after.
 
 Latency: each call also waits a simulated remote-tool latency, log-normal with median
 :data:`LATENCY_MEDIAN_S` and sigma :data:`LATENCY_SIGMA` (p99 ~ 10x the median), drawn from a hash
 of the record and the call (deterministic, so a replayed episode waits the same).
 
-CLI (the same as arith's)::
+CLI (arith's records, this task's demonstrations)::
 
     python examples/arith_tool/task.py generate --out DIR --train N --test M --seed S
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib.util
 import json
@@ -76,10 +82,11 @@ LATENCY_SIGMA = 1.0
 #: the sandbox's limits for one call
 LIMITS = SandboxLimits(cpu_s=1, wall_s=5, memory_mib=256, output_bytes=1024)
 
+#: the warm start: arith's recipe (greedy decoding does not call the tool yet)
 SFT_STOP_AT = arith.SFT_STOP_AT
 SFT_CURRICULUM = arith.SFT_CURRICULUM
 
-_CALL_LINE = re.compile(r"(\d)([a-zA-Z])([+-])(\d)\?$")
+_CALL_LINE = re.compile(r"(\d)([a-zA-Z])\?$")
 _ANSWER = re.compile(r"#\s*(-?\d+)")
 
 
@@ -94,15 +101,13 @@ def _calls(record: dict[str, Any], line: int) -> bool:
 
 
 def demonstration(record: dict[str, Any]) -> str:
-    """arith's demonstration, with :data:`TOOL_RATE` of its lines calling the calculator (the
-    digit after ``?`` is then the calculator's answer)."""
+    """arith's demonstration, with :data:`TOOL_RATE` of its lines calling the calculator: a
+    line ``7a+8=5`` becomes ``7a?+8=5``, ``+8=5`` being the calculator's answer."""
     lines = arith.demonstration(record).split("\n")
-    out = []
     for i, line in enumerate(lines):
         if "=" in line and _calls(record, i):
-            line = line.replace("=", CALL)
-        out.append(line)
-    return "\n".join(out)
+            lines[i] = line[:2] + CALL + line[2:]
+    return "\n".join(lines)
 
 
 def reward(record: dict[str, Any], response: str) -> float:
@@ -111,13 +116,15 @@ def reward(record: dict[str, Any], response: str) -> float:
 
 
 class Calculator(Environment):
-    """The episode's environment: answers ``?`` calls, scores the final ``#answer``."""
+    """The episode's environment: answers ``{value}{label}?`` calls, scores ``#answer``."""
 
     stop = (CALL,)
 
     async def reset(self, record: dict[str, Any]) -> None:
         self.record = record
         self.calls = 0
+        _, ops = arith._parse(record["prompt"])
+        self.ops = {LABELS[i]: op for i, op in enumerate(ops)}
 
     async def step(self, action: str) -> Step:
         if "#" in action or not action.endswith(CALL):  # the final turn
@@ -127,12 +134,15 @@ class Calculator(Environment):
         self.calls += 1
         await asyncio.sleep(self._latency())
         match = _CALL_LINE.search(action)
-        if match is None:
+        if match is None or match.group(2) not in self.ops:
             return Step(observation=BAD)
-        value, _, op, d = match.groups()
-        result = await run_python(f"print(({value} {op} {d}) % 10)", LIMITS)
-        digit = result.stdout.strip() if result.ok else ""
-        return Step(observation=digit if len(digit) == 1 and digit.isdigit() else BAD)
+        value, label = int(match.group(1)), match.group(2)
+        op, d = self.ops[label]
+        result = await run_python(f"print({value} {op} {d})", LIMITS)  # the sandboxed tool
+        out = result.stdout.strip() if result.ok else ""
+        if not re.fullmatch(r"-?\d+", out):
+            return Step(observation=BAD)
+        return Step(observation=f"{op}{d}={int(out) % arith.MODULUS}")
 
     def _latency(self) -> float:
         h = zlib.crc32(f"{self.record.get('id')}/{self.calls}".encode())
@@ -144,14 +154,23 @@ ENVIRONMENT = Calculator
 
 
 def main(argv: list[str] | None = None) -> int:
-    """arith's ``generate`` (the same records), with this task's demonstrations."""
-    code = int(arith.main(argv))
-    args = list(argv if argv is not None else sys.argv[1:])
-    out = Path(args[args.index("--out") + 1])
-    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
-    demos = [{"id": r["id"], "prompt": r["prompt"], "response": demonstration(r)} for r in rows]
-    (out / "demos.jsonl").write_text("".join(json.dumps(d) + "\n" for d in demos))
-    return code
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="write train.jsonl, test.jsonl and demos.jsonl")
+    gen.add_argument("--out", required=True, help="output directory")
+    gen.add_argument("--train", type=int, default=10_000, help="number of training records")
+    gen.add_argument("--test", type=int, default=500, help="number of test records")
+    gen.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train = generate(args.train, args.seed, "train")
+    test = generate(args.test, args.seed, "test")
+    demos = [{"id": r["id"], "prompt": r["prompt"], "response": demonstration(r)} for r in train]
+    for name, rows in (("train", train), ("test", test), ("demos", demos)):
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {len(train)} train, {len(test)} test records and demos to {out}")
+    return 0
 
 
 if __name__ == "__main__":

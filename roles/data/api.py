@@ -140,6 +140,7 @@ class DataStatus(BaseModel):
     failed: int = 0  # trajectories recorded as failed (never handed out again), quarantined incl.
     quarantined: int = 0  # failed because their rollouts kept dying while holding them
     orphaned: int = 0  # evicted: members of a group another member of which failed
+    cancelled: int = 0  # redundant samples withdrawn: their group finished without them
     cursor: int = 0  # the highest consume seq handed out so far
     reward_errors: int
     tokens: int

@@ -96,6 +96,15 @@ class DataConfig(ServiceConfig):
     samples_per_prompt: Annotated[int, Field(ge=1)] = Field(
         4, description="Trajectories per prompt (a group, for group-relative advantages)."
     )
+    redundant_samples: Annotated[int, Field(ge=0)] = Field(
+        0,
+        description="ROLL Flash's redundant rollouts: start this many more samples per prompt and "
+        "keep the first samples_per_prompt to finish; the rest are cancelled (queued ones "
+        "withdrawn, running ones dropped at their rollout's next report, late completions "
+        "ignored). Cuts the wait for a group's slowest member (a long generation or a slow "
+        "environment) at the price of the generation spent on the cancelled ones. Not with "
+        "round schedules.",
+    )
     epochs: Annotated[int, Field(ge=1)] | None = Field(1, description="null = cycle forever.")
     seed: int = Field(0, description="Seeds the per-epoch prompt order.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

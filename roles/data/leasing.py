@@ -108,7 +108,8 @@ class Leasing:
         if rounds is not None:  # a round schedule: only the open round, only its version
             out = rounds.lease(store, req.rollout, req.max_count, req.version, holding, self.params)
         else:
-            store.refill(c.queue_ahead + req.max_count, c.samples_per_prompt, c.seed, c.epochs)
+            group = c.samples_per_prompt + c.redundant_samples
+            store.refill(c.queue_ahead + req.max_count, group, c.seed, c.epochs)
             fresh = None if c.max_ahead is None else max(0, c.max_ahead - store.ahead())
             start = may_start(self.ctx.trainer_version, req.version, c.async_ratio)
             out = store.lease(

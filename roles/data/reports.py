@@ -40,8 +40,10 @@ class Reports:
         registry: CollectorRegistry,
         to_score: asyncio.Queue[str],
         wake: Callable[[], None],
+        on_cancel: Callable[[list[str]], None] = lambda ids: None,
     ) -> None:
         self.ctx = ctx
+        self._on_cancel = on_cancel  # redundant samples withdrawn (their episodes are forgotten)
         self._to_score = to_score
         self._wake = wake
         self._m_rejected = Counter(
@@ -72,6 +74,11 @@ class Reports:
             self._refuse_items(reply, req.rollout, "completed", refused)
             for tid in new:
                 self._to_score.put_nowait(tid)
+            if self.ctx.config.redundant_samples:
+                cancelled = await db(store.take_cancelled)
+                if cancelled:
+                    self.ctx.log.info("redundant samples cancelled", count=len(cancelled))
+                    self._on_cancel(cancelled)
         if self.ctx.rounds is not None and not self.ctx.rounds.open:
             self._wake()  # a round ended: waiting takes re-check for the next one
         return reply
@@ -109,7 +116,9 @@ class Reports:
     ) -> tuple[list[str], int, list[Rejection]]:
         rounds = self.ctx.rounds
         if rounds is None:
-            return store.complete(rollout, completed)
+            c = self.ctx.config
+            keep = c.samples_per_prompt if c.redundant_samples else None
+            return store.complete(rollout, completed, keep)
         # round schedules: completions of deferred samples are ignored; a round may end here
         new, dupes, refused = store.complete(rollout, rounds.filter_completed(store, completed))
         rounds.note_completed(store, new)

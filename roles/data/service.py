@@ -121,6 +121,11 @@ class DataService(Service, DataApi):
         self.rounds = (
             RoundGate(schedule, c.samples_per_prompt, c.seed, c.epochs) if schedule.rounds else None
         )
+        if self.rounds is not None and c.redundant_samples:
+            raise ConfigError(
+                f"data.redundant_samples does not work with the {schedule.kind} schedule's rounds "
+                "(a round waits for every sample it started): set it to 0"
+            )
         parts = DataContext(
             config=c,
             clock=ctx.clock,
@@ -131,13 +136,18 @@ class DataService(Service, DataApi):
         )
         to_score: asyncio.Queue[str] = asyncio.Queue()
         self.leasing = Leasing(parts)
-        self.reports = Reports(parts, ctx.registry, to_score, self.leasing.wake)
+        self.reports = Reports(parts, ctx.registry, to_score, self.leasing.wake, self._cancelled)
         self.sampling = Sampling(parts, to_score, self.leasing.wake)
         self.watch = RolloutWatch(parts, self.leasing.forget, self.leasing.wake)
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a store call on the store's executor (every store call goes through here)."""
         return await self._store_executor.run(fn, *args)
+
+    def _cancelled(self, ids: list[str]) -> None:
+        if self.episodes is not None:
+            for tid in ids:
+                self.episodes.forget(tid)
 
     def _need_store(self) -> Store:
         if self.store is None:

@@ -151,3 +151,30 @@ async def failing_scenario(tmp: Path) -> None:
 
 def test_a_failing_environment_ends_its_episode_alone(tmp_path: Path) -> None:
     run_inproc(lambda: failing_scenario(tmp_path), seed=0)
+
+
+async def redundant_scenario(tmp: Path) -> None:
+    """6 samples started per prompt, the first 4 to finish kept (``data.redundant_samples``)."""
+    prompts = 12
+    config = sections(tmp, prompts)
+    config["data"]["redundant_samples"] = 2
+    members = [("data", "data"), ("rollout", "rollout-0"), ("rollout", "rollout-1")]
+    async with inproc_cluster(config, seed=0, members=members) as cluster:
+        data = cluster.proxy(DataApi, "data")
+        status = await until(lambda: _finished(data), timeout=150)
+        assert status.trajectories == prompts * 4 and status.failed == 0, status
+        assert 0 < status.cancelled <= prompts * 2, status
+        done = (await data.sample.call(SampleRequest(n=prompts * 4, whole_groups=True))).items
+        groups: dict[str, list[Trajectory]] = {}
+        for t in done:
+            groups.setdefault(t.prompt_id, []).append(t)
+        assert len(groups) == prompts and all(len(g) == 4 for g in groups.values())
+        assert any(max(t.sample_index for t in g) > 3 for g in groups.values())
+        tok = _tokenizer(tmp)
+        for t in done:
+            check_episode(t, tok)
+        assert cluster.service("data").episodes.stats()["env_live"] == 0  # none left behind
+
+
+def test_redundant_samples_keep_the_first_to_finish(tmp_path: Path) -> None:
+    run_inproc(lambda: redundant_scenario(tmp_path), seed=0)

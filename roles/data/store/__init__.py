@@ -98,6 +98,7 @@ class Store(Queue, Parking, Partials, Trajectories, FailureLedger):
         out.update(self.failure_counts())
         out["done"] -= out["failed"]  # done = generated; failed ones are counted apart
         out["orphaned"] = self.orphaned()
+        out["cancelled"] = self.cancelled_count()
         out["cursor"] = self.consume_cursor()
         out["partial_tokens"] = self.partial_token_count()
         return out

@@ -41,6 +41,7 @@ class StoreBase:
         self.db = db
         self.path = path
         self.now = now
+        self.cancelled_new: list[str] = []  # redundant samples cancelled, not yet handed out
 
     def close(self) -> None:
         self.db.close()

@@ -62,6 +62,10 @@ CREATE TABLE IF NOT EXISTS trajectories (
     consume_seq INTEGER                -- order of consumption (1, 2, ...); NULL until consumed
 );
 CREATE INDEX IF NOT EXISTS trajectories_ready ON trajectories (scored, consumed, evicted);
+CREATE TABLE IF NOT EXISTS cancelled (  -- redundant samples whose group finished without them
+    trajectory_id TEXT PRIMARY KEY,
+    prompt_id TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS failures (
     trajectory_id TEXT PRIMARY KEY,
     prompt_id TEXT NOT NULL,           -- its group: the group can never be whole

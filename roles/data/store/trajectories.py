@@ -37,13 +37,16 @@ class BufferEntry:
 
 class Trajectories(StoreBase):
     def complete(
-        self, rollout: str, trajectories: Iterable[Trajectory]
+        self, rollout: str, trajectories: Iterable[Trajectory], keep: int | None = None
     ) -> tuple[list[str], int, list[Rejection]]:
         """Record finished trajectories exactly once.
 
         Returns (new ids, duplicates ignored, refused and why): a trajectory this store never
         queued is refused alone; the others are stored. A completion of a sample that is done
-        (generated, or failed) is a duplicate.
+        (generated, or failed) is a duplicate, and so is one of a cancelled sample.
+
+        ``keep`` (redundant samples): once a prompt has ``keep`` trajectories, its samples still
+        queued or leased are cancelled (:meth:`cancelled_since` hands their ids out once).
         """
         new: list[str] = []
         dupes = 0
@@ -53,6 +56,9 @@ class Trajectories(StoreBase):
                 row = self.db.execute(
                     "SELECT state FROM samples WHERE trajectory_id = ?", (t.trajectory_id,)
                 ).fetchone()
+                if row is None and self._is_cancelled(t.trajectory_id):
+                    dupes += 1
+                    continue
                 if row is None:
                     refused.append((t.trajectory_id, UNKNOWN))
                     continue
@@ -79,7 +85,45 @@ class Trajectories(StoreBase):
                 )
                 self.db.execute("DELETE FROM partials WHERE trajectory_id = ?", (t.trajectory_id,))
                 new.append(t.trajectory_id)
+                if keep is not None:
+                    self._cancel_rest(t.prompt_id, keep)
         return new, dupes, refused
+
+    def _is_cancelled(self, tid: str) -> bool:
+        row = self.db.execute("SELECT 1 FROM cancelled WHERE trajectory_id = ?", (tid,))
+        return row.fetchone() is not None
+
+    def _cancel_rest(self, prompt_id: str, keep: int) -> None:
+        """``prompt_id`` has ``keep`` trajectories: withdraw its samples not yet done."""
+        (have,) = self.db.execute(
+            "SELECT COUNT(*) FROM trajectories WHERE prompt_id = ?", (prompt_id,)
+        ).fetchone()
+        if have < keep:
+            return
+        rest = [
+            tid
+            for (tid,) in self.db.execute(
+                "SELECT trajectory_id FROM samples WHERE prompt_id = ? "
+                "AND state IN ('queued', 'leased', 'parked')",
+                (prompt_id,),
+            )
+        ]
+        for tid in rest:
+            self.db.execute(
+                "INSERT OR IGNORE INTO cancelled (trajectory_id, prompt_id) VALUES (?, ?)",
+                (tid, prompt_id),
+            )
+            self.db.execute("DELETE FROM partials WHERE trajectory_id = ?", (tid,))
+            self.db.execute("DELETE FROM samples WHERE trajectory_id = ?", (tid,))
+        self.cancelled_new += rest
+
+    def take_cancelled(self) -> list[str]:
+        """The samples cancelled since the last call (their episodes can be forgotten)."""
+        out, self.cancelled_new = self.cancelled_new, []
+        return out
+
+    def cancelled_count(self) -> int:
+        return int(self.db.execute("SELECT COUNT(*) FROM cancelled").fetchone()[0])
 
     # -- scoring -----------------------------------------------------------------------------
 
