@@ -48,6 +48,7 @@ import math
 import random
 import re
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,8 +169,14 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(
+    argv: list[str] | None = None,
+    demonstrate: Callable[[dict[str, Any]], str] = demonstration,
+    description: str | None = None,
+) -> int:
+    """The CLI; ``demonstrate`` writes demos.jsonl's responses (a task built on this one
+    passes its own)."""
+    parser = argparse.ArgumentParser(description=description or __doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="write train.jsonl, test.jsonl and demos.jsonl")
     gen.add_argument("--out", required=True, help="output directory")
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     _write_jsonl(out / "test.jsonl", test)
     _write_jsonl(
         out / "demos.jsonl",
-        [{"id": r["id"], "prompt": r["prompt"], "response": demonstration(r)} for r in train],
+        [{"id": r["id"], "prompt": r["prompt"], "response": demonstrate(r)} for r in train],
     )
     print(f"wrote {len(train)} train, {len(test)} test records and demos to {out}")
     return 0

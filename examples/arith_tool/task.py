@@ -37,10 +37,8 @@ CLI (arith's records, this task's demonstrations)::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib.util
-import json
 import math
 import re
 import sys
@@ -154,23 +152,7 @@ ENVIRONMENT = Calculator
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="write train.jsonl, test.jsonl and demos.jsonl")
-    gen.add_argument("--out", required=True, help="output directory")
-    gen.add_argument("--train", type=int, default=10_000, help="number of training records")
-    gen.add_argument("--test", type=int, default=500, help="number of test records")
-    gen.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    train = generate(args.train, args.seed, "train")
-    test = generate(args.test, args.seed, "test")
-    demos = [{"id": r["id"], "prompt": r["prompt"], "response": demonstration(r)} for r in train]
-    for name, rows in (("train", train), ("test", test), ("demos", demos)):
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"wrote {len(train)} train, {len(test)} test records and demos to {out}")
-    return 0
+    return int(arith.main(argv, demonstration, __doc__.split("\n")[0]))
 
 
 if __name__ == "__main__":

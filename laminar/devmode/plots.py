@@ -9,8 +9,9 @@ pulls, publishes, repacks). Outputs, in ``<run_dir>/plots/``:
 * ``throughput.png``: trained tokens/s (per version) and generated tokens/s (all rollouts);
 * ``staleness.png``: histogram of trainer version minus generating version, over trajectories;
 * ``timeline.png``: one lane per rollout: what it was doing (generating, switching weights,
-  drained, dead), how full its KV cache was, each weight pull, and each repack move (an arrow
-  from the source's lane to the destination's).
+  drained, dead), how full its KV cache was, the share of its episodes waiting for the
+  environment (multi-turn tasks), each weight pull, and each repack move (an arrow from the
+  source's lane to the destination's).
 
 A resumed run appends to the same files, so its plots cover every session; the gap between
 sessions shows as a gap.
@@ -27,6 +28,7 @@ from laminar.devmode.progress import policy_reward
 
 PHASE_COLOUR = {"running": "#2ca02c", "switching": "#ffbf00", "draining": "#9467bd"}
 DEAD_COLOUR = "#d62728"
+ENV_COLOUR = "#1f77b4"  # episodes waiting for the environment
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -146,6 +148,11 @@ def plot_run(run_dir: str | Path, trainer_metrics: str | Path | None = None) -> 
             span = ((a["time"] - t0) / 60, (b["time"] - a["time"]) / 60)
             shade = 0.35 + 0.65 * min(1.0, r["kv"] * 2)
             ax.broken_barh([span], (y - 0.35, 0.7), color=colour, alpha=shade, linewidth=0)
+            # episodes out of the engine, waiting for the environment: a bar from the lane's
+            # bottom, as tall as their share of the rollout's trajectories
+            share = r.get("env_waiting", 0) / max(1, r.get("in_flight", 0))
+            if share > 0:
+                ax.broken_barh([span], (y - 0.35, 0.7 * share), color=ENV_COLOUR, linewidth=0)
     for e in events:
         d = e.get("data", {})
         x = (e["at"] - t0) / 60
@@ -162,7 +169,8 @@ def plot_run(run_dir: str | Path, trainer_metrics: str | Path | None = None) -> 
     ax.set_xlabel("wall time (min)")
     ax.set_title(
         "rollouts: generating (green; darker = fuller KV cache), switching weights (amber),\n"
-        "drained (purple), dead (red); ▼ weight pull; red arrow: repack move",
+        "drained (purple), dead (red); blue from below: share of episodes waiting for the "
+        "environment; ▼ weight pull; red arrow: repack move",
         fontsize=9,
     )
     save(fig, "timeline.png")

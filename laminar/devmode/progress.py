@@ -71,6 +71,7 @@ def rollout_sample(stats: RolloutStats | None) -> dict[str, Any]:
         "running": s.running,
         "waiting": s.waiting,
         "in_flight": s.in_flight,
+        "env_waiting": s.env_waiting,
         "generated_tokens": s.generated_tokens,
     }
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from laminar.tools.env import Environment, Step
 
+from .evaluate import left_padded
 from .tokenizer import EOS, PAD, special_id
 
 DEFAULT_MAX_TURNS = 8
@@ -140,12 +141,8 @@ def _next_turns(
     out: list[tuple[list[int], bool]] = [([], False)] * len(episodes)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        width = max(len(contexts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            ids[row, width - len(contexts[i]) :] = torch.tensor(contexts[i])
-            mask[row, width - len(contexts[i]) :] = 1
+        ids, mask = left_padded([contexts[i] for i in idx], pad)
+        width = ids.shape[1]
         room = max(episodes[i].budget - len(episodes[i].response) for i in idx)
         new = max(1, min(room, limit - width))
         with torch.inference_mode():

@@ -85,12 +85,8 @@ def greedy_responses(
     limit = int(model.config.max_position_embeddings)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        width = max(len(encoded[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            ids[row, width - len(encoded[i]) :] = torch.tensor(encoded[i])
-            mask[row, width - len(encoded[i]) :] = 1
+        ids, mask = left_padded([encoded[i] for i in idx], pad)
+        width = ids.shape[1]
         new = max(1, min(max(budgets[i] for i in idx), limit - width))
         with torch.inference_mode():
             gen = model.generate(
@@ -108,6 +104,19 @@ def greedy_responses(
                 resp = resp[: resp.index(eos)]
             out[i] = [t for t in resp if t != pad]
     return out
+
+
+def left_padded(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
+    """``input_ids`` and ``attention_mask`` of ``rows``, padded on the left (for ``generate``)."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
 
 
 def evaluate(

@@ -10,6 +10,8 @@ Flow of one trajectory:
    (``reports``)
 3. The writer scores each new trajectory with the reward plug-in in a worker process (off the
    event loop, with a timeout) and records the reward or the reason there is none. (``sampling``)
+   A multi-turn task has an environment instead: ``env_step`` answers a rollout's episode turn by
+   turn, and the episode's steps are its reward. (``episodes``)
 4. ``sample`` (the trainer): the sampler picks scored trajectories, which are marked consumed
    with a consume seq (the trainer's cursor: it re-asks from its last committed cursor after a
    crash), optionally as whole groups and within a staleness bound (``buffer.ExperienceBuffer``).

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, ItemsView, Iterator, ValuesView
 from dataclasses import dataclass, field
 
+from laminar.engines import InflightSequence
 from laminar.tools.env import spans_within
 from laminar.trajectory import Assignment, PartialChunk, Trajectory
 
@@ -42,6 +43,18 @@ class Flight:
             token_ids=self.tokens[self.acked :],
             logprobs=self.logprobs[self.acked :],
             env_spans=spans_within(self.env_spans, self.acked, len(self.tokens)),
+        )
+
+    def sequence(self, trajectory_id: str) -> InflightSequence:
+        """The flight as an engine sequence without KV (to import, or to hand over)."""
+        a = self.assignment
+        return InflightSequence(
+            request_id=trajectory_id,
+            prompt_token_ids=a.prompt_token_ids,
+            response_token_ids=self.tokens,
+            response_logprobs=self.logprobs,
+            params=a.params,
+            version=self.version,
         )
 
     def trajectory(self, reason: str | None, finished_at: float, rollout: str) -> Trajectory:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from laminar.clock import Clock
-from laminar.engines import Engine, InflightSequence
+from laminar.engines import Engine
 from laminar.engines.base import EngineError
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.roles.data.api import DataApi, LeaseTransfer
@@ -94,7 +94,7 @@ async def migrate_out(svc: MigratingRollout, req: MigrateRequest) -> MigrateRepo
         return report
     try:
         seqs = await svc.engine.export_sequences(svc.flights.snapshot(), with_kv=req.kv)
-        seqs += [_waiting_sequence(tid, f) for tid, f in svc.flights.items() if f.waiting]
+        seqs += [f.sequence(tid) for tid, f in svc.flights.items() if f.waiting]  # no engine
         report.export_s = svc.clock.time() - t0
         flights = svc.flights.pop_many([s.request_id for s in seqs])
         seqs = [s for s in seqs if s.request_id in flights]
@@ -148,19 +148,6 @@ async def migrate_out(svc: MigratingRollout, req: MigrateRequest) -> MigrateRepo
                 total_s=round(report.total_s, 3),
                 error=report.error or None,
             )
-
-
-def _waiting_sequence(tid: str, f: Flight) -> InflightSequence:
-    """An episode waiting for the environment (in no engine), as a sequence to hand over."""
-    a = f.assignment
-    return InflightSequence(
-        request_id=tid,
-        prompt_token_ids=a.prompt_token_ids,
-        response_token_ids=f.tokens,
-        response_logprobs=f.logprobs,
-        params=a.params,
-        version=f.version,
-    )
 
 
 async def _hand_off(

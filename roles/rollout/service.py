@@ -12,6 +12,10 @@ Three owned tasks, each with one job:
   in-flight trajectory's new tokens, every finished and every failed trajectory; only an
   acknowledged report advances what counts as sent, and items the data role refused are dropped.
 
+* **episodes** (:mod:`.turns`) — a multi-turn episode whose turn ends at one of the environment's
+  stop tokens leaves the engine (its KV released) while the data role steps the environment, and
+  comes back with the observation appended; the other trajectories decode on meanwhile.
+
 * **failures** — a request the engine refuses (a prompt too long for its context, token ids
   outside its vocabulary) fails alone: the engine goes on, and the trajectory is reported as
   failed with the engine's reason; the data role records it and never hands it out again.

@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from laminar.clock import Clock
-from laminar.engines import Engine, InflightSequence
+from laminar.engines import Engine
 from laminar.engines.base import EngineError
 from laminar.peers import Peer
 from laminar.roles.data.api import DataApi, EnvStepReply, EnvStepRequest
@@ -139,19 +139,7 @@ class Turns:
 
     async def resubmit(self, tid: str, flight: Flight) -> None:
         """Put ``flight`` back in the engine, its whole response so far as context."""
-        a = flight.assignment
         try:
-            await self.engine.import_sequences(
-                [
-                    InflightSequence(
-                        request_id=tid,
-                        prompt_token_ids=a.prompt_token_ids,
-                        response_token_ids=flight.tokens,
-                        response_logprobs=flight.logprobs,
-                        params=a.params,
-                        version=flight.version,
-                    )
-                ]
-            )
+            await self.engine.import_sequences([flight.sequence(tid)])
         except EngineError as exc:
             self._fail(tid, str(exc))
