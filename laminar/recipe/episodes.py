@@ -20,7 +20,6 @@ from typing import Any
 
 from laminar.tools.env import Environment, Step
 
-from .evaluate import left_padded
 from .tokenizer import EOS, PAD, special_id
 
 DEFAULT_MAX_TURNS = 8
@@ -120,6 +119,19 @@ async def _steps(episodes: list[Episode], actions: list[str]) -> list[Step | Non
         return step
 
     return list(await asyncio.gather(*(one(e, a) for e, a in zip(episodes, actions, strict=True))))
+
+
+def left_padded(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
+    """``input_ids`` and ``attention_mask`` of ``rows``, padded on the left (for ``generate``)."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
 
 
 def _next_turns(

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .episodes import greedy_episodes, left_padded
 from .model import load_model
 from .tasks import Record, Task, read_jsonl
 from .tokenizer import EOS, PAD, special_id
@@ -106,19 +107,6 @@ def greedy_responses(
     return out
 
 
-def left_padded(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
-    """``input_ids`` and ``attention_mask`` of ``rows``, padded on the left (for ``generate``)."""
-    import torch
-
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
-    return ids, mask
-
-
 def evaluate(
     task: Task,
     model_dir: str | Path,
@@ -198,8 +186,6 @@ def task_rewards(
     """Greedy rewards of ``records``, their responses' token ids, and (multi-turn tasks: greedy
     episodes, :mod:`.episodes`) each episode's tool calls."""
     if task.environment is not None:
-        from .episodes import greedy_episodes
-
         episodes = greedy_episodes(model, tok, task.environment, records, budgets,
                                    max_turns=task.max_turns, batch_size=batch_size,
                                    synced=synced)  # fmt: skip

@@ -42,6 +42,7 @@ class RolloutState(BaseModel):
     phase: RolloutPhase
     version: int
     in_flight: int
+    env_waiting: int = 0  # of which episodes waiting for the environment (out of the engine)
     operator_drain: bool
 
 

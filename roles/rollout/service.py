@@ -206,6 +206,7 @@ class RolloutService(Service, RolloutApi):
             phase=rollout_phase(self.stats()),
             version=self.engine.version,
             in_flight=len(self.flights),
+            env_waiting=self.turns.waiting,
             operator_drain=self.phases.operator_drain,
         )
 
