@@ -19,6 +19,10 @@ minutes on a 2-core machine. Accuracy is measured outside the timed run, with th
 largest trainer version minus generating version of any trajectory trained on.
 
     python benchmarks/learning.py --json runs/bench/learning.json --seeds 0 1 2
+
+``--example arith_tool`` measures the agentic example instead (``examples/arith_tool``: multi-turn
+episodes with a calculator, ``make run-tool``'s preparation); its figures add the greedy tool
+calls per episode before and after (``tool_calls_before`` / ``tool_calls_after``).
 """
 
 from __future__ import annotations
@@ -39,25 +43,31 @@ sys.path.insert(0, str(ROOT))
 from laminar.recipe.evaluate import evaluate  # noqa: E402
 from laminar.recipe.tasks import load_task  # noqa: E402
 
-CONFIG = ROOT / "examples" / "arith" / "config.yaml"
 GOAL = 0.15
+#: example -> (its data's Makefile target, where its seeds' warm starts are cached)
+EXAMPLES = {
+    "arith": ("runs/arith/train.jsonl", ROOT / "runs" / "bench" / "learning"),
+    "arith_tool": ("runs/arith_tool/train.jsonl", ROOT / "runs" / "bench" / "learning-tool"),
+}
 
 
 def laminar(*args: str) -> list[str]:
     return [sys.executable, "-m", "laminar", *args]
 
 
-def warm_start(seed: int) -> tuple[Path | None, dict[str, Any]]:
+def warm_start(seed: int, example: str) -> tuple[Path | None, dict[str, Any]]:
     """The data (the Makefile's rule) and this seed's initial model and SFT warm start."""
-    subprocess.run(["make", "-s", "runs/arith/train.jsonl"], cwd=ROOT, check=True)
-    base = ROOT / "runs" / "bench" / "learning" / f"seed{seed}"
+    target, cache = EXAMPLES[example]
+    subprocess.run(["make", "-s", target], cwd=ROOT, check=True)
+    base = cache / f"seed{seed}"
     init, sft = base / "init", base / "sft"
+    task = f"examples/{example}"
     if not (init / "config.json").is_file():
-        subprocess.run(laminar("model", "init", "--task", "examples/arith", "--out", str(init),
+        subprocess.run(laminar("model", "init", "--task", task, "--out", str(init),
                                "--seed", str(seed)), cwd=ROOT, check=True)  # fmt: skip
     if not (sft / "config.json").is_file():
         started = time.monotonic()
-        sft_cmd = laminar("sft", "--task", "examples/arith", "--model", str(init),
+        sft_cmd = laminar("sft", "--task", task, "--model", str(init),
                           "--out", str(sft), "--seed", str(seed))  # fmt: skip
         done = subprocess.run(sft_cmd, cwd=ROOT)
         if done.returncode != 0:
@@ -67,14 +77,15 @@ def warm_start(seed: int) -> tuple[Path | None, dict[str, Any]]:
 
 
 def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    task = load_task(str(ROOT / "examples" / "arith"))
-    sft, sft_summary = warm_start(seed)
+    task = load_task(str(ROOT / "examples" / args.example))
+    sft, sft_summary = warm_start(seed, args.example)
     if sft is None:
         print(f"seed {seed}: the SFT warm start missed its target; no RL run on it")
         return {"seed": seed, "sft_missed": True}
     before = evaluate(task, sft, n=args.n)
     print(f"seed {seed}: acc_before {before.accuracy:.3f} ({before.n} held-out problems)")
-    cmd = laminar("run", str(CONFIG), "--duration", str(60 * args.minutes),
+    config = ROOT / "examples" / args.example / "config.yaml"
+    cmd = laminar("run", str(config), "--duration", str(60 * args.minutes),
                   "--set", "run.display=lines", "--set", "run.progress_interval_s=30",
                   "--set", f"trainer.model={sft}", "--set", f"rollout.engine.model={sft}",
                   "--set", f"data.tokenizer={sft}", "--set", f"trainer.seed={seed}")  # fmt: skip
@@ -101,6 +112,8 @@ def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "max_staleness": max((int(v["staleness_max"]) for v in versions), default=0),
         "versions": len(versions),
         "trained_tokens": sum(int(v["tokens"]) for v in versions),
+        "tool_calls_before": before.tool_calls,
+        "tool_calls_after": after.tool_calls,
         "buckets_before": before.buckets,
         "buckets_after": after.buckets,
         "checkpoint": str(final),
@@ -130,6 +143,7 @@ def spread(values: list[float]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run each")
+    ap.add_argument("--example", choices=sorted(EXAMPLES), default="arith", help="which task")
     ap.add_argument(
         "--minutes",
         type=float,
@@ -158,6 +172,7 @@ def main() -> None:
         "budget_minutes": args.minutes,
         "n_heldout": args.n,
         "seeds": args.seeds,
+        "example": args.example,
         "per_seed": per_seed,
     }
     print(
