@@ -5,7 +5,9 @@ The order of steps is what keeps a trajectory whole (nothing lost, one version, 
 1. **Export** (source). Every trajectory in flight leaves the engine (with its KV state where the
    engine exports it). The engine's snapshot is the truth: it holds every token the engine
    emitted, even those still queued for our output task, which then finds no flight and skips
-   them. The source stops reporting these trajectories.
+   them. The source stops reporting these trajectories. Episodes waiting for the environment are
+   in no engine: they leave as the flight table has them, without KV, and the destination asks
+   the data role for the same turn's answer (:mod:`.turns`).
 2. **Move the leases** (source → data role). From now on only the destination's reports are
    accepted for them. The data role holds back re-delivering them to the destination for a grace
    period, so a ``take`` racing the handoff cannot start them twice.

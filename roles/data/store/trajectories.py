@@ -46,7 +46,7 @@ class Trajectories(StoreBase):
         (generated, or failed) is a duplicate, and so is one of a cancelled sample.
 
         ``keep`` (redundant samples): once a prompt has ``keep`` trajectories, its samples still
-        queued or leased are cancelled (:meth:`cancelled_since` hands their ids out once).
+        queued or leased are cancelled (:meth:`take_cancelled` hands their ids out once).
         """
         new: list[str] = []
         dupes = 0
