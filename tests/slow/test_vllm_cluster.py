@@ -141,9 +141,11 @@ def _stop(cluster: ProcessCluster, *names: str) -> None:
 
 # Every response runs its full length (ignore_eos): the move must find all of them still running
 # however fast the engine is, and a race with early EOS made this test flaky on a fresh clone.
-#: four times what one rollout runs at once (``concurrency`` 8): it refills as sequences finish,
-#: so sequences are in flight for four sequences' time, not one (see the migration test)
-PROMPTS, SAMPLES, MAX_TOKENS = 16, 2, 480
+#: twelve times what one rollout runs at once (``concurrency`` 8): it refills as sequences finish,
+#: so sequences are in flight for twelve sequences' time, not one (see the migration test). With
+#: four times, a fresh-clone CI run saw all 32 finish without a look at the store ever finding
+#: them decoding with at most half done.
+PROMPTS, SAMPLES, MAX_TOKENS = 48, 2, 480
 CONCURRENCY = 8
 
 
