@@ -92,11 +92,6 @@ def model_spans(length: int, env_spans: Sequence[Span]) -> list[Span]:
     return out
 
 
-def stepped_turns(env_spans: Sequence[Span]) -> int:
-    """Actions of a response already answered by an observation (each env span follows one)."""
-    return len(env_spans)
-
-
 def awaits_step(tokens: Sequence[int], env_spans: Sequence[Span], stop_ids: frozenset[int]) -> bool:
     """Whether a response ends with a model turn that stopped at a stop token and has no
     observation yet (a resumed episode whose step is still owed)."""

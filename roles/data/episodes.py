@@ -63,14 +63,12 @@ class Episodes:
         config: EnvConfig,
         tokenizer: Any,
         registry: CollectorRegistry,
-        log: Any,
         clock: Clock,
     ) -> None:
         self.config = config
         self.clock = clock
         self.env_class = load_environment(config.spec)
         self.tokenizer = tokenizer
-        self.log = log
         self.stop_ids = self._stop_ids(tokenizer)
         self._live: dict[str, _Episode] = {}
         self._slots = asyncio.Semaphore(config.concurrency)

@@ -217,9 +217,7 @@ class DataService(Service, DataApi):
                 executor=self.ctx.executor("reward-reaper", workers=c.reward_workers),
             )
         if c.env is not None:
-            self.episodes = Episodes(
-                c.env, self.tokenizer, self.ctx.registry, self.log, self.ctx.clock
-            )
+            self.episodes = Episodes(c.env, self.tokenizer, self.ctx.registry, self.ctx.clock)
             self.leasing.use_episodes(self.episodes.stop_ids)
         self.sampling.open(self.buffer, self.rewards, self.tokenizer, self.episodes)
         for tid in await self._db(self.store.unscored):  # completed before a crash, not scored

@@ -71,16 +71,11 @@ class Turns:
     def ended_turn(self, flight: Flight, finish_reason: str | None) -> bool:
         """Whether ``flight``'s engine request ended a turn the environment must answer (it
         stopped at one of its stop tokens) rather than the episode."""
-        a = flight.assignment
-        stops = frozenset(a.params.stop_token_ids)
-        return (
-            a.episode
-            and finish_reason == "stop"
-            and awaits_step(flight.tokens, flight.env_spans, stops)
-        )
+        return finish_reason == "stop" and self.resumed_waiting(flight)
 
     def resumed_waiting(self, flight: Flight) -> bool:
-        """Whether a resumed (or handed-over) episode owes a step before it can generate."""
+        """Whether an episode's response ends with a turn still owed the environment's answer
+        (a turn just ended, or a resumed or handed-over episode)."""
         a = flight.assignment
         return a.episode and awaits_step(
             flight.tokens, flight.env_spans, frozenset(a.params.stop_token_ids)

@@ -83,7 +83,7 @@ def _host(tmp: Path, env: str = "QuickEnv", **config: Any) -> tuple[Episodes, An
 
     tok = Tokenizer.from_file(str(write_tokenizer(tmp / "tok") / "tokenizer.json"))
     cfg = EnvConfig(spec=f"tests.unit.test_episodes:{env}", **config)
-    return Episodes(cfg, tok, CollectorRegistry(), None, RealClock()), tok
+    return Episodes(cfg, tok, CollectorRegistry(), RealClock()), tok
 
 
 def _ids(tok: Any, text: str) -> list[int]:
