@@ -10,6 +10,9 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.laminar-installed
 EXAMPLE ?= examples/arith/config.yaml
+# the example's name (examples/NAME/config.yaml) and what `make run` prepares for it
+NAME    := $(notdir $(patsubst %/,%,$(dir $(EXAMPLE))))
+PREPARE := $(if $(wildcard examples/$(NAME)/task.py),runs/$(NAME)/train.jsonl runs/models/$(NAME)-sft/config.json)
 
 .PHONY: setup run run-tool test lint bench clean
 
@@ -25,18 +28,19 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The dev mode on the example task: data, a model and its SFT warm start (cached under runs/),
-# then every role on this machine for run.duration_s (15 min); plots in runs/latest/plots/.
-run: runs/arith/train.jsonl runs/models/arith-sft/config.json
+# The dev mode on an example task (EXAMPLE, default arith): its data, a model and its SFT warm
+# start (cached under runs/), then every role on this machine for run.duration_s (15 min); plots
+# in runs/latest/plots/. An example without a task.py (examples/hello) needs no preparation.
+run: $(PREPARE) | $(STAMP)
 	$(VENV)/bin/laminar run $(EXAMPLE)
 
 # The agentic example (multi-turn episodes with a sandboxed calculator; docs/agents.md).
-run-tool: runs/arith_tool/train.jsonl runs/models/arith_tool-sft/config.json
-	$(VENV)/bin/laminar run examples/arith_tool/config.yaml
+run-tool:
+	$(MAKE) run EXAMPLE=examples/arith_tool/config.yaml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -n 2 --dist loadgroup
+	$(VENV)/bin/pytest -n 2 --dist loadgroup --durations=30
 
 bench: $(STAMP)
 	$(PY) benchmarks/transport.py --json runs/bench/transport.json
@@ -44,28 +48,21 @@ bench: $(STAMP)
 	$(PY) benchmarks/schedules.py --json runs/bench/schedules.json
 	$(PY) benchmarks/learning.py --json runs/bench/learning.json  # 3 seeds x ~17 min
 
-# The example task's data, a model, and its warm start. `laminar sft` exits non-zero (and writes
-# nothing to runs/models/arith-sft) when the warm start misses its accuracy target, so `make run`
-# stops there with its message instead of RL-training a broken start.
-runs/arith/train.jsonl: | $(STAMP)
-	$(PY) examples/arith/task.py generate --out runs/arith --train 20000 --test 500 --seed 0
+# An example task's data, a model, and its warm start (% = the example's name). `laminar sft`
+# exits non-zero (and writes nothing to runs/models/%-sft) when the warm start misses its
+# accuracy target, so `make run` stops there with its message instead of RL-training a broken
+# start.
+.SECONDARY:  # keep every prepared file (make would delete a pattern rule's intermediates)
 
-runs/models/arith-init/config.json: | $(STAMP)
-	$(VENV)/bin/laminar model init --task examples/arith --out runs/models/arith-init --seed 1
+runs/%/train.jsonl: | $(STAMP)
+	$(PY) examples/$*/task.py generate --out runs/$* --train 20000 --test 500 --seed 0
 
-runs/models/arith-sft/config.json: runs/models/arith-init/config.json
-	$(VENV)/bin/laminar sft --task examples/arith --model runs/models/arith-init \
-		--out runs/models/arith-sft --seed 1
+runs/models/%-init/config.json: | $(STAMP)
+	$(VENV)/bin/laminar model init --task examples/$* --out runs/models/$*-init --seed 1
 
-runs/arith_tool/train.jsonl: | $(STAMP)
-	$(PY) examples/arith_tool/task.py generate --out runs/arith_tool --train 20000 --test 500 --seed 0
-
-runs/models/arith_tool-init/config.json: | $(STAMP)
-	$(VENV)/bin/laminar model init --task examples/arith_tool --out runs/models/arith_tool-init --seed 1
-
-runs/models/arith_tool-sft/config.json: runs/models/arith_tool-init/config.json
-	$(VENV)/bin/laminar sft --task examples/arith_tool --model runs/models/arith_tool-init \
-		--out runs/models/arith_tool-sft --seed 1
+runs/models/%-sft/config.json: runs/models/%-init/config.json
+	$(VENV)/bin/laminar sft --task examples/$* --model runs/models/$*-init \
+		--out runs/models/$*-sft --seed 1
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -63,7 +63,8 @@ def doctor(
             needs = RunNeeds(mode=mode, token_env="LAMINAR_TOKEN")
         else:
             needs = needs_from_config(config, mode, serve_roles)
-        facts = gather_facts([path for path, _, _ in needs.disk_or_cwd], probe)
+        disk_paths = [path for path, _, _ in needs.disk_or_cwd]
+        facts = gather_facts(disk_paths, probe, sandbox=needs.environment is not None)
     finally:
         probe.cancel()  # nothing once its result is in; else (an error above) no probe outlives us
     checks = [c for c in CHECKS if not (preflight and c in SUITE_ONLY)]

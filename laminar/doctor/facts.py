@@ -44,6 +44,9 @@ class MachineFacts:
     ucxx: ImportFacts | None = None  # None: not probed
     vllm: ImportFacts | None = None  # None: not probed (the config does not use vLLM)
     disks: tuple[DiskFacts, ...] = ()
+    #: whether tool code can be jailed here: None, or why not (see ``sandbox_probed``)
+    sandbox_problem: str | None = None
+    sandbox_probed: bool = False  # False: not asked (the config has no environment)
 
     def node_of(self, cpu: int) -> NumaNode:
         for node in self.nodes:
@@ -153,8 +156,10 @@ def gather_facts(
     disk_paths: Iterable[str] = (".",),
     probe: ImportProbe | MetadataProbe | None = None,
     env: Mapping[str, str] | None = None,
+    sandbox: bool = False,
 ) -> MachineFacts:
-    """This machine's facts; ``probe`` (started earlier, see ``probe_for``) is awaited last."""
+    """This machine's facts; ``probe`` (started earlier, see ``probe_for``) is awaited last.
+    ``sandbox``: also run one jailed ``pass`` (:func:`laminar.tools.sandbox.check_sandbox`)."""
     cores = tuple(sorted(os.sched_getaffinity(0)))
     nodes, numa = read_numa_nodes(cores=cores, cgroup=cgroup_memory())
     try:
@@ -164,6 +169,11 @@ def gather_facts(
     except OSError:
         shm_total = shm_free = None
     disks = tuple(disk_facts(path) for path in disk_paths)
+    sandbox_problem = None
+    if sandbox:
+        from ..tools.sandbox import check_sandbox
+
+        sandbox_problem = check_sandbox()
     imports = probe.result() if probe is not None else {}
     return MachineFacts(
         cores=cores,
@@ -176,4 +186,6 @@ def gather_facts(
         ucxx=imports.get("ucxx"),
         vllm=imports.get("vllm"),
         disks=disks,
+        sandbox_problem=sandbox_problem,
+        sandbox_probed=sandbox,
     )

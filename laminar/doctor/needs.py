@@ -118,6 +118,7 @@ class RunNeeds:
     models: tuple[ModelDir, ...] = ()
     data_files: tuple[tuple[str, str], ...] = ()  # (config key, path)
     disk: tuple[tuple[str, int, str], ...] = ()  # (path, bytes needed there, for what)
+    environment: str | None = None  # data.env.spec: multi-turn episodes whose tools may be jailed
 
     @property
     def disk_or_cwd(self) -> tuple[tuple[str, int, str], ...]:
@@ -149,6 +150,7 @@ def needs_from_config(
     data_files: list[tuple[str, str]] = []
     disk: list[tuple[str, int, str]] = []
     checkpoint: tuple[str, str, int, int] | None = None  # model, dir, keep, optimizer copies
+    environment: str | None = None
 
     def model_ref(path: str, key: str, weights: bool) -> None:
         keys, had = model_refs.setdefault(path, ([], False))
@@ -187,6 +189,8 @@ def needs_from_config(
         elif role == "data":
             data_files.append((f"{section}.prompts", cfg.prompts))
             model_ref(cfg.tokenizer, f"{section}.tokenizer", False)
+            if getattr(cfg, "env", None) is not None:
+                environment = cfg.env.spec
     models = tuple(
         inspect_model_dir(path, keys, weights) for path, (keys, weights) in model_refs.items()
     )
@@ -213,6 +217,7 @@ def needs_from_config(
         models=models,
         data_files=tuple(data_files),
         disk=tuple(disk),
+        environment=environment,
     )
 
 

@@ -27,10 +27,18 @@ from laminar.doctor.checks import (
     check_models,
     check_shm,
     check_token,
+    check_tool_sandbox,
     check_ucxx,
     check_vllm,
 )
-from laminar.doctor.facts import DiskFacts, MachineFacts, NumaNode, parse_cpulist, read_numa_nodes
+from laminar.doctor.facts import (
+    DiskFacts,
+    MachineFacts,
+    NumaNode,
+    gather_facts,
+    parse_cpulist,
+    read_numa_nodes,
+)
 from laminar.doctor.findings import Finding, summary
 from laminar.doctor.needs import (
     LIGHT_CONFIG_MODELS,
@@ -297,6 +305,31 @@ def test_missing_ucxx_is_a_warning_unless_a_relay_asks_for_ucx() -> None:
     assert only(check_chromium(small_machine(chromium=None), explicit)).severity == "warning"
 
 
+def test_a_sandbox_that_fails_is_a_warning_for_a_config_with_an_environment() -> None:
+    agentic = arith_needs(kv=1, environment="examples/arith_tool/task.py:Calculator")
+    jailed = small_machine(sandbox_probed=True)
+    assert only(check_tool_sandbox(jailed, agentic)).severity == "ok"
+    reason = "sandbox unavailable: unshare: Operation not permitted"
+    broken = small_machine(sandbox_probed=True, sandbox_problem=reason)
+    finding = only(check_tool_sandbox(broken, agentic))
+    assert finding.severity == "warning" and reason in finding.found
+    assert "user namespaces" in finding.fix
+    assert check_tool_sandbox(broken, arith_needs(kv=1)) == []  # no environment: not asked
+    assert check_tool_sandbox(small_machine(), agentic) == []  # not probed
+
+
+def test_the_agentic_example_asks_for_a_sandbox_and_gets_one_here() -> None:
+    config = load_config(ROOT / "examples" / "arith_tool" / "config.yaml")
+    needs = needs_from_config(config)
+    assert needs.environment == "examples/arith_tool/task.py:Calculator"
+    assert (
+        needs_from_config(load_config(ROOT / "examples" / "arith" / "config.yaml")).environment
+        is None
+    )
+    facts = gather_facts(sandbox=True)  # one real jailed `pass`
+    assert facts.sandbox_probed and facts.sandbox_problem is None, facts.sandbox_problem
+
+
 # -- models and data (real files) ----------------------------------------------------------------
 
 
@@ -546,7 +579,10 @@ def test_doctor_exits_1_on_a_blocker_naming_the_problem_and_its_fix(tmp_path: Pa
     out = laminar("doctor", str(missing_model_config(tmp_path)))
     assert out.returncode == 1, out.stdout + out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("BLOCKER"))
-    assert "never-made (trainer.model) does not exist" in line and "fix: run `make run`" in line
+    assert (
+        "never-made (trainer.model) does not exist" in line
+        and "fix: run `make run EXAMPLE=" in line
+    )
     assert "1 blocker" in out.stdout.splitlines()[-1]
     as_json = json.loads(laminar("doctor", str(missing_model_config(tmp_path)),
                                  "--json").stdout)  # fmt: skip
