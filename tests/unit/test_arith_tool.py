@@ -75,3 +75,21 @@ def test_greedy_episodes_of_a_tiny_model(tmp_path: Path) -> None:
         assert e.done and e.actions <= 3 and e.calls <= 2
         assert len(e.response) <= 40 + e.calls  # the budget (an observation may end past it)
         assert e.reward in (0.0, 1.0)
+
+
+def test_the_error_analysis_finds_the_first_wrong_line_and_whether_it_was_called() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("arith_tool_errors", Path(TASK) / "errors.py")
+    assert spec is not None and spec.loader is not None
+    errors = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(errors)
+    demo = "6a?+5=1\n1b-6=5\n5c+8=3\n#3"
+    assert errors.first_wrong_line("6a+5=1\n1b?-6=5\n5c+8=3\n#3", demo) is None  # calls aside
+    assert errors.first_wrong_line("6a+5=1\n1b-5=6\n6c+8=4\n#4", demo) == (1, False)
+    assert errors.first_wrong_line("6a+5=1\n1b?-5=6\n6c+8=4\n#4", demo) == (1, True)
+    assert errors.first_wrong_line("6a+5=1\n1b-6=5\n5c+8=3\n3d?!", demo) == (
+        3,
+        True,
+    )  # past the end
+    assert errors.first_wrong_line("6a+5=1\n1b-6=5", demo) == (2, False)  # stopped short
