@@ -153,8 +153,10 @@ async def test_moved_with_kv_state_is_token_exact_and_not_recomputed(engines, re
     for seq in seqs:
         n = len(seq.prompt_token_ids) + len(seq.response_token_ids)
         assert seq.kv is not None and seq.kv.backend == "vllm"
-        # the state lags the streamed tokens by at most a step or two
-        assert n - 3 <= seq.kv.tokens <= n, (seq.kv.tokens, n)
+        # the state lags the sequence's tokens by the engine steps whose KV was not written
+        # yet: one or two on an idle machine, four seen in a loaded fresh-clone CI run (the
+        # destination computes those few; the count of imported tokens below checks the rest)
+        assert n - 8 <= seq.kv.tokens <= n, (seq.kv.tokens, n)
         assert seq.kv.nbytes > 0 and seq.kv.layout["blocks"] == -(-seq.kv.tokens // 32)
     assert_same(finals, reference)
     after = await dest.kv_loaded()

@@ -48,6 +48,12 @@ def test_placeholders_and_guessable_tokens_are_refused_with_how_to_make_one(
     assert why in message, message
 
 
+def test_a_random_token_a_ci_run_drew_is_accepted() -> None:
+    # secrets.token_hex(8) once drew this (seven 7s): 29 estimated bits, refused under the old
+    # bound of 30 (a fresh-clone CI run, 2026-11-24)
+    assert token_problem("7707a7d77a77d702") is None
+
+
 def test_random_tokens_of_every_usual_kind_are_accepted() -> None:
     makers = [
         lambda: secrets.token_hex(16),  # what the messages and docs recommend
