@@ -29,7 +29,6 @@ fed to it. The tests run in the order written (one xdist group, one worker); eac
 
 from __future__ import annotations
 
-import asyncio
 import re
 import subprocess
 import sys
@@ -145,8 +144,8 @@ def _stop(cluster: ProcessCluster, *names: str) -> None:
 #: eight times what one rollout runs at once (``concurrency`` 8): it refills as sequences finish,
 #: so the migration test's tries (up to eight) find sequences to move
 PROMPTS, SAMPLES, MAX_TOKENS = 32, 2, 480
-#: the migration test's tries: how long each waits for the source's sequences to prefill
-TRY_DELAYS_S = (0.05, 0.1, 0.02, 0.2, 0.05, 0.1, 0.02, 0.2)
+#: the migration test's tries at most (see there)
+TRIES = 8
 CONCURRENCY = 8
 
 
@@ -197,20 +196,24 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         await source.resume.call()
         # The tiny model decodes all 480 tokens of a sequence in well under a second on an idle
         # machine, and any one look-then-move races it: CI runs saw every sequence finish before
-        # a migrate sent after a pause, none prefilled yet (a migrate at once: moved without
-        # KV), all finish between a look at the store and the migrate. So each try asks the
-        # source itself: once it holds its CONCURRENCY sequences, give them a moment to prefill
-        # (a delay that differs per try: a prefill's time depends on the machine's load), drain
-        # it (a repack source takes no prompts; with one still taking them a CI run recorded a
-        # moved trajectory as finished by the source) and migrate at once. A try that finds
-        # nothing left, or moves only sequences taken before their prefill (mode reprefill),
-        # resumes the source and tries again; what every try moved is checked below.
+        # a migrate sent after a pause, none prefilled yet (a migrate at once, or after a fixed
+        # delay on a loaded machine: moved without KV), all finish between a look at the store
+        # and the migrate. So each try: once the source holds sequences, drain it (a repack
+        # source takes no prompts; with one still taking them a CI run recorded a moved
+        # trajectory as finished by the source), wait until the store shows one of them decoding
+        # and far from done (so it holds KV state) or the source has none left, and migrate at
+        # once. A try that moves nothing, or only sequences without KV, resumes the source and
+        # tries again; what every try moved is checked below.
         data = clients.proxy(DataApi, "data")
         reports: list[MigrateReport] = []
-        for delay in TRY_DELAYS_S:
-            await until(lambda: _busy(source), timeout=60, interval=0.005)
-            await asyncio.sleep(delay)
+        moved_before: set[str] = set()
+        for _ in range(TRIES):
+            await until(lambda: _holds_some(source), timeout=60, interval=0.005)
             await source.drain.call(DrainRequest(reason="repack source"))
+            await until(
+                lambda m=moved_before: _decoding_or_empty(source, data, m), timeout=60,
+                interval=0.005,
+            )  # fmt: skip
             report = await source.migrate.call(
                 MigrateRequest(
                     destination=ROLLOUTS[1], address=cluster.info[ROLLOUTS[1]]["address"],
@@ -218,6 +221,7 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
                 )
             )  # fmt: skip
             reports.append(report)
+            moved_before |= set(report.moved)
             await source.resume.call()
             if report.error or report.mode == "kv":
                 break
@@ -246,8 +250,19 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         assert t.response_token_ids == expected[tuple(t.prompt_token_ids)], t.trajectory_id
 
 
-async def _busy(rollout: RolloutApi) -> bool:
-    return (await rollout.state.call()).in_flight >= CONCURRENCY
+async def _holds_some(rollout: RolloutApi) -> bool:
+    return (await rollout.state.call()).in_flight > 0
+
+
+async def _decoding_or_empty(source: RolloutApi, data: DataApi, moved: set[str]) -> bool:
+    """A sequence the source holds has streamed a few tokens and is far from done (its KV state
+    exists and it will not finish before a migrate sent now), or the source holds none. The
+    destination only holds what earlier tries ``moved``; everything else in the store is the
+    source's."""
+    lengths = (await data.partial_lengths.call()).lengths
+    if any(4 <= n <= MAX_TOKENS // 2 for tid, n in lengths.items() if tid not in moved):
+        return True
+    return (await source.state.call()).in_flight == 0
 
 
 async def _finished(data: DataApi) -> Any:
