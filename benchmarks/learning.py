@@ -4,8 +4,9 @@ One invocation, for each seed in ``--seeds``:
 
 1. prepares the example task as ``make run`` does, with that seed: the data (shared by all
    seeds), ``laminar model init --seed S`` and the SFT warm start ``laminar sft --seed S``, cached
-   under ``runs/bench/learning/seed<S>/`` (a warm start that misses its target is reported in
-   ``sft_missed`` and not trained on; the means are over the other seeds);
+   under ``runs/bench/learning/seed<S>/`` (``learning-tool/`` for arith_tool; a warm start that
+   misses its target is reported in ``sft_missed`` and not trained on; the means are over the
+   other seeds);
 2. measures ``acc_before``: greedy accuracy of the warm start on ``--n`` held-out problems;
 3. runs the dev mode, ``laminar run examples/arith/config.yaml``, for ``--minutes`` (every role
    on this machine: manager, data, relay, trainer, 2 vLLM rollouts) on that warm start, with the

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from laminar.recipe.evaluate import eval_records, task_rewards
+from laminar.recipe.evaluate import demo_lengths, eval_records, greedy_budget, task_rewards
 from laminar.recipe.model import load_model
 from laminar.recipe.tasks import load_task
 
@@ -51,7 +51,7 @@ def main() -> None:
     low, high = args.steps
     records = [r for r in eval_records(task, args.n) if low <= int(r["steps"]) <= high]
     demos = [task.demonstration(r) for r in records]
-    budgets = [2 * (len(tok.encode(d).ids) + 1) + 16 for d in demos]  # as `laminar eval`
+    budgets = [greedy_budget(n) for n in demo_lengths(tok, demos)]  # as `laminar eval`
     rewards, responses, calls = task_rewards(task, model, tok, records, budgets)
     lines: Counter[int] = Counter()
     called: Counter[bool] = Counter()

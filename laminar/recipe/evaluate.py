@@ -39,6 +39,17 @@ class EvalResult:
     tool_calls: float | None = None  # multi-turn tasks: mean tool calls per episode
 
 
+def demo_lengths(tok: Any, demos: list[str]) -> list[int]:
+    """Token lengths of demonstrations, EOS included."""
+    return [len(tok.encode(d).ids) + 1 for d in demos]
+
+
+def greedy_budget(demo_length: int) -> int:
+    """Response tokens a greedy evaluation allows a record whose demonstration is
+    ``demo_length`` tokens: twice that, plus slack (an environment's tokens count too)."""
+    return 2 * demo_length + 16
+
+
 def bucket_of(steps: int) -> str:
     """Power-of-two bucket label: 1, 2, 3-4, 5-8, 9-16, ..."""
     if steps <= 2:
@@ -146,8 +157,8 @@ def evaluate_model(
     model.eval()
     try:
         demos = [task.demonstration(r) for r in records]
-        demo_lens = [len(tok.encode(d).ids) + 1 for d in demos]  # + EOS
-        budgets = [2 * length + 16 for length in demo_lens]
+        demo_lens = demo_lengths(tok, demos)
+        budgets = [greedy_budget(length) for length in demo_lens]
         start = time.monotonic()
         rewards, responses, calls = task_rewards(task, model, tok, records, budgets, batch_size,
                                                  synced)  # fmt: skip

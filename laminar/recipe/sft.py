@@ -134,7 +134,9 @@ class _Validator:
         self.tok = tok
         self.records = task.train_records(n, VAL_SEED)
         demos = [task.demonstration(r) for r in self.records]
-        self.budgets = [2 * len(tok.encode(d).ids) + 16 for d in demos]
+        from .evaluate import greedy_budget
+
+        self.budgets = [greedy_budget(len(tok.encode(d).ids)) for d in demos]  # EOS not counted
 
     def accuracy(self, model: Any) -> float:
         from .evaluate import task_rewards
