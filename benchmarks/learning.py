@@ -66,6 +66,10 @@ def warm_start(seed: int, example: str) -> tuple[Path | None, dict[str, Any]]:
     if not (init / "config.json").is_file():
         subprocess.run(laminar("model", "init", "--task", task, "--out", str(init),
                                "--seed", str(seed)), cwd=ROOT, check=True)  # fmt: skip
+    target_acc = getattr(load_task(str(ROOT / task)).module, "SFT_STOP_AT", None)
+    if (sft / "config.json").is_file() and _stop_at(sft) != target_acc:
+        # cached for another SFT_STOP_AT: kept beside, and the warm start made again
+        sft.rename(base / f"sft.stop{_stop_at(sft)}.{int(time.time())}")
     if not (sft / "config.json").is_file():
         started = time.monotonic()
         sft_cmd = laminar("sft", "--task", task, "--model", str(init),
@@ -75,6 +79,10 @@ def warm_start(seed: int, example: str) -> tuple[Path | None, dict[str, Any]]:
             return None, {"missed": True, "seconds": time.monotonic() - started}
         print(f"seed {seed}: warm start in {time.monotonic() - started:.0f} s")
     return sft, json.loads((sft / "sft.json").read_text())
+
+
+def _stop_at(sft: Path) -> float | None:
+    return json.loads((sft / "sft.json").read_text())["config"].get("stop_at")
 
 
 def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -25,7 +25,7 @@ _FIRST = ("slow", "integration")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Longest first. Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) a worker takes
+    """Longest first. Under pytest-xdist (``make test``: ``-n 3 --dist loadgroup``) a worker takes
     the next test whenever it has fewer than three waiting, in this order; a slow test that came
     last (the SFT seeds, a vLLM start: one to three minutes each) ran alone at the end while the
     other worker idled. The sort is stable: a module's tests keep their order (the scenarios of

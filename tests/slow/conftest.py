@@ -13,7 +13,7 @@ few seconds. So:
   rollouts (repack, a data role killed, the weight path, a rollout killed): the module fixture of
   ``test_vllm_cluster``.
 
-Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) each fixture's users carry one
+Under pytest-xdist (``make test``: ``-n 3 --dist loadgroup``) each fixture's users carry one
 ``xdist_group`` mark (``vllm-engine``, ``vllm-cluster``), so they run on one worker and the
 fixture starts once per suite; the other slow tests go wherever a worker is free.
 """

@@ -210,8 +210,9 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         for _ in range(TRIES):
             await until(lambda: _holds_some(source), timeout=60, interval=0.005)
             await source.drain.call(DrainRequest(reason="repack source"))
+            seen: dict[str, int] = {}
             await until(
-                lambda m=moved_before: _decoding_or_empty(source, data, m), timeout=60,
+                lambda m=moved_before, s=seen: _decoding_or_empty(source, data, m, s), timeout=60,
                 interval=0.005,
             )  # fmt: skip
             report = await source.migrate.call(
@@ -254,13 +255,24 @@ async def _holds_some(rollout: RolloutApi) -> bool:
     return (await rollout.state.call()).in_flight > 0
 
 
-async def _decoding_or_empty(source: RolloutApi, data: DataApi, moved: set[str]) -> bool:
-    """A sequence the source holds has streamed a few tokens and is far from done (its KV state
-    exists and it will not finish before a migrate sent now), or the source holds none. The
-    destination only holds what earlier tries ``moved``; everything else in the store is the
-    source's."""
+async def _decoding_or_empty(
+    source: RolloutApi, data: DataApi, moved: set[str], seen: dict[str, int]
+) -> bool:
+    """A sequence the source holds is decoding now and far from done (its KV state exists and it
+    will not finish before a migrate sent now), or the source holds none. Decoding now: its
+    streamed length grew since the last look (``seen``) and is between 4 and half the budget. A
+    length that merely exists can be stale: a fresh-clone run under load migrated 8 ms after the
+    drain on the strength of a partial whose sequence had just finished, and moved 8 sequences
+    admitted a moment before, none prefilled. The destination only holds what earlier tries
+    ``moved``; everything else in the store is the source's."""
     lengths = (await data.partial_lengths.call()).lengths
-    if any(4 <= n <= MAX_TOKENS // 2 for tid, n in lengths.items() if tid not in moved):
+    growing = [
+        tid for tid, n in lengths.items()
+        if tid not in moved and 4 <= n <= MAX_TOKENS // 2 and n > seen.get(tid, n)
+    ]  # fmt: skip
+    seen.clear()
+    seen.update(lengths)
+    if growing:
         return True
     return (await source.state.call()).in_flight == 0
 

@@ -1,13 +1,16 @@
 """Start a vLLM engine as if this machine's NUMA node 0 were small (run by tests/slow).
 
-``python -m tests.support.small_node share|bytes MODEL_DIR`` inside a mount namespace in which
+``python -m tests.support.small_node bytes|share MODEL_DIR`` inside a mount namespace in which
 ``/sys/devices/system/node/node0/meminfo`` (and ``/proc/meminfo``) say node 0 holds 2 GiB:
 
-* ``share``: bare vLLM sized the old way (``gpu_memory_utilization=0.05``), which vLLM's CPU
-  worker turns into 0.05 x the node's memory minus its own RSS: negative on a small node. Exits
-  with 3 when vLLM refuses to start with its "less than requested memory" error, 0 if it started.
-* ``bytes``: our engine (KV cache in bytes, derived from the rollout's needs) starts and
-  generates; exits 0 when it generated the tokens asked for.
+* ``bytes`` (what the suite runs): our engine (KV cache in bytes, derived from the rollout's
+  needs) starts and generates; exits 0 when it generated the tokens asked for. vLLM's worker
+  logs the node's total beside the KV cache it set aside, which is how the test knows vLLM saw
+  the small node.
+* ``share`` (by hand; the suite ran it until 2026-11-24): bare vLLM sized the old way
+  (``gpu_memory_utilization=0.05``), which vLLM's CPU worker turns into 0.05 x the node's memory
+  minus its own RSS: negative on a small node. Exits with 3 when vLLM refuses to start with its
+  "less than requested memory" error, 0 if it started.
 """
 
 from __future__ import annotations
