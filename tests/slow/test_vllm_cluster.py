@@ -141,11 +141,12 @@ def _stop(cluster: ProcessCluster, *names: str) -> None:
 
 # Every response runs its full length (ignore_eos): the move must find all of them still running
 # however fast the engine is, and a race with early EOS made this test flaky on a fresh clone.
-#: eight times what one rollout runs at once (``concurrency`` 8): it refills as sequences finish,
-#: so the migration test's tries (up to eight) find sequences to move
-PROMPTS, SAMPLES, MAX_TOKENS = 32, 2, 480
+#: sixteen times what one rollout runs at once (``concurrency`` 8): it refills as sequences
+#: finish, so the migration test's tries find sequences to move (a fresh-clone run under load
+#: used up 64 trajectories in three tries, 14 s)
+PROMPTS, SAMPLES, MAX_TOKENS = 64, 2, 480
 #: the migration test's tries at most (see there)
-TRIES = 8
+TRIES = 12
 CONCURRENCY = 8
 
 
@@ -258,21 +259,22 @@ async def _holds_some(rollout: RolloutApi) -> bool:
 async def _decoding_or_empty(
     source: RolloutApi, data: DataApi, moved: set[str], seen: dict[str, int]
 ) -> bool:
-    """A sequence the source holds is decoding now and far from done (its KV state exists and it
-    will not finish before a migrate sent now), or the source holds none. Decoding now: its
-    streamed length grew since the last look (``seen``) and is between 4 and half the budget. A
-    length that merely exists can be stale: a fresh-clone run under load migrated 8 ms after the
-    drain on the strength of a partial whose sequence had just finished, and moved 8 sequences
-    admitted a moment before, none prefilled. The destination only holds what earlier tries
-    ``moved``; everything else in the store is the source's."""
+    """A sequence the source holds has streamed a few tokens and is far from done (its KV state
+    exists and it will not finish before a migrate sent now), or the source holds none. A partial
+    counts once two looks in a row (``seen`` is the last) find it between 4 and half the budget:
+    a length seen once can be stale (a fresh-clone run under load migrated 8 ms after the drain
+    on the strength of a partial whose sequence had just finished, and moved 8 sequences admitted
+    a moment before, none prefilled). The destination only holds what earlier tries ``moved``;
+    everything else in the store is the source's."""
     lengths = (await data.partial_lengths.call()).lengths
-    growing = [
-        tid for tid, n in lengths.items()
-        if tid not in moved and 4 <= n <= MAX_TOKENS // 2 and n > seen.get(tid, n)
-    ]  # fmt: skip
+
+    def running(tid: str, n: int) -> bool:
+        return tid not in moved and 4 <= n <= MAX_TOKENS // 2
+
+    twice = [tid for tid, n in lengths.items() if running(tid, n) and tid in seen]
     seen.clear()
-    seen.update(lengths)
-    if growing:
+    seen.update((tid, n) for tid, n in lengths.items() if running(tid, n))
+    if twice:
         return True
     return (await source.state.call()).in_flight == 0
 
