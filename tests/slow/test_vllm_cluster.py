@@ -141,10 +141,10 @@ def _stop(cluster: ProcessCluster, *names: str) -> None:
 
 # Every response runs its full length (ignore_eos): the move must find all of them still running
 # however fast the engine is, and a race with early EOS made this test flaky on a fresh clone.
-#: sixteen times what one rollout runs at once (``concurrency`` 8): it refills as sequences
+#: twelve times what one rollout runs at once (``concurrency`` 8): it refills as sequences
 #: finish, so the migration test's tries find sequences to move (a fresh-clone run under load
 #: used up 64 trajectories in three tries, 14 s)
-PROMPTS, SAMPLES, MAX_TOKENS = 64, 2, 480
+PROMPTS, SAMPLES, MAX_TOKENS = 48, 2, 480
 #: the migration test's tries at most (see there)
 TRIES = 12
 CONCURRENCY = 8
@@ -211,7 +211,7 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         for _ in range(TRIES):
             await until(lambda: _holds_some(source), timeout=60, interval=0.005)
             await source.drain.call(DrainRequest(reason="repack source"))
-            seen: dict[str, int] = {}
+            seen: dict[str, float] = {}
             await until(
                 lambda m=moved_before, s=seen: _decoding_or_empty(source, data, m, s), timeout=60,
                 interval=0.005,
@@ -230,6 +230,7 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         assert all(r.error == "" and not r.returned for r in reports), reports
         report = reports[-1]
         assert report.mode == "kv" and report.kv_tokens > 0 and report.kv_bytes > 0, reports
+        await dest.resume.call()  # the rest on both rollouts: what is left is only waited for
 
         status = await until(lambda: _finished(data), timeout=180, interval=0.2)
         assert status.trajectories == PROMPTS * SAMPLES
@@ -256,25 +257,30 @@ async def _holds_some(rollout: RolloutApi) -> bool:
     return (await rollout.state.call()).in_flight > 0
 
 
+#: how long a partial must stay in range before it counts: longer than a flush (the cluster's
+#: ``flush_interval_s`` 0.1), after which a finished sequence's partial is gone from the store
+SETTLED_S = 0.15
+
+
 async def _decoding_or_empty(
-    source: RolloutApi, data: DataApi, moved: set[str], seen: dict[str, int]
+    source: RolloutApi, data: DataApi, moved: set[str], seen: dict[str, float]
 ) -> bool:
     """A sequence the source holds has streamed a few tokens and is far from done (its KV state
     exists and it will not finish before a migrate sent now), or the source holds none. A partial
-    counts once two looks in a row (``seen`` is the last) find it between 4 and half the budget:
-    a length seen once can be stale (a fresh-clone run under load migrated 8 ms after the drain
-    on the strength of a partial whose sequence had just finished, and moved 8 sequences admitted
-    a moment before, none prefilled). The destination only holds what earlier tries ``moved``;
-    everything else in the store is the source's."""
+    counts once it has stayed between 4 and half the budget for longer than a flush (``seen``:
+    when each was first found there). A partial found once can be stale: the store drops it only
+    when the trajectory's completion arrives with the next flush, and a fresh-clone run under
+    load migrated 8 ms after the drain on the strength of one whose sequence had just finished,
+    moving 8 sequences admitted a moment before, none prefilled. The destination only holds what
+    earlier tries ``moved``; everything else in the store is the source's."""
     lengths = (await data.partial_lengths.call()).lengths
-
-    def running(tid: str, n: int) -> bool:
-        return tid not in moved and 4 <= n <= MAX_TOKENS // 2
-
-    twice = [tid for tid, n in lengths.items() if running(tid, n) and tid in seen]
-    seen.clear()
-    seen.update((tid, n) for tid, n in lengths.items() if running(tid, n))
-    if twice:
+    now = time.monotonic()
+    running = {t for t, n in lengths.items() if t not in moved and 4 <= n <= MAX_TOKENS // 2}
+    for tid in set(seen) - running:
+        del seen[tid]
+    for tid in running:
+        seen.setdefault(tid, now)
+    if any(now - first >= SETTLED_S for first in seen.values()):
         return True
     return (await source.state.call()).in_flight == 0
 
