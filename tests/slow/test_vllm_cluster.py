@@ -269,8 +269,8 @@ async def _decoding_or_empty(
     exists and it will not finish before a migrate sent now), or the source holds none. A partial
     counts once it has stayed between 4 and half the budget for longer than a flush (``seen``:
     when each was first found there). A partial found once can be stale: the store drops it only
-    when the trajectory's completion arrives with the next flush, and a fresh-clone run under
-    load migrated 8 ms after the drain on the strength of one whose sequence had just finished,
+    when the trajectory's completion arrives with the next flush, and a suite run under load
+    migrated 8 ms after the drain on the strength of one whose sequence had just finished,
     moving 8 sequences admitted a moment before, none prefilled. The destination only holds what
     earlier tries ``moved``; everything else in the store is the source's."""
     lengths = (await data.partial_lengths.call()).lengths
