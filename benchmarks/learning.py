@@ -67,9 +67,10 @@ def warm_start(seed: int, example: str) -> tuple[Path | None, dict[str, Any]]:
         subprocess.run(laminar("model", "init", "--task", task, "--out", str(init),
                                "--seed", str(seed)), cwd=ROOT, check=True)  # fmt: skip
     target_acc = getattr(load_task(str(ROOT / task)).module, "SFT_STOP_AT", None)
-    if (sft / "config.json").is_file() and _stop_at(sft) != target_acc:
+    cached_acc = _stop_at(sft) if (sft / "config.json").is_file() else target_acc
+    if cached_acc != target_acc:
         # cached for another SFT_STOP_AT: kept beside, and the warm start made again
-        sft.rename(base / f"sft.stop{_stop_at(sft)}.{int(time.time())}")
+        sft.rename(base / f"sft.stop{cached_acc}.{int(time.time())}")
     if not (sft / "config.json").is_file():
         started = time.monotonic()
         sft_cmd = laminar("sft", "--task", task, "--model", str(init),
