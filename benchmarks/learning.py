@@ -21,6 +21,10 @@ largest trainer version minus generating version of any trajectory trained on.
 
     python benchmarks/learning.py --json runs/bench/learning.json --seeds 0 1 2
 
+``--sft-stop-at ACC`` / ``--sft-stop-bucket STEPS=ACC`` make the warm starts with those ``laminar
+sft`` flags instead of the task's defaults (a warm start cached for another stop is kept beside,
+renamed, and made again).
+
 ``--example arith_tool`` measures the agentic example instead (``examples/arith_tool``: multi-turn
 episodes with a calculator, ``make run-tool``'s preparation); its figures add the greedy tool
 calls per episode before and after (``tool_calls_before`` / ``tool_calls_after``).
@@ -42,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from laminar.recipe.evaluate import evaluate  # noqa: E402
+from laminar.recipe.sft import SftConfig  # noqa: E402
 from laminar.recipe.tasks import load_task  # noqa: E402
 
 GOAL = 0.15
@@ -56,8 +61,12 @@ def laminar(*args: str) -> list[str]:
     return [sys.executable, "-m", "laminar", *args]
 
 
-def warm_start(seed: int, example: str) -> tuple[Path | None, dict[str, Any]]:
-    """The data (the Makefile's rule) and this seed's initial model and SFT warm start."""
+def warm_start(
+    seed: int, example: str, stop_at: str | None = None, stop_bucket: str | None = None
+) -> tuple[Path | None, dict[str, Any]]:
+    """The data (the Makefile's rule) and this seed's initial model and SFT warm start: stopped
+    by the task's ``SFT_STOP_AT`` (and ``SFT_STOP_BUCKET``), or by ``laminar sft``'s
+    ``--stop-at`` / ``--stop-bucket`` given here."""
     target, cache = EXAMPLES[example]
     subprocess.run(["make", "-s", target], cwd=ROOT, check=True)
     base = cache / f"seed{seed}"
@@ -66,15 +75,20 @@ def warm_start(seed: int, example: str) -> tuple[Path | None, dict[str, Any]]:
     if not (init / "config.json").is_file():
         subprocess.run(laminar("model", "init", "--task", task, "--out", str(init),
                                "--seed", str(seed)), cwd=ROOT, check=True)  # fmt: skip
-    target_acc = getattr(load_task(str(ROOT / task)).module, "SFT_STOP_AT", None)
-    cached_acc = _stop_at(sft) if (sft / "config.json").is_file() else target_acc
-    if cached_acc != target_acc:
-        # cached for another SFT_STOP_AT: kept beside, and the warm start made again
-        sft.rename(base / f"sft.stop{cached_acc}.{int(time.time())}")
+    target_stop = _target_stop(load_task(str(ROOT / task)).module, stop_at, stop_bucket)
+    cached_stop = _stop(sft) if (sft / "config.json").is_file() else target_stop
+    if cached_stop != target_stop:
+        # cached for another stop: kept beside, and the warm start made again
+        label = "-".join(str(x) for x in cached_stop if x is not None)
+        sft.rename(base / f"sft.stop{label}.{int(time.time())}")
     if not (sft / "config.json").is_file():
         started = time.monotonic()
         sft_cmd = laminar("sft", "--task", task, "--model", str(init),
                           "--out", str(sft), "--seed", str(seed))  # fmt: skip
+        if stop_at is not None:
+            sft_cmd += ["--stop-at", stop_at]
+        if stop_bucket is not None:
+            sft_cmd += ["--stop-bucket", stop_bucket]
         done = subprocess.run(sft_cmd, cwd=ROOT)
         if done.returncode != 0:
             return None, {"missed": True, "seconds": time.monotonic() - started}
@@ -82,13 +96,36 @@ def warm_start(seed: int, example: str) -> tuple[Path | None, dict[str, Any]]:
     return sft, json.loads((sft / "sft.json").read_text())
 
 
-def _stop_at(sft: Path) -> float | None:
-    return json.loads((sft / "sft.json").read_text())["config"].get("stop_at")
+#: stop_at, stop_bucket, stop_bucket_at, bucket_every (the last three None without a bucket)
+Stop = tuple[float | None, str | None, float | None, int | None]
+
+
+def _stop(sft: Path) -> Stop:
+    """What stopped a cached warm start (its ``sft.json``)."""
+    config = json.loads((sft / "sft.json").read_text())["config"]
+    bucket = config.get("stop_bucket")
+    every = config.get("bucket_every") if bucket is not None else None
+    return config.get("stop_at"), bucket, config.get("stop_bucket_at"), every
+
+
+def _target_stop(module: Any, stop_at: str | None, stop_bucket: str | None) -> Stop:
+    """What ``laminar sft`` will stop on: the flags given here, else the task's defaults."""
+    acc = float(stop_at) if stop_at is not None else getattr(module, "SFT_STOP_AT", None)
+    if stop_bucket is None:
+        bucket, bucket_acc = getattr(module, "SFT_STOP_BUCKET", None) or (None, None)
+    elif stop_bucket == "off":
+        bucket, bucket_acc = None, None
+    else:
+        bucket, _, given = stop_bucket.partition("=")
+        bucket_acc = float(given)
+    if bucket is None:
+        return acc, None, None, None
+    return acc, bucket, float(bucket_acc), SftConfig().bucket_every
 
 
 def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     task = load_task(str(ROOT / "examples" / args.example))
-    sft, sft_summary = warm_start(seed, args.example)
+    sft, sft_summary = warm_start(seed, args.example, args.sft_stop_at, args.sft_stop_bucket)
     if sft is None:
         print(f"seed {seed}: the SFT warm start missed its target; no RL run on it")
         return {"seed": seed, "sft_missed": True}
@@ -118,6 +155,7 @@ def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "gain": round(after.accuracy - before.accuracy, 3),
         "minutes": round(minutes, 2),
         "sft_steps": sft_summary["steps"],
+        "sft_stop": list(_stop(sft)),
         "sft_seconds": sft_summary["seconds"],
         "max_staleness": max((int(v["staleness_max"]) for v in versions), default=0),
         "versions": len(versions),
@@ -164,6 +202,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=500, help="held-out problems (the test split)")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--set", action="append", default=[], help="config overrides for the runs")
+    ap.add_argument("--sft-stop-at", metavar="ACC", help="the warm starts' `laminar sft --stop-at`")
+    ap.add_argument(
+        "--sft-stop-bucket", metavar="STEPS=ACC", help="`laminar sft --stop-bucket` for the seeds"
+    )
     args = ap.parse_args()
 
     per_seed = [one_seed(seed, args) for seed in args.seeds]

@@ -54,6 +54,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     cfg.stop_at = _stop_at(args.stop_at, getattr(task.module, "SFT_STOP_AT", None))
+    if cfg.stop_at is not None:
+        cfg.stop_bucket, cfg.stop_bucket_at = _stop_bucket(
+            args.stop_bucket, getattr(task.module, "SFT_STOP_BUCKET", None)
+        )
     cfg.curriculum = not args.no_curriculum
     result = train_sft(task, args.model, args.out, cfg)
     val = f", val accuracy {result.evals[-1][2]:.2f}" if result.evals else ""
@@ -65,8 +69,11 @@ def cmd_sft(args: argparse.Namespace) -> int:
     if not result.reached_target:
         best = max((acc for _, _, acc in result.evals), default=None)
         seen = "never checked" if best is None else f"best {best:.2f}"
+        on = ""
+        if cfg.stop_bucket:
+            on = f" (and {cfg.stop_bucket_at:.2f} on {cfg.stop_bucket}-step problems)"
         print(
-            f"sft MISSED its target: validation accuracy never reached {cfg.stop_at:.2f} in "
+            f"sft MISSED its target: validation accuracy never reached {cfg.stop_at:.2f}{on} in "
             f"{result.steps} steps ({seen}). Nothing was written to {args.out}; the "
             f"model is in {result.out} for a look. Try a longer budget (--steps) or another "
             "--seed.",
@@ -90,6 +97,30 @@ def _stop_at(flag: str | None, task_default: float | None) -> float | None:
 
         raise ConfigError(f"--stop-at takes an accuracy in (0, 1] or 'off', not {flag!r}")
     return value
+
+
+def _stop_bucket(flag: str | None, task_default: Any) -> tuple[str | None, float | None]:
+    """``--stop-bucket STEPS=ACC`` ('off': none), else the task's ``SFT_STOP_BUCKET``."""
+    from ..errors import ConfigError
+
+    if flag is None:
+        if task_default is None:
+            return None, None
+        bucket, acc = task_default
+        return str(bucket), float(acc)
+    if flag.lower() in ("off", "none", "no"):
+        return None, None
+    bucket, _, acc = flag.partition("=")
+    try:
+        value = float(acc)
+    except ValueError:
+        value = -1.0
+    if not bucket or not 0 < value <= 1:
+        raise ConfigError(
+            f"--stop-bucket takes STEPS=ACC (a chain-length bucket and an accuracy in (0, 1], "
+            f"e.g. 5-8=0.3) or 'off', not {flag!r}"
+        )
+    return bucket, value
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -166,6 +197,13 @@ def register(sub: Any) -> None:
         help="stop once greedy accuracy on training-split problems reaches ACC (checked every "
         "100 steps), so the warm start leaves RL room; 'off' to disable (default: the task's "
         "SFT_STOP_AT, if any)",
+    )
+    sft.add_argument(
+        "--stop-bucket",
+        metavar="STEPS=ACC",
+        help="with --stop-at, also require accuracy ACC on problems of this chain-length bucket "
+        "(e.g. 5-8=0.3: RL's frontier begun on); 'off' to disable (default: the task's "
+        "SFT_STOP_BUCKET, if any)",
     )
     sft.add_argument(
         "--no-curriculum",

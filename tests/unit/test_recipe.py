@@ -376,3 +376,70 @@ def test_stop_at_flag() -> None:
     assert _stop_at("0.3", None) == 0.3
     with pytest.raises(ConfigError):
         _stop_at("2", None)
+
+
+def test_stop_bucket_validates_on_that_chain_length_only(task) -> None:  # type: ignore[no-untyped-def]
+    from laminar.recipe.cli import _stop_bucket
+    from laminar.recipe.sft import VAL_SEED, SftConfig, validation_records
+
+    records = validation_records(task, 60, "5-8")
+    assert len(records) == 60 and {bucket_of(r["steps"]) for r in records} == {"5-8"}
+    assert len({r["id"] for r in records}) == 60
+    assert validation_records(task, 60, "5-8") == records  # the same problems at every check
+    assert validation_records(task, 60) == task.train_records(60, VAL_SEED)  # no bucket: as before
+    with pytest.raises(ConfigError, match="65-128: 0 of"):  # arith chains stop at 48 steps
+        validation_records(task, 5, "65-128")
+    with pytest.raises(ConfigError, match="needs a --stop-at"):
+        SftConfig(steps=10, stop_bucket="5-8", stop_bucket_at=0.3).validate()
+    with pytest.raises(ConfigError, match="go together"):
+        SftConfig(steps=10, stop_at=0.5, stop_bucket="5-8").validate()
+    with pytest.raises(ConfigError, match="bucket_every"):
+        SftConfig(steps=10, bucket_every=0).validate()
+    assert _stop_bucket("5-8=0.3", None) == ("5-8", 0.3)
+    assert _stop_bucket(None, ("9-16", 0.2)) == ("9-16", 0.2)
+    assert _stop_bucket("off", ("9-16", 0.2)) == (None, None)
+    for bad in ("5-8", "5-8=2", "=0.3"):
+        with pytest.raises(ConfigError, match="STEPS=ACC"):
+            _stop_bucket(bad, None)
+
+
+def test_sft_stops_once_both_targets_are_reached(
+    tiny_model, task, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from laminar.recipe import sft
+
+    checks: list[str] = []
+
+    def accuracy(self, model) -> float:  # type: ignore[no-untyped-def]
+        on_bucket = {bucket_of(r["steps"]) for r in self.records} == {"5-8"}
+        checks.append("5-8" if on_bucket else "all")
+        if on_bucket:  # the bucket's target is reached at the third look at it
+            return 0.5 if checks.count("5-8") == 3 else 0.1
+        return 0.2 if len(checks) == 1 else 0.6  # the overall one from the second check on
+
+    monkeypatch.setattr(sft._Validator, "accuracy", accuracy)
+    cfg = sft.SftConfig(steps=100, batch_size=4, threads=1, stop_at=0.5, eval_every=4, val_n=4,
+                        stop_bucket="5-8", stop_bucket_at=0.3, bucket_every=2)  # fmt: skip
+    result = sft.train_sft(task, tiny_model, tmp_path / "out", cfg)
+    # the bucket is looked at only once the overall target is reached, and from then on both
+    # every bucket_every steps
+    assert checks == ["all", "all", "5-8", "all", "5-8", "all", "5-8"]
+    assert [step for step, _, _ in result.evals] == [4, 8, 10, 12]
+    assert result.stopped_by == "stop_at" and result.steps == 12
+    assert result.bucket_evals == [(8, 0.1), (10, 0.1), (12, 0.5)]
+
+
+def test_stop_bucket_flag_and_task_default(tiny_model, tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from laminar.recipe import sft
+
+    monkeypatch.setattr(sft._Validator, "accuracy", lambda self, model: 0.6)  # 5-8 too
+    args = ["sft", "--task", ARITH, "--model", str(tiny_model), "--steps", "2",
+            "--batch-size", "4", "--threads", "1", "--stop-at", "0.5", "--eval-every", "2"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "a"), "--stop-bucket", "5-8=0.7"]) == 2
+    assert "never reached 0.50 (and 0.70 on 5-8-step problems)" in capsys.readouterr().err
+    missed = json.loads((tmp_path / f"a{sft.MISSED_SUFFIX}" / "sft.json").read_text())
+    assert (missed["config"]["stop_bucket"], missed["config"]["stop_bucket_at"]) == ("5-8", 0.7)
+    assert missed["bucket_evals"] == [[2, 0.6]]
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0  # arith sets no SFT_STOP_BUCKET
+    done = json.loads((tmp_path / "b" / "sft.json").read_text())
+    assert done["config"]["stop_bucket"] is None and done["bucket_evals"] == []
