@@ -54,10 +54,11 @@ def cmd_sft(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     cfg.stop_at = _stop_at(args.stop_at, getattr(task.module, "SFT_STOP_AT", None))
-    if cfg.stop_at is not None:
-        cfg.stop_bucket, cfg.stop_bucket_at = _stop_bucket(
-            args.stop_bucket, getattr(task.module, "SFT_STOP_BUCKET", None)
-        )
+    cfg.stop_bucket, cfg.stop_bucket_at = _stop_bucket(
+        args.stop_bucket, getattr(task.module, "SFT_STOP_BUCKET", None)
+    )
+    if cfg.stop_at is None and args.stop_bucket is None:  # the task's bucket goes with its stop
+        cfg.stop_bucket, cfg.stop_bucket_at = None, None
     cfg.curriculum = not args.no_curriculum
     result = train_sft(task, args.model, args.out, cfg)
     val = f", val accuracy {result.evals[-1][2]:.2f}" if result.evals else ""

@@ -441,5 +441,9 @@ def test_stop_bucket_flag_and_task_default(tiny_model, tmp_path: Path, monkeypat
     assert (missed["config"]["stop_bucket"], missed["config"]["stop_bucket_at"]) == ("5-8", 0.7)
     assert missed["bucket_evals"] == [[2, 0.6]]
     assert main([*args, "--out", str(tmp_path / "b")]) == 0  # arith sets no SFT_STOP_BUCKET
+    no_stop = [*args[:-4], "--stop-at", "off", "--out", str(tmp_path / "c")]
+    assert main([*no_stop, "--stop-bucket", "5-8=0.3"]) == 2  # a bucket without a target
+    assert "--stop-bucket needs a --stop-at target" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
     done = json.loads((tmp_path / "b" / "sft.json").read_text())
     assert done["config"]["stop_bucket"] is None and done["bucket_evals"] == []
