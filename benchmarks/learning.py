@@ -45,6 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from laminar.recipe.cli import parse_stop_at, parse_stop_bucket  # noqa: E402
 from laminar.recipe.evaluate import evaluate  # noqa: E402
 from laminar.recipe.sft import SftConfig  # noqa: E402
 from laminar.recipe.tasks import load_task  # noqa: E402
@@ -110,17 +111,13 @@ def _stop(sft: Path) -> Stop:
 
 def _target_stop(module: Any, stop_at: str | None, stop_bucket: str | None) -> Stop:
     """What ``laminar sft`` will stop on: the flags given here, else the task's defaults."""
-    acc = float(stop_at) if stop_at is not None else getattr(module, "SFT_STOP_AT", None)
-    if stop_bucket is None:
-        bucket, bucket_acc = getattr(module, "SFT_STOP_BUCKET", None) or (None, None)
-    elif stop_bucket == "off":
-        bucket, bucket_acc = None, None
-    else:
-        bucket, _, given = stop_bucket.partition("=")
-        bucket_acc = float(given)
+    acc = parse_stop_at(stop_at, getattr(module, "SFT_STOP_AT", None))
+    bucket, bucket_acc = parse_stop_bucket(
+        stop_bucket, getattr(module, "SFT_STOP_BUCKET", None), acc
+    )
     if bucket is None:
         return acc, None, None, None
-    return acc, bucket, float(bucket_acc), SftConfig().bucket_every
+    return acc, bucket, bucket_acc, SftConfig().bucket_every
 
 
 def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -53,12 +53,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
     for name in ("batch_size", "lr", "warmup", "eval_every"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
-    cfg.stop_at = _stop_at(args.stop_at, getattr(task.module, "SFT_STOP_AT", None))
-    cfg.stop_bucket, cfg.stop_bucket_at = _stop_bucket(
-        args.stop_bucket, getattr(task.module, "SFT_STOP_BUCKET", None)
+    cfg.stop_at = parse_stop_at(args.stop_at, getattr(task.module, "SFT_STOP_AT", None))
+    cfg.stop_bucket, cfg.stop_bucket_at = parse_stop_bucket(
+        args.stop_bucket, getattr(task.module, "SFT_STOP_BUCKET", None), cfg.stop_at
     )
-    if cfg.stop_at is None and args.stop_bucket is None:  # the task's bucket goes with its stop
-        cfg.stop_bucket, cfg.stop_bucket_at = None, None
     cfg.curriculum = not args.no_curriculum
     result = train_sft(task, args.model, args.out, cfg)
     val = f", val accuracy {result.evals[-1][2]:.2f}" if result.evals else ""
@@ -84,7 +82,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stop_at(flag: str | None, task_default: float | None) -> float | None:
+def parse_stop_at(flag: str | None, task_default: float | None) -> float | None:
+    """``--stop-at ACC`` ('off': none), else the task's ``SFT_STOP_AT``."""
     if flag is None:
         return None if task_default is None else float(task_default)
     if flag.lower() in ("off", "none", "no"):
@@ -100,12 +99,16 @@ def _stop_at(flag: str | None, task_default: float | None) -> float | None:
     return value
 
 
-def _stop_bucket(flag: str | None, task_default: Any) -> tuple[str | None, float | None]:
-    """``--stop-bucket STEPS=ACC`` ('off': none), else the task's ``SFT_STOP_BUCKET``."""
+def parse_stop_bucket(
+    flag: str | None, task_default: Any, stop_at: float | None
+) -> tuple[str | None, float | None]:
+    """``--stop-bucket STEPS=ACC`` ('off': none), else the task's ``SFT_STOP_BUCKET``, which goes
+    with the task's stop: none when the run has no ``stop_at`` (a flag without one is refused
+    by :class:`SftConfig`)."""
     from ..errors import ConfigError
 
     if flag is None:
-        if task_default is None:
+        if task_default is None or stop_at is None:
             return None, None
         bucket, acc = task_default
         return str(bucket), float(acc)

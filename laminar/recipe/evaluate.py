@@ -58,6 +58,11 @@ def bucket_of(steps: int) -> str:
     return f"{hi // 2 + 1}-{hi}"
 
 
+def bucket_start(label: str) -> int:
+    """The shortest chain of a :func:`bucket_of` label (its sort key): ``"5-8"`` -> 5."""
+    return int(label.split("-")[0])
+
+
 def length_stats(lengths: list[int]) -> dict[str, float]:
     """Mean, median, p90, p99 and max of a list of lengths (nearest-rank percentiles)."""
     if not lengths:
@@ -171,7 +176,7 @@ def evaluate_model(
             groups.setdefault(bucket_of(int(record["steps"])), []).append(reward)
     buckets = {
         label: {"n": len(vals), "accuracy": round(sum(vals) / len(vals), 3)}
-        for label, vals in sorted(groups.items(), key=lambda kv: int(kv[0].split("-")[0]))
+        for label, vals in sorted(groups.items(), key=lambda kv: bucket_start(kv[0]))
     }
     return EvalResult(
         model=name,

@@ -190,7 +190,7 @@ def validation_records(task: Task, n: int, bucket: str | None = None) -> list[Re
     size."""
     if bucket is None:
         return task.train_records(n, VAL_SEED)
-    from .evaluate import bucket_of
+    from .evaluate import bucket_of, bucket_start
 
     size = 4 * n
     while True:
@@ -201,16 +201,12 @@ def validation_records(task: Task, n: int, bucket: str | None = None) -> list[Re
         if len(picked) == n:
             return picked
         if size >= 256 * n:
-            found = sorted({bucket_of(int(r["steps"])) for r in pool}, key=_bucket_start)
+            found = sorted({bucket_of(int(r["steps"])) for r in pool}, key=bucket_start)
             raise ConfigError(
                 f"--stop-bucket {bucket}: {len(picked)} of {size} training problems fall in it "
                 f"(buckets seen: {', '.join(found)})"
             )
         size *= 4
-
-
-def _bucket_start(label: str) -> int:
-    return int(label.split("-")[0])
 
 
 def curriculum_knobs(stages: list[tuple[int, dict[str, Any]]], step: int) -> dict[str, Any]:

@@ -92,6 +92,16 @@ def _engine(model: Path) -> dict[str, Any]:
     }
 
 
+#: Heartbeats that a loaded machine keeps up with. These tests do not time failure detection, and
+#: with the tests' usual 2 s timeout the migration test beside two busy loops had members marked
+#: dead (and revived) five times in 30 s, the data role releasing the leases of each "dead"
+#: rollout. Two such deaths in a row while a trajectory's holders acknowledged none of its tokens
+#: quarantine it (``quarantine_after``): the likely end of a fresh-clone CI run that finished 95
+#: of 96 trajectories, one counted failed (its members' logs were not kept; the test now prints
+#: these lines when a count is off).
+CLUSTER = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10.0, "rpc_timeout_s": 10.0}
+
+
 @dataclass
 class Fleet:
     """The module's cluster: the manager and the two rollouts, and the model they run."""
@@ -103,16 +113,6 @@ class Fleet:
     def config(self, tmp: Path, sections: dict[str, Any]) -> Path:
         """A config for the members a test adds: its sections, plus the rollouts' own."""
         return write_config(tmp, {"cluster": CLUSTER, "rollout": _rollout(self.engine), **sections})
-
-
-#: Heartbeats that a loaded machine keeps up with. These tests do not time failure detection, and
-#: with the tests' usual 2 s timeout the migration test beside two busy loops had members marked
-#: dead (and revived) five times in 30 s, the data role releasing the leases of each "dead"
-#: rollout. Two such deaths in a row while a trajectory's holders acknowledged none of its tokens
-#: quarantine it (``quarantine_after``): the likely end of a fresh-clone CI run that finished 95
-#: of 96 trajectories, one counted failed (its members' logs were not kept; the test now prints
-#: these lines when a count is off).
-CLUSTER = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10.0, "rpc_timeout_s": 10.0}
 
 
 def _rollout(engine: dict[str, Any]) -> dict[str, Any]:
@@ -203,7 +203,7 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
     )
     clients = Clients(cluster)
     source, dest = (clients.proxy(RolloutApi, name) for name in ROLLOUTS)
-    core = _engine_core(cluster, ROLLOUTS[0])
+    core = _engine_core(descendants(cluster.procs[ROLLOUTS[0]].pid))
     try:
         # the destination only receives: drained before there is anything to take. The source
         # too, until the data role is up: its start-up takes longer than the source's whole run.
@@ -263,9 +263,9 @@ async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fl
         assert t.response_token_ids == expected[tuple(t.prompt_token_ids)], t.trajectory_id
 
 
-def _engine_core(cluster: ProcessCluster, name: str) -> int:
-    """The pid of rollout ``name``'s vLLM engine core (the process that schedules its steps)."""
-    engine = descendants(cluster.procs[name].pid)
+def _engine_core(engine: dict[int, str]) -> int:
+    """The pid of vLLM's engine core (the process that schedules every step) among a rollout's
+    processes (:func:`descendants`)."""
     cores = [pid for pid, title in engine.items() if "EngineCore" in title]
     assert len(cores) == 1, engine
     return cores[0]
@@ -430,9 +430,7 @@ def test_vllm_engine_dies_with_its_rollout_killed_with_minus_9(fleet: Fleet) -> 
     cluster, victim = fleet.cluster, ROLLOUTS[0]
     rollout = cluster.procs[victim].pid
     engine = descendants(rollout)
-    cores = [pid for pid, name in engine.items() if "EngineCore" in name]
-    assert len(cores) == 1, engine
-    core = cores[0]
+    core = _engine_core(engine)
     # vLLM set their titles, and the cluster's mark is still readable (SPT_NOENV)
     assert all(procfs.has_env(pid, cluster.mark) for pid in engine), engine
     born = {pid: procfs.stat(pid).start for pid in engine}  # type: ignore[union-attr]

@@ -369,17 +369,17 @@ def test_sft_prints_progress_lines_when_piped() -> None:
 
 
 def test_stop_at_flag() -> None:
-    from laminar.recipe.cli import _stop_at
+    from laminar.recipe.cli import parse_stop_at
 
-    assert _stop_at(None, 0.5) == 0.5
-    assert _stop_at("off", 0.5) is None
-    assert _stop_at("0.3", None) == 0.3
+    assert parse_stop_at(None, 0.5) == 0.5
+    assert parse_stop_at("off", 0.5) is None
+    assert parse_stop_at("0.3", None) == 0.3
     with pytest.raises(ConfigError):
-        _stop_at("2", None)
+        parse_stop_at("2", None)
 
 
 def test_stop_bucket_validates_on_that_chain_length_only(task) -> None:  # type: ignore[no-untyped-def]
-    from laminar.recipe.cli import _stop_bucket
+    from laminar.recipe.cli import parse_stop_bucket
     from laminar.recipe.sft import VAL_SEED, SftConfig, validation_records
 
     records = validation_records(task, 60, "5-8")
@@ -395,12 +395,13 @@ def test_stop_bucket_validates_on_that_chain_length_only(task) -> None:  # type:
         SftConfig(steps=10, stop_at=0.5, stop_bucket="5-8").validate()
     with pytest.raises(ConfigError, match="bucket_every"):
         SftConfig(steps=10, bucket_every=0).validate()
-    assert _stop_bucket("5-8=0.3", None) == ("5-8", 0.3)
-    assert _stop_bucket(None, ("9-16", 0.2)) == ("9-16", 0.2)
-    assert _stop_bucket("off", ("9-16", 0.2)) == (None, None)
+    assert parse_stop_bucket("5-8=0.3", None, 0.5) == ("5-8", 0.3)
+    assert parse_stop_bucket(None, ("9-16", 0.2), 0.5) == ("9-16", 0.2)
+    assert parse_stop_bucket("off", ("9-16", 0.2), 0.5) == (None, None)
+    assert parse_stop_bucket(None, ("9-16", 0.2), None) == (None, None)  # no stop: no bucket
     for bad in ("5-8", "5-8=2", "=0.3"):
         with pytest.raises(ConfigError, match="STEPS=ACC"):
-            _stop_bucket(bad, None)
+            parse_stop_bucket(bad, None, 0.5)
 
 
 def test_sft_stops_once_both_targets_are_reached(
