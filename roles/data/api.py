@@ -141,6 +141,8 @@ class DataStatus(BaseModel):
     quarantined: int = 0  # failed because their rollouts kept dying while holding them
     orphaned: int = 0  # evicted: members of a group another member of which failed
     cancelled: int = 0  # redundant samples withdrawn: their group finished without them
+    focus_skipped: int = 0  # prompts drawn and not queued (``focus``) by this incarnation
+    focus_rates: dict[str, float] = {}  # ``focus``: class -> admit probability now
     cursor: int = 0  # the highest consume seq handed out so far
     reward_errors: int
     tokens: int

@@ -11,7 +11,7 @@ re-delivery after a trainer crash (the consume cursor), whole GRPO groups, and a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -123,6 +123,9 @@ class ExperienceBuffer:
       aggregation it even dilutes the informative rows). Such groups are evicted when seen
       (counted in ``filtered``) and the batch is filled from the next ones: DAPO's dynamic
       sampling, with the generation that backpressure would otherwise idle.
+    * **Group outcomes** (``on_group``): each whole group that leaves the buffer, consumed or
+      filtered, is told once as (one member's trajectory id, whether its rewards differ): what
+      ``focus`` learns its admit rates from.
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class ExperienceBuffer:
         staleness_bound: int | None = None,
         staleness_action: Literal["drop", "hold"] = "drop",
         drop_constant_groups: bool = False,
+        on_group: Callable[[str, bool], None] | None = None,
     ) -> None:
         if staleness_bound is not None and staleness_bound < 0:
             raise ConfigError(f"the staleness bound must be >= 0, got {staleness_bound}")
@@ -145,6 +149,8 @@ class ExperienceBuffer:
         self.staleness_bound = staleness_bound
         self.staleness_action = staleness_action
         self.drop_constant_groups = drop_constant_groups
+        self.on_group = on_group  # (a member's trajectory id, informative?) per group consumed
+        self._picked: list[list[BufferEntry]] = []  # the whole groups the last call chose
         self.held = 0  # trajectories the last call skipped for staleness (``hold``)
         self.filtered = 0  # trajectories the last call evicted as constant groups
 
@@ -171,6 +177,7 @@ class ExperienceBuffer:
         """
         self.check(n, whole_groups)
         self.filtered = 0
+        self._picked = []
         store = self.store
         again = store.consumed_after(after, n) if after is not None else []
         want = n - len(again)
@@ -193,6 +200,8 @@ class ExperienceBuffer:
         if not partial and len(again) + len(fresh) < enough:
             return None
         pairs = again + (store.consume_numbered(fresh) if fresh else [])
+        if whole_groups:
+            self._tell(self._picked)
         seqs = [s for s, _ in pairs]
         return Batch(
             items=[t for _, t in pairs],
@@ -245,6 +254,7 @@ class ExperienceBuffer:
         if self.drop_constant_groups:
             constant = [m for m in complete if len({e.reward for e in m}) == 1]
             if constant:
+                self._tell(constant)
                 dropped = [e.trajectory_id for m in constant for e in m]
                 self.store.evict(dropped, filtered=True)
                 self.filtered = len(dropped)
@@ -260,4 +270,11 @@ class ExperienceBuffer:
                 order.append(pid)
                 if len(order) == groups:
                     break
+        self._picked = [by_group[pid] for pid in order]
         return [e.trajectory_id for pid in order for e in by_group[pid]]
+
+    def _tell(self, groups: list[list[BufferEntry]]) -> None:
+        """``on_group`` for each group leaving the buffer whole (consumed or filtered)."""
+        if self.on_group is not None:
+            for m in groups:
+                self.on_group(m[0].trajectory_id, len({e.reward for e in m}) > 1)

@@ -48,6 +48,21 @@ class StalenessConfig(Strict):
     )
 
 
+class FocusConfig(Strict):
+    key: str = Field(
+        description="The record field whose values class the prompts (a difficulty, a chain "
+        "length, a source): the admit rate is learned per value (roles/data/focus.py)."
+    )
+    window: Annotated[int, Field(ge=1)] = Field(
+        16, description="Complete groups per class that its informative rate is taken over."
+    )
+    floor: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.1,
+        description="The least admit probability of any class: every class stays sampled, so "
+        "one that becomes informative again is noticed.",
+    )
+
+
 class EnvConfig(Strict):
     spec: str = Field(
         description="The task's environment: module:Class or file.py:Class, a subclass of "
@@ -161,6 +176,14 @@ class DataConfig(ServiceConfig):
         description="Dynamic sampling (DAPO): evict complete groups whose rewards are all equal "
         "(advantage 0 for every member) instead of training on them; counted in `filtered`. "
         "Applies to whole-group samples (the trainer's).",
+    )
+    focus: FocusConfig | None = Field(
+        None,
+        description="Queue prompts by how informative their class's recent groups were: a drawn "
+        "prompt is skipped (not queued in this epoch) with the probability that a group of its "
+        "class (the record field `key`) comes out constant, all right or all wrong; at least "
+        "`floor` are admitted. Spends generation where RL still learns. Under the laminar "
+        "schedule (round schedules queue every drawn prompt). null: every prompt is queued.",
     )
     sampler: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="fifo"))
     eviction: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="none"))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from laminar.clock import Clock, RealClock
 
+from .focus import Focus
 from .rounds import RoundGate
 from .store import Store
 
@@ -37,6 +38,7 @@ class DataContext:
     need_store: Callable[[], Store]  # the open store (a clear error while starting or stopping)
     rounds: RoundGate | None  # round schedules (``rounds``); None under laminar
     trainer_version: int = 0  # the newest the trainer sampled at (its ``SampleRequest``)
+    focus: Focus | None = None  # ``data.focus`` (used on the store's thread only)
 
 
 def store_clock(clock: Clock) -> Callable[[], float]:

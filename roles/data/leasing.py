@@ -109,7 +109,9 @@ class Leasing:
             out = rounds.lease(store, req.rollout, req.max_count, req.version, holding, self.params)
         else:
             group = c.samples_per_prompt + c.redundant_samples
-            store.refill(c.queue_ahead + req.max_count, group, c.seed, c.epochs)
+            focus = self.ctx.focus
+            admit = focus.admit if focus is not None else None
+            store.refill(c.queue_ahead + req.max_count, group, c.seed, c.epochs, admit)
             fresh = None if c.max_ahead is None else max(0, c.max_ahead - store.ahead())
             start = may_start(self.ctx.trainer_version, req.version, c.async_ratio)
             out = store.lease(

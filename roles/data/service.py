@@ -70,6 +70,7 @@ from .buffer import EVICTIONS, SAMPLERS, ExperienceBuffer, make_policy
 from .config import DataConfig, PolicySpec, SamplingConfig, StalenessConfig
 from .context import DataContext, store_clock
 from .episodes import Episodes
+from .focus import Focus
 from .leasing import HANDOFF_GRACE_S, Leasing, trajectory_seed
 from .members import WATCH_RETRY_S, RolloutWatch
 from .prompts import fingerprint, load_tokenizer, read_records, tokenize_records
@@ -90,6 +91,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+#: ``focus`` logs its admit rates once per this many whole groups
+FOCUS_LOG_EVERY = 100
 
 
 class DataService(Service, DataApi):
@@ -128,6 +131,17 @@ class DataService(Service, DataApi):
                 f"data.redundant_samples does not work with the {schedule.kind} schedule's rounds "
                 "(a round waits for every sample it started): set it to 0"
             )
+        if self.rounds is not None and c.focus is not None:
+            raise ConfigError(
+                f"data.focus does not work with the {schedule.kind} schedule's rounds (a round "
+                "queues the prompts it drew): remove it"
+            )
+        self.focus = (
+            None
+            if c.focus is None
+            else Focus(c.focus.key, window=c.focus.window, floor=c.focus.floor, seed=c.seed)
+        )
+        self._groups_seen = 0  # whole groups ``focus`` has learned from
         parts = DataContext(
             config=c,
             clock=ctx.clock,
@@ -135,6 +149,7 @@ class DataService(Service, DataApi):
             db=self._db,
             need_store=self._need_store,
             rounds=self.rounds,
+            focus=self.focus,
         )
         to_score: asyncio.Queue[str] = asyncio.Queue()
         self.leasing = Leasing(parts)
@@ -199,6 +214,7 @@ class DataService(Service, DataApi):
             staleness_bound=c.staleness.bound,
             staleness_action=c.staleness.action,
             drop_constant_groups=c.drop_constant_groups,
+            on_group=self._observe_group if self.focus is not None else None,
         )
         try:
             await self._db(self.store.load_prompts, rows, print_)
@@ -250,7 +266,14 @@ class DataService(Service, DataApi):
         rounds = self.rounds.stats() if self.rounds is not None else {}
         counts = {k: float(v) for k, v in self._counts.items()}
         episodes = self.episodes.stats() if self.episodes is not None else {}
-        return {**counts, "prompts_left_out": float(self._left_out), **rounds, **episodes}
+        focus = {"focus_skipped": float(self.focus.skipped)} if self.focus is not None else {}
+        return {
+            **counts,
+            "prompts_left_out": float(self._left_out),
+            **rounds,
+            **episodes,
+            **focus,
+        }
 
     # -- endpoints ---------------------------------------------------------------------------
 
@@ -274,6 +297,16 @@ class DataService(Service, DataApi):
     async def status(self) -> DataStatus:
         return await self._db(self._status, self._need_store())
 
+    def _observe_group(self, trajectory_id: str, informative: bool) -> None:
+        """``focus`` learns from a whole group leaving the buffer (on the store's thread)."""
+        focus = self.focus
+        assert focus is not None and self.store is not None
+        focus.observe(self.store.record_of(trajectory_id), informative)
+        self._groups_seen += 1
+        if self._groups_seen % FOCUS_LOG_EVERY == 0:  # what it does, in the role's log
+            self.log.info("focus", groups=self._groups_seen, skipped=focus.skipped,
+                          admitted=focus.admitted, rates=focus.rates())  # fmt: skip
+
     def _status(self, store: Store) -> DataStatus:  # one DB-thread call: a consistent snapshot
         counts = store.counts()
         exhausted = store.exhausted(self.config.epochs)
@@ -290,6 +323,8 @@ class DataService(Service, DataApi):
             finished=finished,
             mean_reward=store.mean_reward(),
             held=self.buffer.held if self.buffer is not None else 0,
+            focus_skipped=self.focus.skipped if self.focus is not None else 0,
+            focus_rates=self.focus.rates() if self.focus is not None else {},
             leases={k: len(v) for k, v in store.leases().items()},
         )
 

@@ -8,7 +8,7 @@ resumes instead of restarting. (``parked``, for round schedules, is in ``parking
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,6 +16,9 @@ import numpy as np
 from laminar.trajectory import Assignment, SamplingParams
 
 from .base import StoreBase, i32, ints
+
+#: ``admit(record, epoch, position)``: queue the prompt drawn at ``position`` of ``epoch``?
+Admit = Callable[[dict[str, object], int, int], bool]
 
 
 class Queue(StoreBase):
@@ -65,11 +68,20 @@ class Queue(StoreBase):
 
     # -- the queue ---------------------------------------------------------------------------
 
-    def refill(self, min_queued: int, samples: int, seed: int, epochs: int | None) -> int:
+    def refill(
+        self,
+        min_queued: int,
+        samples: int,
+        seed: int,
+        epochs: int | None,
+        admit: Admit | None = None,
+    ) -> int:
         """Queue whole groups (``samples`` per prompt) until ``min_queued`` are queued.
 
         Prompts are drawn in a seeded permutation per epoch, so the order is reproducible and a
-        restart continues where the cursor stopped. Returns how many samples were added.
+        restart continues where the cursor stopped. ``admit(record, epoch, position)`` may skip a
+        drawn prompt (``focus``): it is not queued in this epoch. Returns how many samples were
+        added.
         """
         n_prompts = self.prompt_count()
         added = 0
@@ -89,9 +101,11 @@ class Queue(StoreBase):
                     break
                 idx = int(order[pos])
                 pos += 1
-                (prompt_id,) = self.db.execute(
-                    "SELECT prompt_id FROM prompts WHERE idx = ?", (idx,)
+                prompt_id, record = self.db.execute(
+                    "SELECT prompt_id, record FROM prompts WHERE idx = ?", (idx,)
                 ).fetchone()
+                if admit is not None and not admit(json.loads(record), epoch, pos - 1):
+                    continue
                 pid = prompt_id if epoch == 0 else f"{prompt_id}~e{epoch}"
                 for k in range(samples):
                     rows.append((f"{pid}/{k}", pid, idx, k, seq, now))
