@@ -3,13 +3,12 @@
 Why: with group-relative advantages a group whose members all got the same reward teaches
 nothing (``drop_constant_groups`` evicts it), but it was generated all the same. As RL goes on
 more of the dataset becomes such groups: the easy prompts all right, the hard ones all wrong.
-On the arithmetic example, chains of 1-4 steps (62% of its prompts) reach greedy accuracy 1.0
-within a 15-minute run, so their groups turn all right, and chains of 9-12 steps (11% of the
-prompts, but the longest responses) stay near 0, so theirs stay all wrong; the trainer then
-waits for the few informative groups while the rollouts generate the rest. Per-prompt pass
-rates (the usual online difficulty filter) do not help a run that sees each prompt once or
-twice; a record field that classes prompts (a difficulty, a chain length, a source dataset)
-does: its classes recur all run long.
+On the arithmetic example, within 4,000 groups most chain lengths' groups came
+out constant nearly always (1-5 steps all right; on some seeds 7-12 steps all wrong), and the
+trainer waited for the few informative ones while the rollouts generated the rest (README,
+*Benchmarks*, for what focus changed there). Per-prompt pass rates (the usual online difficulty
+filter) do not help a run that sees each prompt once or twice; a record field that classes
+prompts (a difficulty, a chain length, a source dataset) does: its classes recur all run long.
 
 What: for each value of the record field ``key`` (a *class*), the outcomes of its last ``window``
 complete groups (informative: the rewards differ; constant: they do not). A prompt drawn for the
