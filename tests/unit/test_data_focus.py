@@ -15,7 +15,9 @@ from laminar.roles.data.service import DataService
 from laminar.roles.data.store import Store
 from laminar.schedules import ScheduleConfig
 from laminar.service import ServiceContext
-from laminar.trajectory import SamplingParams, Trajectory
+from laminar.trajectory import SamplingParams
+
+from .test_data_store import traj
 
 PARAMS = SamplingParams(max_tokens=8)
 
@@ -107,7 +109,7 @@ def _group_buffer(tmp_path, rewards, **kw):
     store = _store(tmp_path, [i + 1 for i in range(len(rewards))])
     store.refill(2 * len(rewards), samples=2, seed=0, epochs=1)
     leased = [a.trajectory_id for a in store.lease("r", 100, 0, set(), PARAMS)]
-    store.complete("r", [_traj(t) for t in leased])
+    store.complete("r", [traj(t) for t in leased])
     by_prompt = {f"p{i}": pair for i, pair in enumerate(rewards)}
     store.set_rewards([(t, by_prompt[t.split("/")[0]][int(t.split("/")[1])], None) for t in leased])
     told: list[tuple[int, bool]] = []
@@ -121,15 +123,6 @@ def _group_buffer(tmp_path, rewards, **kw):
         **kw,
     )
     return buffer, told
-
-
-def _traj(tid: str) -> Trajectory:
-    prompt_id, _, k = tid.rpartition("/")
-    return Trajectory(
-        trajectory_id=tid, prompt_id=prompt_id, sample_index=int(k), prompt_token_ids=[1],
-        response_token_ids=[1, 2], logprobs=[-0.5] * 2, version=0, finish_reason="stop",
-        queued_at=0.0, started_at=1.0, finished_at=2.0,
-    )  # fmt: skip
 
 
 def test_the_buffer_tells_each_whole_group_once_when_it_leaves(tmp_path):
