@@ -92,8 +92,9 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
 
 
 def engine_config(args: argparse.Namespace, model: Path) -> VllmEngineConfig:
+    extra = {} if args.stream_interval is None else {"stream_interval": args.stream_interval}
     return VllmEngineConfig(
-        model=str(model), max_model_len=args.max_model_len, max_num_seqs=args.concurrency
+        model=str(model), max_model_len=args.max_model_len, max_num_seqs=args.concurrency, **extra
     )
 
 
@@ -212,6 +213,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--stream-interval",
+        type=int,
+        help="the rollout engine's stream_interval (default: the config's); bare vLLM streams "
+        "nothing either way",
+    )
+    parser.add_argument(
         "--pairs", type=int, default=3, help="alternating bare/role pairs (at least three)"
     )
     parser.add_argument("--work", help="scratch directory (default: a temporary one)")
@@ -247,6 +254,7 @@ def main() -> None:
             "samples": args.samples,
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
+            "stream_interval": engine_config(args, model).stream_interval,
         },
     }
     for name, tps, last in (("bare vLLM", bare_tps, bare), ("role path", role_tps, role)):
