@@ -13,17 +13,11 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from laminar.trajectory import Trajectory
-
 from .api import SampleRequest, Trajectories
 from .buffer import Batch, ExperienceBuffer
 from .context import DataContext
 from .episodes import Episodes
 from .rewards import RewardPool, RewardResult
-from .store import Store
-
-#: Most trajectories one score loop reads, scores and writes back at a time.
-SCORE_BATCH = 32
 
 
 class Sampling:
@@ -94,49 +88,27 @@ class Sampling:
         )
 
     async def score_loop(self) -> None:
-        """Score what ``to_score`` holds, in batches: one store call reads a batch's
-        trajectories and records, one writes their rewards. Per trajectory that was three
-        store calls, each a hop to the store's thread and back, which on a loaded machine cost
-        more in waiting for a core than in work (README *Benchmarks*, generation)."""
-        store, db = self.ctx.need_store(), self.ctx.db
-        assert self._rewards is not None or self._episodes is not None
+        store, rewards, db = self.ctx.need_store(), self._rewards, self.ctx.db
+        assert rewards is not None or self._episodes is not None
         while True:
-            tids = [await self.to_score.get()]
-            while len(tids) < SCORE_BATCH and not self.to_score.empty():
-                tids.append(self.to_score.get_nowait())
-            items = await db(self._to_score, store, tids)
-            if not items:
-                continue
-            # concurrently: the reward pool runs as many at once as it has workers
-            scores = await asyncio.gather(*(self._score(*item) for item in items))
-            results = [(item[0], result) for item, result in zip(items, scores, strict=True)]
-            for tid, result in results:
-                if result.error is not None:
-                    self.ctx.log.warning("reward failed", trajectory=tid, error=result.error)
-            await db(store.set_rewards, [(tid, r.reward, r.error) for tid, r in results])
-            for _, r in results:
-                if r.reward is not None:
-                    self._scored = (self._scored[0] + 1, self._scored[1] + r.reward)
-            self._ready.set()
-
-    @staticmethod
-    def _to_score(store: Store, tids: list[str]) -> list[tuple[str, Trajectory, dict[str, Any]]]:
-        """Each of ``tids`` still in the store, with the record it answers (a deferred prompt of
-        ``tail_batching`` may have been withdrawn meanwhile: skipped)."""
-        out = []
-        for tid in tids:
+            tid = await self.to_score.get()
             try:
-                out.append((tid, store.trajectory(tid), store.record_of(tid)))
-            except KeyError:
+                t = await db(store.trajectory, tid)
+            except KeyError:  # withdrawn meanwhile (a deferred prompt of tail_batching)
                 continue
-        return out
-
-    async def _score(self, tid: str, t: Trajectory, record: dict[str, Any]) -> RewardResult:
-        if self._episodes is not None:  # the environment's steps are the reward
-            reward, error = await self._episodes.final_reward(
-                tid, record, list(t.response_token_ids), list(t.env_spans)
-            )
-            return RewardResult(reward, error)
-        assert self._rewards is not None
-        text = self._tokenizer.decode(t.response_token_ids, skip_special_tokens=True)
-        return await self._rewards.score(record, text)
+            record = await db(store.record_of, tid)
+            if self._episodes is not None:  # the environment's steps are the reward
+                reward, error = await self._episodes.final_reward(
+                    tid, record, list(t.response_token_ids), list(t.env_spans)
+                )
+                result = RewardResult(reward, error)
+            else:
+                assert rewards is not None
+                text = self._tokenizer.decode(t.response_token_ids, skip_special_tokens=True)
+                result = await rewards.score(record, text)
+            if result.error is not None:
+                self.ctx.log.warning("reward failed", trajectory=tid, error=result.error)
+            await db(store.set_rewards, [(tid, result.reward, result.error)])
+            if result.reward is not None:
+                self._scored = (self._scored[0] + 1, self._scored[1] + result.reward)
+            self._ready.set()

@@ -107,30 +107,3 @@ async def test_the_staleness_bound_drops_or_holds(serve, tmp_path, action):
         older = await data.sample.call(SampleRequest(n=4, trainer_version=1))
         assert sorted(t.version for t in older.items) == [0, 1]
 
-
-async def test_a_report_is_scored_in_batches_not_one_store_call_each(serve, tmp_path):
-    """The score loop reads a report's new trajectories in one store call and writes their
-    rewards in another (it made three store calls per trajectory, each a hop to the store's
-    thread: on a loaded machine the hops, not the work, were what took the time)."""
-    data_host, _ = await serve(DataService, config=data_config(tmp_path, 8))
-    store, sampling = data_host.service.store, data_host.service.sampling
-    calls: list[int] = []
-    set_rewards, to_score = store.set_rewards, sampling._to_score
-
-    def counting_set_rewards(results):
-        results = list(results)
-        calls.append(len(results))
-        return set_rewards(results)
-
-    def counting_to_score(store, tids):
-        calls.append(-len(tids))
-        return to_score(store, tids)
-
-    store.set_rewards, sampling._to_score = counting_set_rewards, counting_to_score
-    data = data_host.ctx.connect(DataApi, data_host.ctx.address)
-    lease = (await data.take.call(TakeRequest(rollout="r", max_count=32, version=0))).items
-    await report(data, lease)
-    await wait_scored(data, 32)
-    assert calls == [-32, 32]  # one read of the 32, one write of their rewards
-    sample = await data.sample.call(SampleRequest(n=32, trainer_version=0))
-    assert len(sample.items) == 32 and all(t.reward is not None for t in sample.items)
