@@ -106,4 +106,3 @@ async def test_the_staleness_bound_drops_or_holds(serve, tmp_path, action):
         assert status.stale_dropped == 0 and status.evicted == 0 and status.held == 2
         older = await data.sample.call(SampleRequest(n=4, trainer_version=1))
         assert sorted(t.version for t in older.items) == [0, 1]
-
