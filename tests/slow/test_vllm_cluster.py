@@ -1,13 +1,14 @@
 """One process cluster with two vLLM rollouts, through the scenarios that need real engines.
 
 Manager + ``rollout-0`` + ``rollout-1`` (``laminar serve`` processes, a tiny random Qwen2, fp32,
-``kv_migration`` on, the KV cache the derived default in bytes) start once for this module: a vLLM start is three interpreters importing
-torch and vLLM, about 35 s of CPU each time, and it was most of what these scenarios cost when
-each started its own cluster (four clusters, eight engine starts). Each test brings the members
-its scenario needs (its own data role and store, a relay, a trainer) and stops them when it ends,
-so the rollouts are what the tests share, the way a long-lived rollout fleet outlives the tasks
-fed to it. The tests run in the order written (one xdist group, one worker); each also runs alone
-(``-k``), on a cluster of its own.
+``kv_migration`` on, the KV cache the derived default in bytes) start once for this module: a
+vLLM start is three interpreters importing torch and vLLM, about 35 s of CPU each time, and it
+was most of what these scenarios cost when each started its own cluster (four clusters, eight
+engine starts; a fifth, in a test of its own, checked the small node of 0. until 2026-11-24).
+Each test brings the members its scenario needs (its own data role and store, a relay, a
+trainer) and stops them when it ends, so the rollouts are what the tests share, the way a
+long-lived rollout fleet outlives the tasks fed to it. The tests run in the order written (one
+xdist group, one worker); each also runs alone (``-k``), on a cluster of its own.
 
 0. **A rollout on a small NUMA node** (issue 14: on a fresh machine whose node 0 held 9.5 of its
    23 GiB, vLLM sized its KV cache as a share of the node minus its own RSS, a negative request,
