@@ -8,9 +8,10 @@ virtual time). Both train (at least 6 updates in the measured window) on the sam
 lengths follow the request ids, which the seeded data role fixes, so the mean tokens of a batch
 agree.
 
-How fast each is (trained tokens/s, :mod:`laminar.simulate.measure`) is printed, not asserted: a
-test asserts no timing. It is the benchmark's figure (``python benchmarks/schedules.py --mode
-both``: ``simulated_over_processes``). Measured alone (2026-11-23, 64 MiB of weights) the
+How fast each is (trained tokens/s, :mod:`laminar.simulate.measure`) is printed when the test
+runs without ``-n`` (pytest-xdist keeps a worker's output), not asserted: a test asserts no
+timing. It is the benchmark's figure (``python benchmarks/schedules.py --mode both``:
+``simulated_over_processes``). Measured alone (2026-11-23, 64 MiB of weights) the
 simulator was 3% (laminar), 12% (sync), 8% (one_step) and 6% (tail_batching) faster: real
 processes pay for RPC latency, weight transfers (the in-process transport moves bytes in no
 virtual time) and a 2-core machine's scheduling. Under the suite's load the real side gets what

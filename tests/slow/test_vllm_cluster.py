@@ -125,6 +125,21 @@ class Fleet:
         """A config for the members a test adds: its sections, plus the rollouts' own."""
         return write_config(tmp, {"cluster": CLUSTER, "rollout": _rollout(self.engine), **sections})
 
+    def greedy_data(self, tmp: Path, prompts: int, samples: int, max_tokens: int) -> Path:
+        """A config whose data role serves ``prompts`` of the tests' prompts x ``samples``, each
+        once, greedy, every response ``max_tokens`` long (``ignore_eos``)."""
+        data = {
+            "prompts": str(write_prompts(tmp / "prompts.jsonl", prompts)),
+            "tokenizer": str(write_tokenizer(tmp / "tok")),
+            "reward": "tests.support.task:reward_len",
+            "samples_per_prompt": samples,
+            "epochs": 1,
+            "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+            "store": str(tmp / "data.sqlite"),
+            "metrics": None,
+        }
+        return self.config(tmp, {"data": data})
+
 
 def _rollout(engine: dict[str, Any]) -> dict[str, Any]:
     return {
@@ -187,21 +202,7 @@ async def test_vllm_rollout_on_a_small_node_sizes_its_cache_in_bytes(
     assert cache_gib == pytest.approx(derived, abs=0.01), (seen[0], derived)
 
     # it generates: four trajectories, the other rollout drained so this one takes them all
-    config = fleet.config(
-        tmp_path,
-        {
-            "data": {
-                "prompts": str(write_prompts(tmp_path / "prompts.jsonl", 2)),
-                "tokenizer": str(write_tokenizer(tmp_path / "tok")),
-                "reward": "tests.support.task:reward_len",
-                "samples_per_prompt": 2,
-                "epochs": 1,
-                "sampling": {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True},
-                "store": str(tmp_path / "data.sqlite"),
-                "metrics": None,
-            }
-        },
-    )
+    config = fleet.greedy_data(tmp_path, prompts=2, samples=2, max_tokens=16)
     clients = Clients(fleet.cluster)
     other = clients.proxy(RolloutApi, ROLLOUTS[0])
     try:
@@ -253,21 +254,7 @@ def greedy(model_dir: Path, prompts: list[list[int]]) -> dict[tuple[int, ...], l
 
 async def test_vllm_migration_keeps_tokens_and_version(tmp_path: Path, fleet: Fleet) -> None:
     cluster = fleet.cluster
-    config = fleet.config(
-        tmp_path,
-        {
-            "data": {
-                "prompts": str(write_prompts(tmp_path / "prompts.jsonl", PROMPTS)),
-                "tokenizer": str(write_tokenizer(tmp_path / "tok")),
-                "reward": "tests.support.task:reward_len",
-                "samples_per_prompt": SAMPLES,
-                "epochs": 1,
-                "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
-                "store": str(tmp_path / "data.sqlite"),
-                "metrics": None,
-            }
-        },
-    )
+    config = fleet.greedy_data(tmp_path, PROMPTS, SAMPLES, MAX_TOKENS)
     clients = Clients(cluster)
     source, dest = (clients.proxy(RolloutApi, name) for name in ROLLOUTS)
     core = _engine_core(descendants(cluster.procs[ROLLOUTS[0]].pid))
