@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shlex
 import shutil
 import sys
 import traceback
@@ -65,10 +66,10 @@ def namespace_prefix(directory: Path) -> tuple[str, ...]:
     and ``unshare(1)`` (:func:`can_unshare`)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "proc").write_text(small_meminfo(Path("/proc/meminfo").read_text()))
-    mounts = [f"mount --bind {directory / 'proc'} /proc/meminfo"]
+    mounts = [f"mount --bind {shlex.quote(str(directory / 'proc'))} /proc/meminfo"]
     if NODE0.exists():
         (directory / "node0").write_text(small_meminfo(NODE0.read_text()))
-        mounts.append(f"mount --bind {directory / 'node0'} {NODE0}")
+        mounts.append(f"mount --bind {shlex.quote(str(directory / 'node0'))} {NODE0}")
     script = " && ".join([*mounts, f"export {MARK}=1", 'exec "$@"'])
     return ("unshare", "--mount", "--propagation", "private", "sh", "-c", script, "small-node")
 
