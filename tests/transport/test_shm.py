@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 
 from laminar.transport import Frame, FrameError, TransportOptions, connect, listen
-from laminar.transport.shm import SHM_DIR, SHM_TAG_ENV, SharedBuffer, map_segment, segment_name
+from laminar.transport.shm import SHM_TAG_ENV, SharedBuffer, map_segment, segment_name
+
+from ..conftest import session_segments
 
 OPTIONS = TransportOptions(token=b"s" * 32)
 
 
 async def test_shared_buffer_is_mapped_not_copied_and_plain_buffers_go_inline() -> None:
     received: list[Frame] = []
-    before = set(os.listdir(SHM_DIR))
+    before = session_segments()  # this worker's: the others create theirs meanwhile
 
     async def handler(conn):  # type: ignore[no-untyped-def]
         received.append(await conn.recv())
@@ -41,7 +43,7 @@ async def test_shared_buffer_is_mapped_not_copied_and_plain_buffers_go_inline() 
     # the plain buffer arrived as a private copy; the only segment is the sender's own
     plain[:] = 1
     assert handed_view[0] == 9
-    assert set(os.listdir(SHM_DIR)) - before == {shared.name}
+    assert session_segments() - before == {shared.name}
     shared.close()
     assert shared_view[0] == 42  # existing mappings stay valid after unlink
     conn.close()
