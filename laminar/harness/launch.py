@@ -11,6 +11,9 @@ stops each role, then whatever its session still holds (SIGTERM, SIGKILL after t
 roles' sessions included (all sessions at once: one grace period, not one each).
 :meth:`ProcessCluster.kill9` kills only the role's own process, the way a crash does, so tests can
 watch what happens to the rest (a vLLM engine kills itself, see :mod:`laminar.engines.vllm_worker`).
+A role also ends with the process that started it (from its main thread): the kernel sends it
+SIGTERM (``PR_SET_PDEATHSIG``, :func:`laminar.proc.spawn.arm_parent_death`), so a test run killed
+with -9, or ended by SIGTERM (whose default action runs no teardown), leaves no role running.
 The command line, the environment, the session, the output lines and the ready line come from
 :mod:`laminar.proc.spawn`, shared with ``laminar run``; the session helpers from
 :mod:`laminar.proc.procfs`.

@@ -5,16 +5,14 @@ owns the life of its process, one incarnation after another:
 
 * **start**: in a session of its own (the session id is its pid), so everything it starts (a
   rollout's vLLM engine core and workers) can be found and stopped with it; on its CPU slot; with
-  ``PR_SET_PDEATHSIG`` (SIGTERM), so it dies with the supervisor. ``prctl`` is resolved when this
-  module is imported: loading a library between fork and exec, in a process with other threads,
-  can deadlock on the loader's lock. With umask 077, so what it writes (the data role's SQLite
-  file, checkpoints, logs) is readable by this user only. Its output is read in chunks and split
-  into lines of at most 64 KiB (:func:`laminar.proc.spawn.pump_lines`: a longer one is cut, with a
-  marker, and never stops the reading, so the child never blocks on a full pipe): the
-  ``LAMINAR_READY`` line gives its address, the rest goes to the supervisor's ``echo``; its log
-  file is 0600. Starting it, reading it and its ready line are :mod:`laminar.proc.spawn`'s, shared
-  with
-  :class:`laminar.harness.launch.ProcessCluster`.
+  ``PR_SET_PDEATHSIG`` (SIGTERM), so it dies with the supervisor
+  (:func:`laminar.proc.spawn.arm_parent_death`). With umask 077, so what it writes (the data
+  role's SQLite file, checkpoints, logs) is readable by this user only. Its output is read in
+  chunks and split into lines of at most 64 KiB (:func:`laminar.proc.spawn.pump_lines`: a longer
+  one is cut, with a marker, and never stops the reading, so the child never blocks on a full
+  pipe): the ``LAMINAR_READY`` line gives its address, the rest goes to the supervisor's
+  ``echo``; its log file is 0600. Starting it, reading it and its ready line are
+  :mod:`laminar.proc.spawn`'s, shared with :class:`laminar.harness.launch.ProcessCluster`.
 * **exit**: noticed on a pidfd of the process, not by its output closing (what it started inherits
   its stdout and stderr, so after a kill -9 the pipes stay open as long as they live; CPython
   3.11's ``Process.wait()`` resolves only once they close). ``waitid(WNOWAIT)`` reads the status
@@ -47,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import threading
@@ -62,18 +59,11 @@ from laminar.proc.cpus import CpuSlot
 from laminar.proc.gpus import gpu_env
 from laminar.proc.procfs import end_session, signal_session
 from laminar.proc.restart import decide, keep_running
-from laminar.proc.spawn import cpu_env, parse_ready_line, pump_lines, start_async
+from laminar.proc.spawn import arm_parent_death, cpu_env, parse_ready_line, pump_lines, start_async
 
 #: Seconds what a child left behind gets to end by itself before SIGTERM (a vLLM engine's watch
 #: kills it 1 s after its rollout is gone, see :mod:`laminar.engines.vllm_worker`).
 SETTLE_S = 2.0
-
-try:  # resolved now, never between fork and exec (see the module docstring)
-    _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _PRCTL = None
-_PR_SET_PDEATHSIG = 1
-_SIGTERM = int(signal.SIGTERM)
 
 
 @dataclass
@@ -99,10 +89,7 @@ class Child:
 def _child_setup(cpus: tuple[int, ...], parent: int) -> Callable[[], None]:
     def setup() -> None:  # in the child between fork and exec: no imports, no library loading
         os.umask(0o077)  # what the run writes is this user's only
-        if _PRCTL is not None:
-            _PRCTL(_PR_SET_PDEATHSIG, _SIGTERM)
-            if os.getppid() != parent:  # the supervisor died before the signal was armed
-                os._exit(1)
+        arm_parent_death(parent)
         if cpus:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, cpus)

@@ -20,6 +20,12 @@ made here, start it in a session of its own, read its stdout through
 * **The session**: the role leads a new session (its id is the role's pid), so everything it
   starts (a rollout's vLLM engine core and workers) can be found and ended with it
   (:func:`kill_role`, :func:`laminar.proc.procfs.end_session`).
+* **Death with the launcher**: a role gets SIGTERM when the thread that started it ends
+  (``PR_SET_PDEATHSIG``, armed by :func:`arm_parent_death` between fork and exec), so a launcher
+  that dies without stopping its roles (``laminar run`` or a test killed with -9, or a test
+  process ended by SIGTERM, which runs no teardown) leaves none running: each stops what it
+  started, as on any SIGTERM. The signal follows the *thread*, so :func:`start` arms it only on
+  the main thread, whose end is the process's.
 * **The output** is read in chunks and split into lines of at most 64 KiB, never with
   ``readline``: a longer line is cut with a marker, and the reading goes on, so a chatty role never
   blocks on a full pipe (:class:`OutputLines` without an event loop, :func:`pump_lines` with one).
@@ -28,11 +34,14 @@ made here, start it in a session of its own, read its stdout through
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -50,6 +59,14 @@ from laminar.service import READY_PREFIX
 
 #: Bytes read from a role's output at a time.
 CHUNK = 1 << 16
+
+try:  # resolved now, never between fork and exec: loading a library there, in a process with
+    # other threads, can deadlock on the loader's lock
+    _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
+_PR_SET_PDEATHSIG = 1
+_SIGTERM = int(signal.SIGTERM)
 
 # -- the command line ------------------------------------------------------------------------------
 
@@ -167,6 +184,16 @@ def parse_ready_line(line: str) -> dict[str, Any] | None:
 # -- starting and ending ---------------------------------------------------------------------------
 
 
+def arm_parent_death(parent: int) -> None:
+    """In a child between fork and exec (no imports, no library loading): SIGTERM when the thread
+    that forked it ends; exit at once if ``parent`` (the launcher's pid) is already gone, since
+    the signal armed after that would never come. A no-op where ``prctl`` is missing."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, _SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
 def start(
     argv: list[str],
     env: Mapping[str, str],
@@ -175,7 +202,10 @@ def start(
     cwd: str | Path | None = None,
 ) -> subprocess.Popen[str]:
     """Start ``argv`` in a session of its own (its id is the pid), stdout piped: read it with
-    :class:`OutputLines` (through its file descriptor, never through ``proc.stdout``)."""
+    :class:`OutputLines` (through its file descriptor, never through ``proc.stdout``). Started
+    from the main thread, it gets SIGTERM when this process ends (see the module docstring)."""
+    parent = os.getpid()
+    on_main = threading.current_thread() is threading.main_thread()
     return subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
@@ -184,6 +214,7 @@ def start(
         env=dict(env),
         cwd=cwd,
         start_new_session=True,
+        preexec_fn=(lambda: arm_parent_death(parent)) if on_main else None,
     )
 
 

@@ -335,6 +335,54 @@ def test_cluster_shutdown_ends_every_session_in_one_grace_period(
                 proc.wait(timeout=5)
 
 
+# A test process that started a cluster and then ended without its teardown: SIGTERM's default
+# action runs no finalizer, and kill -9 none either.
+HARNESS = """
+import sys, time
+from laminar.harness.launch import ProcessCluster
+cluster = ProcessCluster(sys.argv[1], sys.argv[2])
+cluster.serve("manager", "manager-0")
+cluster.serve(sys.argv[3], "calculator-0")
+print("up", flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
+def test_cluster_roles_die_with_the_process_that_started_them(tmp_path: Path, sig: int) -> None:
+    """``ProcessCluster``'s roles get SIGTERM from the kernel when the process that started them
+    ends (``PR_SET_PDEATHSIG``) and stop: a test run killed or timed out leaves no role behind."""
+    tag = uuid.uuid4().hex
+    config = tmp_path / "cluster.yaml"
+    config.write_text("manager: {bind: tcp://127.0.0.1:0, admin: null, metrics: null}\n")
+    calculator = f"{ROOT / 'tests' / 'support' / 'roles.py'}:Calculator"
+    errors = (tmp_path / "harness.err").open("w+")
+    harness = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, str(config), str(tmp_path / "logs"), calculator],
+        stdout=PIPE,
+        stderr=errors,
+        text=True,
+        env=env(**{TAG: tag}),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    born: dict[int, int] = {}
+    try:
+        assert harness.stdout is not None
+        assert harness.stdout.readline().strip() == "up", (tmp_path / "harness.err").read_text()
+        roles = {pid: sid for pid, sid in tagged(tag).items() if pid != harness.pid}
+        assert sorted(roles) == sorted(roles.values()) and len(roles) == 2, roles  # own sessions
+        born = {pid: procfs.stat(pid).start for pid in roles}  # type: ignore[union-attr]
+        harness.send_signal(sig)
+        assert harness.wait(timeout=10) == -sig
+        until(lambda: not tagged(tag), 30, f"the roles {sorted(roles)} gone")
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+            harness.wait(timeout=10)
+        kill_all(born)
+
+
 # -- a child's lifecycle (laminar.proc.children), in this process -----------------------------------------
 
 # A role that fails at once, leaving behind a process that escaped its session still holding its
