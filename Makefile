@@ -43,6 +43,7 @@ run-tool:
 # took 576 s with -n 2 and 516 s with -n 3 (tests/conftest.py orders the longest first).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest -n 3 --dist loadgroup --durations=30
 
 bench: $(STAMP)
