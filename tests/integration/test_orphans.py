@@ -15,7 +15,8 @@ rollout's engine alone, and say nothing when the rollout closed its engine befor
 ``tests/slow/test_vllm_cluster.py`` (scenario 4) does the same with the real engine.
 
 Last, the parts on their own: the session helpers (:mod:`laminar.proc.procfs`) with and without
-pidfds, ``ProcessCluster.shutdown`` (all sessions in one grace period), and a child's lifecycle
+pidfds, ``ProcessCluster.shutdown`` (all sessions in one grace period), ``ProcessCluster``'s
+roles ending with the process that started them (SIGTERM'd or killed), and a child's lifecycle
 (:mod:`laminar.proc.children`) under both event loops and every exit-detection fallback.
 """
 
@@ -356,16 +357,16 @@ def test_cluster_roles_die_with_the_process_that_started_them(tmp_path: Path, si
     config = tmp_path / "cluster.yaml"
     config.write_text("manager: {bind: tcp://127.0.0.1:0, admin: null, metrics: null}\n")
     calculator = f"{ROOT / 'tests' / 'support' / 'roles.py'}:Calculator"
-    errors = (tmp_path / "harness.err").open("w+")
-    harness = subprocess.Popen(
-        [sys.executable, "-c", HARNESS, str(config), str(tmp_path / "logs"), calculator],
-        stdout=PIPE,
-        stderr=errors,
-        text=True,
-        env=env(**{TAG: tag}),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    with (tmp_path / "harness.err").open("w") as errors:
+        harness = subprocess.Popen(
+            [sys.executable, "-c", HARNESS, str(config), str(tmp_path / "logs"), calculator],
+            stdout=PIPE,
+            stderr=errors,
+            text=True,
+            env=env(**{TAG: tag}),
+            cwd=ROOT,
+            start_new_session=True,
+        )
     born: dict[int, int] = {}
     try:
         assert harness.stdout is not None
