@@ -69,6 +69,7 @@ from laminar.weights.chain import ChainView, ChainWatch, RelayChainApi, RelayInf
 
 from .admin import AdminServer
 from .events import EventLog
+from .liveness import check_liveness
 from .rendezvous import GroupBoard
 from .repack import RepackController
 
@@ -132,7 +133,18 @@ class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
             last_seen=now,
             endpoints=endpoints,
         )
-        self.spawn(self._check_liveness(), name="liveness")
+        self.spawn(
+            check_liveness(
+                self.members,
+                self.ctx.instance,
+                self.ctx.clock,
+                self.ctx.cluster.heartbeat_timeout_s,
+                self.config.liveness_check_s,  # type: ignore[attr-defined]
+                self._mark_dead,
+                self.log,
+            ),
+            name="liveness",
+        )
         self.spawn(self.repack.run_periodic(), name="repack")
         self.ctx.follow("publishes", self._head_versions, self._on_head_version, backoff=0.5)
 
@@ -349,19 +361,6 @@ class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
         member = self.members.get(instance) if instance else None
         if member is not None and member.state == "alive" and not self._stopping:
             self._mark_dead(member, "connection to the manager lost")
-
-    async def _check_liveness(self) -> None:
-        timeout = self.ctx.cluster.heartbeat_timeout_s
-        while True:
-            now = self.ctx.clock.wall()
-            for member in self.members.values():
-                if (
-                    member.state == "alive"
-                    and member.instance != self.ctx.instance
-                    and now - member.last_seen > timeout
-                ):
-                    self._mark_dead(member, f"no heartbeat for {now - member.last_seen:.1f} s")
-            await self.ctx.clock.sleep(self.config.liveness_check_s)  # type: ignore[attr-defined]
 
     def _mark_dead(self, member: Member, reason: str) -> None:
         member.state, member.reason = "dead", reason

@@ -6,17 +6,20 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from laminar.config import ClusterConfig
 from laminar.devmode.status import fetch_status
 from laminar.errors import PeerUnavailable
+from laminar.proc.spawn import read_ready_line
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import transport_options
 from tests.support.devrun import kill_session, run_manager, start_run, write_run_config
-from tests.support.procs import SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
+from tests.support.procs import ROOT, SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
 from tests.support.roles import Calculator, Pair, Sleep
 
 pytestmark = pytest.mark.integration
@@ -137,6 +140,61 @@ def test_member_killed_shows_dead_in_status_within_heartbeat_timeout() -> None:
         for proc in members:
             stop(proc)
         stop(manager)
+
+
+def test_a_stopped_manager_reads_the_heartbeats_it_missed_before_judging_silence(
+    tmp_path: Path,
+) -> None:
+    """A manager that was not running (SIGSTOP for 2.5 heartbeat timeouts: a VM pause, a
+    starved process) wakes with its members' heartbeats unread in the sockets; it must read them
+    before calling anyone silent. It once marked every member dead on waking (then revived them),
+    and the data role requeues a dead rollout's trajectories each time. (A 2 s timeout, so that
+    members starved by the rest of the suite are not silent for real.)"""
+    timing = [
+        "--set",
+        "cluster.heartbeat_interval_s=0.25",
+        "--set",
+        "cluster.heartbeat_timeout_s=2.0",
+    ]
+    log = tmp_path / "manager.log"
+    with log.open("w") as errors:
+        manager = subprocess.Popen(
+            laminar("serve", "--role", "manager", "--set", "manager.bind=tcp://127.0.0.1:0",
+                    "--set", "manager.admin=null", *timing),
+            stdout=subprocess.PIPE, stderr=errors, text=True, env=env(), cwd=ROOT,
+        )  # fmt: skip
+    members = []
+    try:
+        minfo = read_ready_line(manager, 30, lambda line: None)
+        assert minfo is not None, log.read_text()
+        for i in range(2):
+            members.append(
+                start(
+                    laminar("serve", "--role", f"{SUPPORT_ROLES}:Calculator",
+                            "--join", minfo["address"], "--instance", f"calc-{i}", *timing)
+                )[0]
+            )  # fmt: skip
+        alive = lambda v: all(v.get(f"calc-{i}", {}).get("state") == "alive" for i in range(2))  # noqa: E731
+        _status_until(minfo["address"], alive, 10)
+        os.kill(manager.pid, signal.SIGSTOP)
+        time.sleep(5.0)
+        os.kill(manager.pid, signal.SIGCONT)
+        time.sleep(1.5)  # heartbeat rounds and liveness checks after waking
+        view = _status(minfo["address"])
+        assert alive(view), view
+        said = log.read_text()
+        assert "member dead" not in said, said
+        assert "liveness check woke late" in said, said
+        # and a member that really stops is still caught by the timeout
+        os.kill(members[1].pid, signal.SIGSTOP)
+        view, _ = _status_until(minfo["address"], lambda v: v["calc-1"]["state"] == "dead", 10)
+        assert "no heartbeat" in view["calc-1"]["reason"]
+        os.kill(members[1].pid, signal.SIGCONT)
+    finally:
+        for proc in members:
+            stop(proc)
+        manager.kill()
+        manager.communicate(timeout=10)
 
 
 def test_status_without_token_is_refused() -> None:
