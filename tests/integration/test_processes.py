@@ -142,12 +142,12 @@ def test_member_killed_shows_dead_in_status_within_heartbeat_timeout() -> None:
         stop(manager)
 
 
-def test_a_stopped_manager_reads_the_heartbeats_it_missed_before_judging_silence(
+def test_a_stopped_manager_counts_silence_from_when_it_woke(
     tmp_path: Path,
 ) -> None:
     """A manager that was not running (SIGSTOP for 2.5 heartbeat timeouts: a VM pause, a
-    starved process) wakes with its members' heartbeats unread in the sockets; it must read them
-    before calling anyone silent. It once marked every member dead on waking (then revived them),
+    starved process) has heard nothing meanwhile; its members' silence counts from its wake-up,
+    not from their last heartbeat. It once marked every member dead on waking (then revived them),
     and the data role requeues a dead rollout's trajectories each time. (A 2 s timeout, so that
     members starved by the rest of the suite are not silent for real.)"""
     timing = [
