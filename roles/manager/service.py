@@ -5,7 +5,8 @@ A member is *dead* as soon as either signal says so:
 * its connection to the manager closed without a ``leave`` (a process killed with -9 has its
   sockets closed by the kernel, so this is immediate, the paper's "instantly without a timeout");
 * no heartbeat for ``cluster.heartbeat_timeout_s`` (a hung process, a cut network: no socket
-  event tells us, so the timeout does).
+  event tells us, so the timeout does), counted from when the manager was listening
+  (:mod:`.liveness`: a manager that was stopped does not find everyone silent on waking).
 
 A dead member that heartbeats again is *revived* (a network blip); a restarted process joins again
 under the same instance id and gets a new incarnation.
