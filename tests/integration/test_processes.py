@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -15,11 +14,10 @@ import pytest
 from laminar.config import ClusterConfig
 from laminar.devmode.status import fetch_status
 from laminar.errors import PeerUnavailable
-from laminar.proc.spawn import read_ready_line
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import transport_options
 from tests.support.devrun import kill_session, run_manager, start_run, write_run_config
-from tests.support.procs import ROOT, SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
+from tests.support.procs import SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
 from tests.support.roles import Calculator, Pair, Sleep
 
 pytestmark = pytest.mark.integration
@@ -158,15 +156,13 @@ def test_a_stopped_manager_counts_silence_from_when_it_woke(
     ]
     log = tmp_path / "manager.log"
     with log.open("w") as errors:
-        manager = subprocess.Popen(
+        manager, minfo = start(
             laminar("serve", "--role", "manager", "--set", "manager.bind=tcp://127.0.0.1:0",
                     "--set", "manager.admin=null", *timing),
-            stdout=subprocess.PIPE, stderr=errors, text=True, env=env(), cwd=ROOT,
+            stderr=errors,
         )  # fmt: skip
     members = []
     try:
-        minfo = read_ready_line(manager, 30, lambda line: None)
-        assert minfo is not None, log.read_text()
         for i in range(2):
             members.append(
                 start(
@@ -193,8 +189,7 @@ def test_a_stopped_manager_counts_silence_from_when_it_woke(
     finally:
         for proc in members:
             stop(proc)
-        manager.kill()
-        manager.communicate(timeout=10)
+        stop(manager)
 
 
 def test_status_without_token_is_refused() -> None:

@@ -4,7 +4,8 @@ Manager + ``rollout-0`` + ``rollout-1`` (``laminar serve`` processes, a tiny ran
 ``kv_migration`` on, the KV cache the derived default in bytes) start once for this module: a
 vLLM start is three interpreters importing torch and vLLM, about 35 s of CPU each time, and it
 was most of what these scenarios cost when each started its own cluster (four clusters, eight
-engine starts; a fifth, in a test of its own, checked the small node of 0. until 2026-11-24).
+engine starts; a fifth, in a test of its own, checked a start on a small NUMA node 0 until
+2026-11-24).
 Each test brings the members its scenario needs (its own data role and store, a relay, a
 trainer) and stops them when it ends, so the rollouts are what the tests share, the way a
 long-lived rollout fleet outlives the tasks fed to it. The tests run in the order written (one

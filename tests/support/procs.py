@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from laminar.proc.spawn import read_ready_line
 
@@ -33,13 +33,18 @@ def run_cli(*args: str, environ: dict[str, str] | None = None) -> subprocess.Com
 
 
 def start(
-    args: list[str], *, timeout: float = 30.0, environ: dict[str, str] | None = None
+    args: list[str],
+    *,
+    timeout: float = 30.0,
+    environ: dict[str, str] | None = None,
+    stderr: IO[str] | int = subprocess.PIPE,
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """Start a process and wait for its ready line; kills it and raises if it never comes."""
+    """Start a process and wait for its ready line; kills it and raises if it never comes.
+    ``stderr``: where its log goes (a file, to read what it said after the fact)."""
     proc = subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
         env=environ or env(),
         cwd=ROOT,
