@@ -12,7 +12,7 @@ starts every role on this machine's loopback (no namespaces, so no link to cut a
 relay), its restart pause grows with each restart (a property of the supervisor, not of the
 roles), and it keeps no timestamps we could read. :class:`Orchestrator` does what Kubernetes or
 systemd do with ``restart: always``: it notices a process has exited (``waitpid``, polled every
-0.1 s), clears what is left of its session (as a container runtime tears down the container),
+0.1 s), clears what is left of its group (as a container runtime tears down the container),
 and starts the same command again at once, on the same host. The manager listens on a fixed
 port (what a Service address or a systemd unit gives it), so members find it again.
 """
@@ -35,7 +35,7 @@ import yaml
 
 from laminar.harness.launch import ProcessCluster
 from laminar.harness.netns import NetLab, probe
-from laminar.proc.procfs import end_session, session_members
+from laminar.proc.procfs import end_group, group_members
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "chaos-benchmark-token-0123456789abcdef"
@@ -62,7 +62,7 @@ class Incarnation:
     exited: float | None = None  # the orchestrator saw it gone
     code: int | None = None
     planned: bool = False  # the benchmark killed it (a fault), not a crash
-    leftovers: int = 0  # processes its session still held after it died
+    leftovers: int = 0  # processes its group still held after it died
 
 
 @dataclass
@@ -240,7 +240,7 @@ def lengths(args: Any) -> dict[str, Any]:
 
 
 class Orchestrator:
-    """Keeps every role running: start, notice an exit, clear its session, start it again."""
+    """Keeps every role running: start, notice an exit, clear its group, start it again."""
 
     def __init__(self, topo: Topology, config: Path, logs: Path) -> None:
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -337,7 +337,7 @@ class Orchestrator:
                     inc.planned = name in self._planned
                     self._planned.discard(name)
                 # what the dead process started (the data role's reward workers) goes with it
-                inc.leftovers = len(end_session(inc.pid, 2.0, self.cluster.mark).left)
+                inc.leftovers = len(end_group(inc.pid, 2.0, self.cluster.mark).left)
             delay = 1.0
             while not self._stopping.is_set():
                 try:
@@ -352,7 +352,7 @@ class Orchestrator:
     # -- memory --
 
     def memory_mib(self) -> dict[str, dict[str, float]]:
-        """Memory of each role, its process and everything in its session: ``rss`` (resident)
+        """Memory of each role, its process and everything in its group: ``rss`` (resident)
         and ``anon`` (resident anonymous memory: the heaps, where a leak shows; a relay's
         weight versions are shared memory, bounded by ``relay.keep``, and not in it)."""
         out = {}
@@ -361,7 +361,7 @@ class Orchestrator:
             if pid is None:
                 continue
             total = {"rss": 0.0, "anon": 0.0}
-            for member in session_members(pid, self.cluster.mark):
+            for member in group_members(pid, self.cluster.mark):
                 got = _status_kib(member, ("VmRSS", "RssAnon"))
                 total["rss"] += got.get("VmRSS", 0) / 1024
                 total["anon"] += got.get("RssAnon", 0) / 1024
@@ -372,7 +372,7 @@ class Orchestrator:
 
     def stop(self, order: list[list[str]], grace: float = 15.0) -> dict[str, int | None]:
         """Stop the watcher, then SIGTERM the roles tier by tier (rollouts before what they report
-        to, the manager last) and clear every session ever started; exit code per role."""
+        to, the manager last) and clear every group ever started; exit code per role."""
         with self._lock:
             self._stopping.set()
         if self._watcher is not None:

@@ -61,6 +61,7 @@ class RolloutStats(VersionedStats):
     running: int = 0
     waiting: int = 0
     in_flight: int = 0  # trajectories it holds (running, waiting or being handed over)
+    leased_ahead: int = 0  # fresh leases in hand, not started yet (``rollout.lease_ahead``)
     env_waiting: int = 0  # episodes out of the engine, waiting for the environment's answer
     generated_tokens: int = 0
     completed: int = 0

@@ -3,9 +3,9 @@
 One actor per instance (``rollout-0``), placed by the launcher (:mod:`laminar.devmode.ray_launch`)
 in its machine's placement group, for the whole run. Each :meth:`RoleProcess.once` runs one
 incarnation of the instance's ``laminar serve`` on the actor's machine, exactly as the local
-supervisor runs a child: through :class:`laminar.proc.children.ChildProcesses` (its own session,
+supervisor runs a child: through :class:`laminar.proc.children.ChildProcesses` (its own group,
 ``PR_SET_PDEATHSIG``, umask 077, its output to ``<run_dir>/logs/NAME.log``, its exit seen on a
-pidfd, what it left in its session ended after a grace period). Only the restart decision is not
+pidfd, what it left in its group ended after a grace period). Only the restart decision is not
 taken here: the launcher takes it, with the policy every launcher shares
 (:mod:`laminar.proc.restart`), as soon as :meth:`RoleProcess.exited` reports the exit status.
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from laminar.config import RoleSpec
 from laminar.proc.children import Child, ChildProcesses
-from laminar.proc.procfs import signal_session
+from laminar.proc.procfs import signal_group
 
 #: A child's output lines worth passing on to the console (as the local supervisor shows them).
 ALARMS = ("Traceback", "[error", "[critical", "Error:", "error:")
@@ -149,14 +149,14 @@ class RoleProcess:
         self.processes._signal(self.child, signal.SIGTERM)
 
     async def kill(self) -> list[int]:
-        """SIGKILL everything in the current incarnation's session; the pids signalled."""
+        """SIGKILL everything in the current incarnation's group; the pids signalled."""
         if self.child.process is None:
             return []
         pid = self.child.process.pid
-        return await asyncio.to_thread(signal_session, pid, signal.SIGKILL, self.processes.mark)
+        return await asyncio.to_thread(signal_group, pid, signal.SIGKILL, self.processes.mark)
 
     async def sweep(self) -> list[tuple[str, str]]:
-        """The end of the run: kill whatever is left in the sessions this actor started (nothing
+        """The end of the run: kill whatever is left in the groups this actor started (nothing
         outlives the run), close the log; what it said."""
         self.stopping.set()
         self.notes = []

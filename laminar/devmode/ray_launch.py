@@ -47,7 +47,7 @@ from laminar.devmode.ray_place import (
 )
 from laminar.devmode.supervisor import COLOURS, Supervisor
 from laminar.proc.children import SETTLE_S, Child, processes
-from laminar.proc.procfs import signal_session
+from laminar.proc.procfs import signal_group
 from laminar.proc.restart import decide, keep_running
 from laminar.roles_registry import load_role
 
@@ -196,16 +196,16 @@ class RayProcesses:
             await self._kill_here(child.name)
 
     async def _kill_here(self, name: str) -> None:
-        """The last resort when an actor cannot be reached: kill the instance's session from
+        """The last resort when an actor cannot be reached: kill the instance's group from
         here, if it ran on this machine (its pid and the run's mark name it)."""
         pid = self.pids.get(name)
         if pid and self.places[name].machine.node_id == self.home:
-            left = await asyncio.to_thread(signal_session, pid, signal.SIGKILL, self.mark)
+            left = await asyncio.to_thread(signal_group, pid, signal.SIGKILL, self.mark)
             if left:
                 self.say(f"{name}: killed {processes(left)} from the driver", "bold red")
 
     async def stop(self, children: list[Child]) -> None:
-        """SIGTERM each child's own process; SIGKILL to the session of one still running after
+        """SIGTERM each child's own process; SIGKILL to the group of one still running after
         the grace period; returns once their watchers are done (as the local one does)."""
         grace = self.grace
         live = [c for c in children if c.watcher is not None and not c.watcher.done()]
@@ -228,7 +228,7 @@ class RayProcesses:
             await asyncio.wait(watchers, timeout=grace + SETTLE_S + 15.0)
 
     async def sweep(self) -> None:
-        """Each actor kills what is left in the sessions it started; then the actors go."""
+        """Each actor kills what is left in the groups it started; then the actors go."""
         for name, actor in list(self.actors.items()):
             try:
                 notes = await asyncio.wait_for(result(actor.sweep.remote()), 30.0)

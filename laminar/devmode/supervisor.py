@@ -5,21 +5,21 @@ Each child's output goes to ``<run_dir>/logs/<name>.log`` (and to the console, p
 instance name in a stable colour, by ``run.display``).
 
 A role's processes live and die together (:mod:`laminar.proc.children` has the lifecycle of each
-child's process). Each child runs in its own session, so a terminal's Ctrl-C reaches only the
+child's process). Each child runs in its own process group, so a terminal's Ctrl-C reaches only the
 supervisor, which shuts them down in order, and whatever the child starts (a rollout's vLLM engine
-core and workers) stays in that session. The supervisor notices a child's exit on a pidfd, not by
-its output closing (what the child started inherits its pipes), ends what its session still holds
+core and workers) stays in that group. The supervisor notices a child's exit on a pidfd, not by
+its output closing (what the child started inherits its pipes), ends what its group still holds
 (SIGTERM, SIGKILL after ``run.shutdown_grace_s``, and says so), and restarts it by its role's
 ``restart`` policy (``on-failure``: any non-zero exit or a signal, kill -9 included;
 ``max_restarts`` times, with a growing pause; the manager keeps its port across restarts so
 members find it again). A manager given up on ends the run with status 1.
 
 Ctrl-C or SIGTERM stops everything: SIGTERM to each child's own process (members first, the
-manager last), its session ended as above once it exits, and SIGKILL to the whole session of any
-child still there after ``run.shutdown_grace_s``; last, any session not yet seen empty is killed,
+manager last), its group ended as above once it exits, and SIGKILL to the whole group of any
+child still there after ``run.shutdown_grace_s``; last, any group not yet seen empty is killed,
 so no process of the run outlives it. Then the run's tracker is closed (TensorBoard, W&B), so
 stopping the roles never waits on it. Only processes started with the run's ``LAMINAR_LAUNCH``
-value in their environment are signalled, so a recycled session id never hits someone else's; every
+value in their environment are signalled, so a recycled group id never hits someone else's; every
 child gets ``SPT_NOENV=1`` so that vLLM's process titles do not wipe that value from ``/proc``
 (:mod:`laminar.proc.procfs`). Children die with the supervisor if it is killed
 (``PR_SET_PDEATHSIG``: SIGTERM, and each then stops what it started; a vLLM engine also kills itself
@@ -110,7 +110,7 @@ class Supervisor:
             raise ConfigError(f"run.roles must start exactly one manager (found {len(managers)})")
         self.children.sort(key=lambda c: c.role != "manager")
         # Marks every process of this run, whoever its parent becomes: only those are signalled
-        # by session (a session id can be recycled once the session is empty).
+        # by group (a group id can be recycled once the group is empty).
         self.env, self.mark = launch_env(os.environ)
         ensure_token(self.env, config.cluster.token_env)  # the user's own, or a new one
         if config.run.cpus == "auto":

@@ -5,17 +5,17 @@ integration tests, benchmarks. Each child is ``python -m laminar serve --role R 
 ``LAMINAR_READY`` line gives the address; everything else it prints goes to ``<log_dir>/<name>.log``
 (a thread drains stdout after the ready line, so a chatty child never blocks on a full pipe).
 
-Each child runs in its own session (so its process group, and everything it starts, can be told
-apart from the caller's), and a role's processes end with it: :meth:`ProcessCluster.shutdown`
-stops each role, then whatever its session still holds (SIGTERM, SIGKILL after the grace), killed
-roles' sessions included (all sessions at once: one grace period, not one each).
+Each child leads a process group of its own (so it, and everything it starts, can be told apart
+from the caller's), and a role's processes end with it: :meth:`ProcessCluster.shutdown`
+stops each role, then whatever its group still holds (SIGTERM, SIGKILL after the grace), killed
+roles' groups included (all groups at once: one grace period, not one each).
 :meth:`ProcessCluster.kill9` kills only the role's own process, the way a crash does, so tests can
 watch what happens to the rest (a vLLM engine kills itself, see :mod:`laminar.engines.vllm_worker`).
 A role also ends with the process that started it (from its main thread): the kernel sends it
 SIGTERM (``PR_SET_PDEATHSIG``, :func:`laminar.proc.spawn.arm_parent_death`), so a test run killed
 with -9, or ended by SIGTERM (whose default action runs no teardown), leaves no role running.
-The command line, the environment, the session, the output lines and the ready line come from
-:mod:`laminar.proc.spawn`, shared with ``laminar run``; the session helpers from
+The command line, the environment, the group, the output lines and the ready line come from
+:mod:`laminar.proc.spawn`, shared with ``laminar run``; the group helpers from
 :mod:`laminar.proc.procfs`.
 
 Rollouts are pinned one core each, round robin (``pin_rollouts``), the way ``laminar run``'s CPU
@@ -37,7 +37,7 @@ from typing import IO, Any
 
 from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot, available_cores
-from laminar.proc.procfs import end_sessions
+from laminar.proc.procfs import end_groups
 from laminar.proc.spawn import (
     OutputLines,
     ServeSpec,
@@ -67,13 +67,13 @@ class ProcessCluster:
         self._rollout_core: dict[str, int] = {}  # kept across restarts of the same name
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        # Marks every process this cluster starts (inherited by what they start): a session id
+        # Marks every process this cluster starts (inherited by what they start): a group id
         # swept at shutdown may have been recycled by then (pid_max can be as low as 32768).
         self.env, self.mark = launch_env(os.environ, env)
         self.cwd = cwd
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.roles: dict[str, str] = {}  # name -> role, for the shutdown order
-        self.sessions: set[int] = set()  # of every role started, killed ones too, until emptied
+        self.groups: set[int] = set()  # of every role started, killed ones too, until emptied
         self.info: dict[str, dict[str, Any]] = {}
         self.manager: str | None = None
 
@@ -141,7 +141,7 @@ class ProcessCluster:
         proc = start(cmd, self._env_for(role, name), stderr=log, cwd=self.cwd)
         self.procs[name] = proc
         self.roles[name] = role
-        self.sessions.add(proc.pid)  # its session id is its pid: see ``session_members``
+        self.groups.add(proc.pid)  # its group id is its pid: see ``group_members``
         return log, proc
 
     def _env_for(self, role: str, name: str) -> dict[str, str]:
@@ -169,7 +169,7 @@ class ProcessCluster:
             threading.Thread(target=lines.drain, args=(keep,), daemon=True).start()
             return info
         kill_role(proc, self.mark)
-        self.sessions.discard(proc.pid)
+        self.groups.discard(proc.pid)
         raise LaminarError(f"{name} {problem}; its log ends:\n{self.log_tail(name)}")
 
     def kill9(self, name: str) -> None:
@@ -181,18 +181,18 @@ class ProcessCluster:
 
     def stop(self, name: str, grace: float = 20.0) -> None:
         """SIGTERM one member, as an operator stops it (SIGKILL if it outlives ``grace``), then
-        end whatever its session still holds."""
+        end whatever its group still holds."""
         proc = self.procs.pop(name)
         self.roles.pop(name, None)
         self.info.pop(name, None)
         _terminate([proc], grace)
-        end_sessions([proc.pid], grace, self.mark)
-        self.sessions.discard(proc.pid)
+        end_groups([proc.pid], grace, self.mark)
+        self.groups.discard(proc.pid)
 
     def shutdown(self, grace: float = 20.0) -> None:
         """SIGTERM the members that use the data role, then the data role, then the manager;
         SIGKILL whatever outlives ``grace``. Then the same, for all of them at once, for anything
-        left in the sessions of every role started (killed ones too).
+        left in the groups of every role started (killed ones too).
 
         The order is the dependency order: a rollout stopping hands its partial trajectories to
         the data role, and with the data role stopped beside it each rollout spent its stop
@@ -205,8 +205,8 @@ class ProcessCluster:
             _terminate(group, grace)
         self.procs.clear()
         self.roles.clear()
-        end_sessions(self.sessions, grace, self.mark)
-        self.sessions.clear()
+        end_groups(self.groups, grace, self.mark)
+        self.groups.clear()
 
     def log_tail(self, name: str, chars: int = 4000) -> str:
         path = self.log_dir / f"{name}.log"

@@ -1,9 +1,9 @@
-"""The children of ``laminar run``: each role instance's process, its session, its restarts.
+"""The children of ``laminar run``: each role instance's process, its group, its restarts.
 
 A :class:`Child` is one role instance (``rollout-0``) for the whole run; :class:`ChildProcesses`
 owns the life of its process, one incarnation after another:
 
-* **start**: in a session of its own (the session id is its pid), so everything it starts (a
+* **start**: in a process group of its own (the group id is its pid), so everything it starts (a
   rollout's vLLM engine core and workers) can be found and stopped with it; on its CPU slot; with
   ``PR_SET_PDEATHSIG`` (SIGTERM), so it dies with the supervisor
   (:func:`laminar.proc.spawn.arm_parent_death`). With umask 077, so what it writes (the data
@@ -21,23 +21,23 @@ owns the life of its process, one incarnation after another:
   5.4), a thread blocks in ``waitid(P_PID, WNOWAIT)`` instead. If the loop reaped the process
   first, its return code is the loop's. A status that cannot be known is said as such and counts
   as a failure.
-* **end of session**: what the process left in its session gets a moment to end by itself
+* **end of group**: what the process left in its group gets a moment to end by itself
   (:data:`SETTLE_S`: a vLLM engine kills itself once its rollout is gone), then SIGTERM, SIGKILL
   after ``run.shutdown_grace_s``, and the supervisor says so
-  (:func:`laminar.proc.procfs.end_session`, in a thread: ``/proc`` is polled, never on the event
+  (:func:`laminar.proc.procfs.end_group`, in a thread: ``/proc`` is polled, never on the event
   loop). Only processes carrying the run's mark are signalled (see :mod:`laminar.proc.procfs`). Then
-  the process's pipes are closed, so one that escaped the session still holding them costs no file
+  the process's pipes are closed, so one that escaped the group still holding them costs no file
   descriptors per restart.
 * **restart**: by the role's ``restart`` policy (``on-failure``: any non-zero exit or a signal,
   kill -9 included; ``max_restarts`` times, with a growing pause), decided and said once, as soon
   as the exit status is known. A child given up on is reported to the supervisor (the manager's
   end stops the run).
 * **stop** (:meth:`ChildProcesses.stop`): SIGTERM to each child's own process (it stops what it
-  started); its watcher sees it exit and ends its session as above; a child still running after
-  the grace period gets SIGKILL to its whole session. **sweep**: last, whatever is left in a
-  session not yet seen empty is killed, so no process of the run outlives it.
+  started); its watcher sees it exit and ends its group as above; a child still running after
+  the grace period gets SIGKILL to its whole group. **sweep**: last, whatever is left in a
+  group not yet seen empty is killed, so no process of the run outlives it.
 
-A watcher never dies silently: an unexpected error is said, the child's session killed, and the
+A watcher never dies silently: an unexpected error is said, the child's group killed, and the
 child given up on.
 """
 
@@ -57,7 +57,7 @@ from laminar.config import RoleSpec
 from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot
 from laminar.proc.gpus import gpu_env
-from laminar.proc.procfs import end_session, signal_session
+from laminar.proc.procfs import end_group, signal_group
 from laminar.proc.restart import decide, keep_running
 from laminar.proc.spawn import arm_parent_death, cpu_env, parse_ready_line, pump_lines, start_async
 
@@ -231,8 +231,8 @@ class ChildProcesses:
         self.echo = echo
         self.say = say
         self.gave_up = gave_up
-        # Session ids (a child's pid) not yet seen empty: swept before the supervisor returns.
-        self.sessions: set[int] = set()
+        # Group ids (a child's pid) not yet seen empty: swept before the supervisor returns.
+        self.groups: set[int] = set()
 
     def supervise(self, child: Child) -> asyncio.Task[None]:
         """Start the task that owns ``child`` for the whole run (``child.watcher``)."""
@@ -245,14 +245,14 @@ class ChildProcesses:
         child.ready.clear()
         if child.log is None:
             child.log = open_log(self.log_dir / f"{child.name}.log")
-        proc = await start_async(  # in a session of its own: the session id is its pid
+        proc = await start_async(  # in a process group of its own: the group id is its pid
             self.command(child),
             gpu_env(cpu_env(self.env, child.cpu, child.section), child.gpus),
             preexec_fn=_child_setup(child.cpu.cpus if child.cpu else (), os.getpid()),
         )
         child.process = proc
         child.exit = asyncio.get_running_loop().create_future()
-        self.sessions.add(proc.pid)
+        self.groups.add(proc.pid)
         child.pidfd = open_pidfd(proc)
         return proc
 
@@ -267,9 +267,9 @@ class ChildProcesses:
         child.info = info
         child.ready.set()
 
-    async def _end_session(self, child: Child, sid: int) -> None:
+    async def _end_group(self, child: Child, gid: int) -> None:
         grace = self.grace
-        end = await asyncio.to_thread(end_session, sid, grace, self.mark, settle=SETTLE_S)
+        end = await asyncio.to_thread(end_group, gid, grace, self.mark, settle=SETTLE_S)
         if end.left:
             how = f"{len(end.killed)} needed SIGKILL after {grace:g} s" if end.killed else "SIGTERM"
             them = "it" if len(end.left) == 1 else "them"
@@ -278,7 +278,7 @@ class ChildProcesses:
         if end.remaining:  # unkillable for now (stuck in the kernel): the sweep tries again
             self.say(f"{child.name}: {processes(end.remaining)} survived SIGKILL", "bold red")
         else:
-            self.sessions.discard(sid)
+            self.groups.discard(gid)
 
     async def _close(self, proc: asyncio.subprocess.Process) -> None:
         """Release the process's pipes once the loop has reaped it (closing the transport of a
@@ -292,7 +292,7 @@ class ChildProcesses:
                     transport.close()
 
     async def _life(self, child: Child) -> bool:
-        """One incarnation: start, relay output, see it exit, end its session. Whether to start
+        """One incarnation: start, relay output, see it exit, end its group. Whether to start
         it again (decided and said as soon as its exit status is known)."""
         proc = await self._start(child)
         assert child.exit is not None and proc.stdout is not None and proc.stderr is not None
@@ -306,8 +306,8 @@ class ChildProcesses:
             code = await exit_status(child)
             child.exit.set_result(code)
             restart = not self.stopping.is_set() and self.decide(child, code)
-            await self._end_session(child, proc.pid)
-            # The session is gone, so are the pipes' writers (bar one that left the session)
+            await self._end_group(child, proc.pid)
+            # The group is gone, so are the pipes' writers (bar one that left the group)
             await asyncio.wait(pumps, timeout=2.0)
             return restart
         finally:
@@ -336,7 +336,7 @@ class ChildProcesses:
 
     async def _kill(self, child: Child) -> None:
         if child.process is not None:
-            await asyncio.to_thread(signal_session, child.process.pid, signal.SIGKILL, self.mark)
+            await asyncio.to_thread(signal_group, child.process.pid, signal.SIGKILL, self.mark)
 
     def decide(self, child: Child, code: int | None) -> bool:
         """Whether the child is started again, by its restart policy; says which. An unknown
@@ -358,7 +358,7 @@ class ChildProcesses:
 
     async def stop(self, children: list[Child]) -> None:
         """SIGTERM each child's own process (it stops what it started); its watcher sees it exit
-        and ends its session. A child not gone after the grace period: SIGKILL to its session.
+        and ends its group. A child not gone after the grace period: SIGKILL to its group.
         Returns once their watchers are done (or a second grace period and 15 s have passed)."""
         grace = self.grace
         live = [c for c in children if c.watcher is not None and not c.watcher.done()]
@@ -375,16 +375,16 @@ class ChildProcesses:
                     "killing its processes",
                     "bold red",
                 )
-                await asyncio.to_thread(signal_session, pid, signal.SIGKILL, self.mark)
+                await asyncio.to_thread(signal_group, pid, signal.SIGKILL, self.mark)
         watchers = [c.watcher for c in live if c.watcher is not None]
-        if watchers:  # they end what the sessions still hold (with a grace period of their own)
+        if watchers:  # they end what the groups still hold (with a grace period of their own)
             await asyncio.wait(watchers, timeout=grace + SETTLE_S + 15.0)
 
     async def sweep(self) -> None:
-        """Kill whatever is left in the run's sessions (a child started while the run stopped, a
-        watcher cancelled before its child's session was empty): nothing outlives the run."""
-        for sid in sorted(self.sessions):
-            left = await asyncio.to_thread(signal_session, sid, signal.SIGKILL, self.mark)
+        """Kill whatever is left in the run's groups (a child started while the run stopped, a
+        watcher cancelled before its child's group was empty): nothing outlives the run."""
+        for gid in sorted(self.groups):
+            left = await asyncio.to_thread(signal_group, gid, signal.SIGKILL, self.mark)
             if left:
                 self.say(f"killed {processes(left)} left at the end of the run", "bold red")
-        self.sessions.clear()
+        self.groups.clear()

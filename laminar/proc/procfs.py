@@ -1,4 +1,4 @@
-"""Processes as ``/proc`` shows them, and sessions: a role and everything it started.
+"""Processes as ``/proc`` shows them, and process groups: a role and everything it started.
 
 Standard library only, on purpose: :mod:`laminar.engines.vllm_worker` imports this inside vLLM's
 worker processes. Used by ``laminar run`` (:mod:`laminar.proc.children`),
@@ -7,12 +7,21 @@ worker processes. Used by ``laminar run`` (:mod:`laminar.proc.children`),
 
 A process is named for good by its pid *and* start time (a recycled pid starts later).
 
-**Sessions.** A child started with ``start_new_session`` leads a session whose id is its pid;
-everything it starts stays in that session unless it calls ``setsid`` itself (vLLM does not),
-whoever its parent becomes. The id is not recycled while any process of the session remains; once
-it is empty, it may be. So the helpers below take a ``mark`` (``NAME=value``): only processes
-started with it in their environment are members (the caller puts it in its children's
-environment, and it is inherited).
+**Process groups.** A child started with ``process_group=0`` leads a process group whose id is its
+pid; everything it starts stays in that group unless it moves itself (vLLM does not; a reward
+worker does, and dies with its data role by ``PR_SET_PDEATHSIG``), whoever its parent becomes. The
+id is not recycled while any process of the group remains; once it is empty, it may be. So the
+helpers below take a ``mark`` (``NAME=value``): only processes started with it in their
+environment are members (the caller puts it in its children's environment, and it is inherited).
+
+Why groups and not sessions (which roles used until issue 16): where the kernel's autogroup
+scheduler is on (``kernel.sched_autogroup_enabled``, the default of many distributions and of
+the dev machine), every *session* is scheduled as a group of its own. A rollout's session then
+held vLLM's engine core and worker, which poll their queues busily, and the data role and the
+manager, each a session of their own, waited up to 0.6 s at a time for a core: the engine ran
+out of prompts and generation through the roles fell to 0.68 of bare vLLM
+(``benchmarks/generation.py``). Roles in groups share their launcher's session, as bare vLLM's
+processes do.
 
 **setproctitle wipes environments.** ``/proc/<pid>/environ`` shows the memory that held the
 process's initial environment, and ``setproctitle`` (which vLLM calls in its engine core and
@@ -29,7 +38,7 @@ from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 #: The variable that marks every process of one ``laminar run`` or ``ProcessCluster`` (its value
-#: is new each time); session members are those carrying it.
+#: is new each time); group members are those carrying it.
 MARK_ENV = "LAMINAR_LAUNCH"
 
 #: Keeps ``/proc/<pid>/environ`` readable in processes that call ``setproctitle`` (see above).
@@ -42,7 +51,7 @@ class Stat(NamedTuple):
     state: str  # "Z": a zombie (exited, not yet reaped)
     ppid: int
     pgrp: int
-    sid: int
+    sid: int  # the session
     start: int  # clock ticks since boot
 
 
@@ -87,36 +96,36 @@ def children(pid: int) -> list[int]:
     return [c for c in pids() if (st := stat(c)) and st.ppid == pid and st.state != "Z"]
 
 
-# -- sessions -------------------------------------------------------------------------------------
+# -- process groups--------------------------------------------------------------------------------
 
 
-def session_members(sid: int, mark: str | None = None) -> list[int]:
-    """The live processes (zombies excluded) of session ``sid``; with ``mark``, only those
+def group_members(gid: int, mark: str | None = None) -> list[int]:
+    """The live processes (zombies excluded) of process group ``gid``; with ``mark``, only those
     started with it in their environment."""
     out = []
     for pid in pids():
         st = stat(pid)
-        if st is not None and st.sid == sid and st.state != "Z" and has_env(pid, mark):
+        if st is not None and st.pgrp == gid and st.state != "Z" and has_env(pid, mark):
             out.append(pid)
     return out
 
 
-def _still(pid: int, sid: int, start: int, mark: str | None) -> bool:
+def _still(pid: int, gid: int, start: int, mark: str | None) -> bool:
     st = stat(pid)
-    alive = st is not None and st.sid == sid and st.start == start and st.state != "Z"
+    alive = st is not None and st.pgrp == gid and st.start == start and st.state != "Z"
     return alive and has_env(pid, mark)
 
 
-def signal_session(sid: int, sig: int, mark: str | None = None) -> list[int]:
-    """Send ``sig`` to every live process of session ``sid`` (its process group, and any group
-    made inside it; with ``mark``, only those carrying it); the pids signalled.
+def signal_group(gid: int, sig: int, mark: str | None = None) -> list[int]:
+    """Send ``sig`` to every live process of process group ``gid`` (with ``mark``, only those
+    carrying it); the pids signalled.
 
-    Each is signalled through a pidfd opened before its session and start time are read again,
+    Each is signalled through a pidfd opened before its group and start time are read again,
     so a pid recycled in between is never hit. Without pidfds (a kernel before 5.3, some
     sandboxes) it falls back to ``kill`` right after that check (a window of microseconds).
-    Not ``killpg``: once the session is empty its id may name someone else's group."""
+    Not ``killpg``: once the group is empty its id may name someone else's."""
     sent = []
-    for pid in session_members(sid, mark):
+    for pid in group_members(gid, mark):
         first = stat(pid)
         if first is None:
             continue
@@ -127,7 +136,7 @@ def signal_session(sid: int, sig: int, mark: str | None = None) -> list[int]:
         except OSError:
             fd = None
         try:
-            if not _still(pid, sid, first.start, mark):
+            if not _still(pid, gid, first.start, mark):
                 continue
             if fd is not None:
                 try:
@@ -137,7 +146,7 @@ def signal_session(sid: int, sig: int, mark: str | None = None) -> list[int]:
                 except ProcessLookupError:
                     continue
                 except OSError:  # pidfd_send_signal refused (seccomp): as without pidfds
-                    if not _still(pid, sid, first.start, mark):
+                    if not _still(pid, gid, first.start, mark):
                         continue
             os.kill(pid, sig)
             sent.append(pid)
@@ -179,52 +188,53 @@ def signal_marked(mark: str, sig: int) -> list[int]:
     return sent
 
 
-class SessionEnd(NamedTuple):
+class GroupEnd(NamedTuple):
     left: list[int]  # what was there to stop (and got SIGTERM)
     killed: list[int]  # what then needed SIGKILL
     remaining: list[int]  # what was still there at the end (unkillable, e.g. stuck in the kernel)
 
 
-def _wait_empty(sids: Iterable[int], mark: str | None, timeout: float, poll: float) -> set[int]:
-    """Wait until the sessions are empty or ``timeout`` passes; those not empty."""
+def _wait_empty(gids: Iterable[int], mark: str | None, timeout: float, poll: float) -> set[int]:
+    """Wait until the groups are empty or ``timeout`` passes; those not empty."""
     deadline = time.monotonic() + timeout
-    busy = {sid for sid in sids if session_members(sid, mark)}
+    busy = {gid for gid in gids if group_members(gid, mark)}
     while busy and time.monotonic() < deadline:
         time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
-        busy = {sid for sid in busy if session_members(sid, mark)}
+        busy = {gid for gid in busy if group_members(gid, mark)}
     return busy
 
 
-def end_sessions(
-    sids: Iterable[int],
+def end_groups(
+    gids: Iterable[int],
     grace: float,
     mark: str | None = None,
     *,
     settle: float = 0.0,
     poll: float = 0.2,
-) -> dict[int, SessionEnd]:
-    """Stop what is left of the sessions ``sids`` (with ``mark``: of their processes carrying it),
-    all at once: after ``settle`` seconds for what ends by itself, SIGTERM; after ``grace``,
-    SIGKILL, once; then wait (up to 10 s more) for them to be gone. Blocks (``/proc`` has no
-    events to wait on): run it in a thread from an event loop. Per session, what happened."""
-    sids = sorted(set(sids))
-    busy = _wait_empty(sids, mark, settle, poll) if settle > 0 else set(sids)
-    left = {sid: signal_session(sid, signal.SIGTERM, mark) for sid in busy}
-    busy = _wait_empty([sid for sid, pids in left.items() if pids], mark, grace, poll)
-    killed = {sid: signal_session(sid, signal.SIGKILL, mark) for sid in busy}
-    stuck = _wait_empty([sid for sid, pids in killed.items() if pids], mark, 10.0, poll)
+) -> dict[int, GroupEnd]:
+    """Stop what is left of the process groups ``gids`` (with ``mark``: of their processes
+    carrying it), all at once: after ``settle`` seconds for what ends by itself, SIGTERM; after
+    ``grace``, SIGKILL, once; then wait (up to 10 s more) for them to be gone. Blocks (``/proc``
+    has no events to wait on): run it in a thread from an event loop. Per group, what
+    happened."""
+    gids = sorted(set(gids))
+    busy = _wait_empty(gids, mark, settle, poll) if settle > 0 else set(gids)
+    left = {gid: signal_group(gid, signal.SIGTERM, mark) for gid in busy}
+    busy = _wait_empty([gid for gid, pids in left.items() if pids], mark, grace, poll)
+    killed = {gid: signal_group(gid, signal.SIGKILL, mark) for gid in busy}
+    stuck = _wait_empty([gid for gid, pids in killed.items() if pids], mark, 10.0, poll)
     return {
-        sid: SessionEnd(
-            left.get(sid, []),
-            killed.get(sid, []),
-            session_members(sid, mark) if sid in stuck else [],
+        gid: GroupEnd(
+            left.get(gid, []),
+            killed.get(gid, []),
+            group_members(gid, mark) if gid in stuck else [],
         )
-        for sid in sids
+        for gid in gids
     }
 
 
-def end_session(
-    sid: int, grace: float, mark: str | None = None, *, settle: float = 0.0, poll: float = 0.2
-) -> SessionEnd:
-    """:func:`end_sessions` for one session."""
-    return end_sessions([sid], grace, mark, settle=settle, poll=poll)[sid]
+def end_group(
+    gid: int, grace: float, mark: str | None = None, *, settle: float = 0.0, poll: float = 0.2
+) -> GroupEnd:
+    """:func:`end_groups` for one group."""
+    return end_groups([gid], grace, mark, settle=settle, poll=poll)[gid]

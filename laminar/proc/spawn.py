@@ -1,11 +1,11 @@
 """One way to start a role process: ``laminar serve``'s command line and environment, its own
-session, its output as lines, its ready line, and its end.
+process group, its output as lines, its ready line, and its end.
 
 Two launchers start roles: ``laminar run``'s supervisor (:mod:`laminar.devmode.supervisor`, with
 restarts, on the event loop: :mod:`laminar.proc.children`) and
 :class:`laminar.harness.launch.ProcessCluster` (tests and benchmarks, blocking). They differ in what
 they do *around* a process, not in the process: both build the command here, give it the environment
-made here, start it in a session of its own, read its stdout through
+made here, start it in a process group of its own, read its stdout through
 :class:`~laminar.proc.linesplit.LineSplitter` and take its address from the line
 :func:`parse_ready_line` recognises.
 
@@ -14,12 +14,16 @@ made here, start it in a session of its own, read its stdout through
 * **The environment** (:func:`launch_env`) marks every process of one launch with a fresh
   ``LAMINAR_LAUNCH`` value, inherited by whatever the role starts, and keeps that mark readable
   through ``setproctitle`` (:mod:`laminar.proc.procfs`): only marked processes are ever signalled by
-  session, because a session id is recycled once the session is empty. A launch needs one cluster
+  group, because a group id is recycled once the group is empty. A launch needs one cluster
   token for all its roles (:func:`ensure_token`); a role pinned to cores gets its slot's thread
   settings (:func:`cpu_env`).
-* **The session**: the role leads a new session (its id is the role's pid), so everything it
-  starts (a rollout's vLLM engine core and workers) can be found and ended with it
-  (:func:`kill_role`, :func:`laminar.proc.procfs.end_session`).
+* **The process group**: the role leads a new process group (its id is the role's pid) in its
+  launcher's session, so everything it starts (a rollout's vLLM engine core and workers) can be
+  found and ended with it (:func:`kill_role`, :func:`laminar.proc.procfs.end_group`), a
+  terminal's Ctrl-C (sent to the foreground group) does not reach it, and the kernel schedules it
+  with its launcher, as it does bare vLLM (a session of its own is a scheduling group of its own
+  under autogroup: :mod:`laminar.proc.procfs` says what that cost). Its stdin is ``/dev/null``: a
+  background group that read the terminal would be stopped.
 * **Death with the launcher**: a role gets SIGTERM when the thread that started it ends
   (``PR_SET_PDEATHSIG``, armed by :func:`arm_parent_death` between fork and exec), so a launcher
   that dies without stopping its roles (``laminar run`` or a test killed with -9, or a test
@@ -54,7 +58,7 @@ from laminar.config import new_token, token_problem
 from laminar.errors import ConfigError, LaminarError
 from laminar.proc.cpus import CpuSlot
 from laminar.proc.linesplit import LineSplitter
-from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_session
+from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_group
 from laminar.service import READY_PREFIX
 
 #: Bytes read from a role's output at a time.
@@ -126,7 +130,7 @@ def config_sets(prefix: str, value: Any) -> list[str]:
 def launch_env(
     base: Mapping[str, str], extra: Mapping[str, str] | None = None
 ) -> tuple[dict[str, str], str]:
-    """The environment of every role of one launch, and its mark (``NAME=value``, for the session
+    """The environment of every role of one launch, and its mark (``NAME=value``, for the group
     helpers of :mod:`laminar.proc.procfs`): ``base`` and ``extra`` (which wins), unbuffered output,
     and the launch's own mark, kept readable through ``setproctitle``."""
     mark = uuid.uuid4().hex
@@ -201,7 +205,7 @@ def start(
     stderr: IO[Any] | int = subprocess.PIPE,
     cwd: str | Path | None = None,
 ) -> subprocess.Popen[str]:
-    """Start ``argv`` in a session of its own (its id is the pid), stdout piped: read it with
+    """Start ``argv`` in a process group of its own (its id is the pid), stdout piped: read it with
     :class:`OutputLines` (through its file descriptor, never through ``proc.stdout``). Started
     from the main thread, it gets SIGTERM when this process ends (see the module docstring)."""
     parent = os.getpid()
@@ -213,7 +217,8 @@ def start(
         text=True,
         env=dict(env),
         cwd=cwd,
-        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        process_group=0,
         preexec_fn=(lambda: arm_parent_death(parent)) if on_main else None,
     )
 
@@ -226,25 +231,31 @@ async def start_async(
 ) -> asyncio.subprocess.Process:
     """:func:`start` on the event loop, stdout and stderr piped (read them with
     :func:`pump_lines`). ``preexec_fn`` runs in the child before exec: no imports in it."""
+
+    def setup() -> None:  # uvloop takes no ``process_group``: the child moves itself
+        os.setpgid(0, 0)
+        if preexec_fn is not None:
+            preexec_fn()
+
     return await asyncio.create_subprocess_exec(
         *argv,
+        stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=dict(env),
-        start_new_session=True,
-        preexec_fn=preexec_fn,
+        preexec_fn=setup,
     )
 
 
 def kill_role(proc: subprocess.Popen[Any], mark: str, grace: float = 5.0) -> None:
-    """SIGKILL the role's own process, then end what its session still holds (SIGTERM, SIGKILL
+    """SIGKILL the role's own process, then end what its group still holds (SIGTERM, SIGKILL
     after ``grace``). A grace period even after SIGKILL: a shared-memory tracker
     (multiprocessing's resource tracker ignores SIGTERM) unlinks its segments once its clients are
     gone, unless it is killed with them."""
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=10)
-    end_session(proc.pid, grace=grace, mark=mark)
+    end_group(proc.pid, grace=grace, mark=mark)
 
 
 # -- the output ------------------------------------------------------------------------------------

@@ -80,6 +80,19 @@ class Transferred(BaseModel):
     moved: list[str] = Field(default_factory=list)
 
 
+class LeaseRelease(BaseModel):
+    """``rollout`` gives back leases it took but has not started (it was told to drain, or its
+    weights changed before it started them). Only samples still leased to it without stored
+    tokens go back to the front of the queue; the rest are left as they are."""
+
+    rollout: str
+    trajectory_ids: list[str]
+
+
+class Released(BaseModel):
+    released: list[str] = Field(default_factory=list)
+
+
 class SampleRequest(BaseModel):
     """The trainer asks for up to ``n`` scored trajectories (consumed: never handed out again).
 
@@ -189,6 +202,10 @@ class DataApi:
 
     @endpoint
     async def transfer(self, req: LeaseTransfer) -> Transferred:
+        raise NotImplementedError
+
+    @endpoint
+    async def release(self, req: LeaseRelease) -> Released:
         raise NotImplementedError
 
     @endpoint

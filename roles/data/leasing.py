@@ -1,4 +1,5 @@
-"""The rollouts' side of the prompt pool: ``take`` (leases, long-polled) and ``transfer`` (repack).
+"""The rollouts' side of the prompt pool: ``take`` (leases, long-polled), ``release`` (leases given
+back unstarted) and ``transfer`` (repack).
 
 A take queues whole groups as needed (``queue_ahead``; under a round schedule only the open
 round's, see ``rounds``) and leases queued samples to the rollout: re-deliveries of leases whose
@@ -17,7 +18,7 @@ import hashlib
 
 from laminar.trajectory import Assignment, SamplingParams
 
-from .api import Assignments, LeaseTransfer, TakeRequest, Transferred
+from .api import Assignments, LeaseRelease, LeaseTransfer, Released, TakeRequest, Transferred
 from .context import DataContext
 from .store import Store
 
@@ -137,6 +138,13 @@ class Leasing:
                 for a in out
             ]
         return out
+
+    async def release(self, req: LeaseRelease) -> Released:
+        store = self.ctx.need_store()
+        released = await self.ctx.db(store.give_back, req.rollout, req.trajectory_ids)
+        if released:
+            self.wake()  # other rollouts' takes may want them
+        return Released(released=released)
 
     async def transfer(self, req: LeaseTransfer) -> Transferred:
         store = self.ctx.need_store()

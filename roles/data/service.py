@@ -57,8 +57,10 @@ from .api import (
     DataStatus,
     EnvStepReply,
     EnvStepRequest,
+    LeaseRelease,
     LeaseTransfer,
     PartialLengths,
+    Released,
     Report,
     ReportReply,
     SampleRequest,
@@ -284,6 +286,10 @@ class DataService(Service, DataApi):
     @endpoint
     async def report(self, req: Report) -> ReportReply:
         return await self.reports.report(req)
+
+    @endpoint
+    async def release(self, req: LeaseRelease) -> Released:
+        return await self.leasing.release(req)
 
     @endpoint
     async def transfer(self, req: LeaseTransfer) -> Transferred:

@@ -2,8 +2,9 @@
 
 Three owned tasks, each with one job:
 
-* **pull** — while fewer than ``concurrency`` trajectories are in flight, lease more from the data
-  role (a long-poll ``take``) and add them to the engine; resumed leases continue from their
+* **pull** — keep ``concurrency`` trajectories in the engine and ``lease_ahead`` fresh leases in
+  hand (:mod:`.ahead`): lease in batches from the data role (a long-poll ``take``) and start a
+  lease in hand as soon as a slot frees; resumed leases start at once and continue from their
   acknowledged partial tokens.
 * **outputs** — consume the engine's output stream: append tokens and logprobs to each
   trajectory; a finished one becomes a :class:`Trajectory` (one version, per-token behaviour
@@ -52,11 +53,12 @@ from laminar.endpoint import endpoint
 from laminar.engines import Engine, EngineConfig, EngineRequest, InflightSequence, create_engine
 from laminar.engines.base import EngineError
 from laminar.membership import rollout_phase
-from laminar.roles.data.api import DataApi, TakeRequest
+from laminar.roles.data.api import DataApi, LeaseRelease, TakeRequest
 from laminar.service import Service, ServiceContext
 from laminar.stats import RolloutStats
 from laminar.trajectory import Assignment, Trajectory
 
+from .ahead import LeasesAhead, is_fresh, sizes
 from .api import (
     DrainRequest,
     Handoff,
@@ -81,8 +83,16 @@ class RolloutConfig(ServiceConfig):
     concurrency: Annotated[int, Field(ge=1)] = Field(
         32, description="Trajectories kept in flight in the engine."
     )
-    min_take: Annotated[int, Field(ge=1)] = Field(
-        1, description="Lease only when at least this many slots are free (batches the pulls)."
+    lease_ahead: Annotated[int, Field(ge=0)] | None = Field(
+        None,
+        description="Fresh leases held beyond `concurrency`, so a slot that frees is refilled "
+        "without a round trip to the data role (default: half of `concurrency`; 0: lease only as "
+        "slots free). Given back when the rollout drains or loads another version.",
+    )
+    min_take: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="Lease only when at least this many places (slots and leases ahead) are "
+        "free, which batches the takes (default: half of `lease_ahead`, at least 1).",
     )
     flush_interval_s: Annotated[float, Field(gt=0)] = Field(
         0.25, description="How often new tokens and finished trajectories go to the data role."
@@ -119,7 +129,11 @@ class RolloutService(Service, RolloutApi):
         self.failed = self.reporter.failed  # trajectory id -> why; not yet acknowledged
         self.failures = 0  # trajectories that failed here (since start)
         self.completed = 0
+        cfg = self.config
+        self.ahead = LeasesAhead()
+        self.lease_ahead, self.min_take = sizes(cfg.concurrency, cfg.lease_ahead, cfg.min_take)
         self._take_lock = asyncio.Lock()  # held while leasing and starting; a load waits for it
+        self._fill_lock = asyncio.Lock()
         self.turns = Turns(
             ctx.instance,
             self.flights,
@@ -166,6 +180,7 @@ class RolloutService(Service, RolloutApi):
         self.phases.started()
         self.spawn(self._outputs(), name="outputs")
         self.spawn(self._pull(), name="pull")
+        self.spawn(self._feed(), name="feed")
         self.spawn(self.reporter.loop(self.ctx.clock, self.config.flush_interval_s), name="flush")
         if self.ctx.manager is not None or self.config.relay is not None:
             self.switcher.start()
@@ -185,6 +200,7 @@ class RolloutService(Service, RolloutApi):
             running=s.running,
             waiting=s.waiting,
             in_flight=len(self.flights),
+            leased_ahead=len(self.ahead),
             version=self.engine.version,
             generated_tokens=s.generated_tokens,
             completed=self.completed,
@@ -214,6 +230,7 @@ class RolloutService(Service, RolloutApi):
     async def drain(self, req: DrainRequest) -> RolloutState:
         if self.phases.drain():
             self.log.info("draining: taking no prompts", reason=req.reason)
+        await self._give_back(self.ahead.clear())
         return await self.state()
 
     @endpoint
@@ -232,11 +249,13 @@ class RolloutService(Service, RolloutApi):
 
     # -- pull --------------------------------------------------------------------------------
 
-    async def _pull(self) -> None:
-        cfg, phases = self.config, self.phases
+    def _room(self) -> int:
+        """Leases it may take now: engine slots and leases ahead, less what it holds."""
+        return self.config.concurrency + self.lease_ahead - len(self.flights) - len(self.ahead)
 
-        def may_take() -> bool:  # allowed, and enough slots free (batches the pulls)
-            return phases.may_take and cfg.concurrency - len(self.flights) >= cfg.min_take
+    async def _pull(self) -> None:
+        def may_take() -> bool:  # allowed, and enough room (batches the takes)
+            return self.phases.may_take and self._room() >= self.min_take
 
         while True:
             await self.changes.until(may_take)
@@ -245,7 +264,7 @@ class RolloutService(Service, RolloutApi):
             await self.data.resolve()
             async with self._take_lock:
                 if may_take():
-                    await self._take(cfg.concurrency - len(self.flights))
+                    await self._take(self._room())
 
     async def _take(self, free: int) -> None:
         cfg = self.config
@@ -253,7 +272,7 @@ class RolloutService(Service, RolloutApi):
             rollout=self.ctx.instance,
             max_count=free,
             version=self.engine.version,
-            holding=self.reporter.holding(),
+            holding=[*self.reporter.holding(), *self.ahead],
             wait_s=cfg.take_wait_s,
         )
         try:  # one attempt: the next take asks afresh (free slots, holding, version)
@@ -267,7 +286,41 @@ class RolloutService(Service, RolloutApi):
             return
         self.phases.took(len(batch.items))  # a long poll came back empty: the pool is dry
         for assignment in batch.items:
-            await self._start(assignment)
+            if is_fresh(assignment):
+                self.ahead.add(assignment)
+            else:  # a resume continues tokens of its version: now, while that is the engine's
+                await self._start(assignment)
+        await self._fill()
+
+    async def _feed(self) -> None:
+        """Start leases in hand as slots free (and give back those of an older version)."""
+
+        def startable() -> bool:
+            slot = len(self.flights) < self.config.concurrency
+            return self.phases.may_take and len(self.ahead) > 0 and slot
+
+        while True:
+            await self.changes.until(startable)
+            await self._fill()
+
+    async def _fill(self) -> None:
+        async with self._fill_lock:  # one at a time: each counts the slots the last one filled
+            if not self.phases.may_take:
+                return
+            await self._give_back(self.ahead.stale(self.engine.version))
+            for assignment in self.ahead.pop(self.config.concurrency - len(self.flights)):
+                await self._start(assignment)
+
+    async def _give_back(self, ids: list[str]) -> None:
+        """Return leases in hand to the data role; if that fails, the next ``take`` does not
+        list them as held, and the data role requeues (or re-delivers) them then."""
+        if not ids:
+            return
+        req = LeaseRelease(rollout=self.ctx.instance, trajectory_ids=ids)
+        with contextlib.suppress(*DATA_ERRORS):
+            await self.data.call(lambda data: data.release.call(req), attempts=1,
+                                 retry_on=DATA_ERRORS)  # fmt: skip
+            self.log.info("gave back leases not started", count=len(ids))
 
     async def _start(self, a: Assignment) -> None:
         tid = a.trajectory_id

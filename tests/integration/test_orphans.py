@@ -5,7 +5,7 @@ SIGTERM and sets its process title, as a vLLM rollout's engine core does (``setp
 ``/proc/<pid>/environ`` unless ``SPT_NOENV`` is set, and the run's mark lives there). Every
 process of the run carries a tag in its environment, so the test counts them by scanning
 ``/proc``, whoever their parent became. Checks: the supervisor notices the kill (not waiting for
-the pipes to close), ends the role's session (the child too), restarts the role by its policy and
+the pipes to close), ends the role's group (the child too), restarts the role by its policy and
 says so; after SIGTERM to the supervisor, no process of the run is left.
 
 Then a vLLM rollout's process tree without vLLM or a supervisor (``laminar serve`` on a cluster
@@ -14,8 +14,8 @@ node): the engine's processes kill themselves when the rollout is killed with -9
 rollout's engine alone, and say nothing when the rollout closed its engine before it exited.
 ``tests/slow/test_vllm_cluster.py`` (scenario 4) does the same with the real engine.
 
-Last, the parts on their own: the session helpers (:mod:`laminar.proc.procfs`) with and without
-pidfds, ``ProcessCluster.shutdown`` (all sessions in one grace period), ``ProcessCluster``'s
+Last, the parts on their own: the group helpers (:mod:`laminar.proc.procfs`) with and without
+pidfds, ``ProcessCluster.shutdown`` (all groups in one grace period), ``ProcessCluster``'s
 roles ending with the process that started them (SIGTERM'd or killed), and a child's lifecycle
 (:mod:`laminar.proc.children`) under both event loops and every exit-detection fallback.
 """
@@ -43,7 +43,7 @@ from laminar.devmode.status import fetch_status
 from laminar.harness.launch import ProcessCluster
 from laminar.proc import procfs
 from laminar.proc.children import SETTLE_S, Child, ChildProcesses
-from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_session, session_members
+from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_group, group_members
 from tests.support.devrun import kill_session, run_manager, spawn, start_run, write_run_config
 from tests.support.procs import ROOT, TOKEN, env
 
@@ -54,12 +54,12 @@ TAG = "LAMINAR_TEST_ORPHANS"
 
 
 def tagged(tag: str) -> dict[int, int]:
-    """Live processes (zombies excluded) started with ``TAG=tag``: pid -> session id."""
+    """Live processes (zombies excluded) started with ``TAG=tag``: pid -> group id."""
     out = {}
     for pid in procfs.pids():
         stat = procfs.stat(pid)
         if stat is not None and stat.state != "Z" and procfs.has_env(pid, f"{TAG}={tag}"):
-            out[pid] = stat.sid
+            out[pid] = stat.pgrp
     return out
 
 
@@ -111,13 +111,13 @@ def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the
         )
         role, child = first.pid, int(first.stats["child_pid"])
         procs = tagged(tag)
-        sessions = set(procs.values()) - {sup.pid}  # the supervisor leads its own
-        assert procs.get(child) == role, procs  # the child is in the role's session
-        assert len(sessions) == 2, procs  # the manager's and the role's
+        groups = set(procs.values()) - {sup.pid}  # the supervisor leads its own
+        assert procs.get(child) == role, procs  # the child is in the role's group
+        assert len(groups) == 2, procs  # the manager's and the role's
 
         os.kill(role, signal.SIGKILL)
         killed = time.monotonic()
-        # Noticed, session ended (the child needs SIGKILL after the grace), restarted, rejoined.
+        # Noticed, group ended (the child needs SIGKILL after the grace), restarted, rejoined.
         again = until(
             lambda: (
                 (m := members(manager).get("spawner-0"))
@@ -132,7 +132,7 @@ def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the
         took = time.monotonic() - killed
         assert again.pid != role
         assert not procfs.alive(child), f"the killed role's child {child} survived it"
-        assert not [pid for pid, sid in tagged(tag).items() if sid == role], "session not ended"
+        assert not [pid for pid, gid in tagged(tag).items() if gid == role], "group not ended"
         assert procfs.alive(int(again.stats["child_pid"]))
         print(f"restarted {took:.1f} s after kill -9")
 
@@ -142,7 +142,7 @@ def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the
         assert "spawner-0 exited with signal 9 (SIGKILL); restarting (1/2)" in out, out
         assert f"spawner-0 left 1 process (pid {child}) behind; stopped it" in out, out
         assert "all roles stopped" in out, out
-        survivors = {pid: sid for pid, sid in tagged(tag).items() if pid != sup.pid}
+        survivors = {pid: gid for pid, gid in tagged(tag).items() if pid != sup.pid}
         assert not survivors, f"processes of the run outlived it: {survivors}\n{out}"
     finally:
         kill_session(sup)
@@ -263,7 +263,7 @@ def no_pidfds(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_session_signals_spare_processes_without_the_mark(
     pidfds: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A session id swept late may have been recycled: only marked processes are signalled."""
+    """A group id swept late may have been recycled: only marked processes are signalled."""
     if not pidfds:
         no_pidfds(monkeypatch)
     mine, theirs = f"{MARK_ENV}=mine-{uuid.uuid4().hex}", f"{MARK_ENV}=theirs"
@@ -271,13 +271,13 @@ def test_session_signals_spare_processes_without_the_mark(
         ["sleep", "60"], env=env(**{MARK_ENV: "theirs"}), start_new_session=True
     )
     try:
-        until(lambda: session_members(stranger.pid, theirs), 5, "the stranger is up")
-        assert session_members(stranger.pid) == [stranger.pid]
-        assert session_members(stranger.pid, mine) == []
-        assert end_session(stranger.pid, grace=0.1, mark=mine).left == []
+        until(lambda: group_members(stranger.pid, theirs), 5, "the stranger is up")
+        assert group_members(stranger.pid) == [stranger.pid]
+        assert group_members(stranger.pid, mine) == []
+        assert end_group(stranger.pid, grace=0.1, mark=mine).left == []
         time.sleep(0.2)
         assert stranger.poll() is None  # spared
-        assert end_session(stranger.pid, grace=1.0, mark=theirs).left == [stranger.pid]
+        assert end_group(stranger.pid, grace=1.0, mark=theirs).left == [stranger.pid]
         assert stranger.wait(timeout=5) == -signal.SIGTERM
     finally:
         if stranger.poll() is None:
@@ -296,8 +296,8 @@ time.sleep(60)
 def test_cluster_shutdown_ends_every_session_in_one_grace_period(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two sessions whose processes ignore SIGTERM: one grace period for both, not one each, and
-    one SIGKILL per session (not one per poll)."""
+    """Two groups whose processes ignore SIGTERM: one grace period for both, not one each, and
+    one SIGKILL per group (not one per poll)."""
     cluster = ProcessCluster(tmp_path / "unused.yaml", tmp_path / "logs", env=env())
     stubborn = [
         subprocess.Popen(
@@ -310,24 +310,24 @@ def test_cluster_shutdown_ends_every_session_in_one_grace_period(
         for _ in range(2)
     ]
     kills: Counter[int] = Counter()
-    signal_session = procfs.signal_session
+    signal_group = procfs.signal_group
 
-    def counting(sid: int, sig: int, mark: str | None = None) -> list[int]:
+    def counting(gid: int, sig: int, mark: str | None = None) -> list[int]:
         if sig == signal.SIGKILL:
-            kills[sid] += 1
-        return signal_session(sid, sig, mark)
+            kills[gid] += 1
+        return signal_group(gid, sig, mark)
 
-    monkeypatch.setattr(procfs, "signal_session", counting)
+    monkeypatch.setattr(procfs, "signal_group", counting)
     try:
         for proc in stubborn:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
-            cluster.sessions.add(proc.pid)
+            cluster.groups.add(proc.pid)
         grace = 2.0
         started = time.monotonic()
         cluster.shutdown(grace=grace)
         took = time.monotonic() - started
         assert [proc.wait(timeout=5) for proc in stubborn] == [-signal.SIGKILL] * 2
-        assert took < 1.75 * grace, f"{took:.1f} s: a grace period per session"
+        assert took < 1.75 * grace, f"{took:.1f} s: a grace period per group"
         assert kills == {proc.pid: 1 for proc in stubborn}, kills
     finally:
         for proc in stubborn:
@@ -371,8 +371,8 @@ def test_cluster_roles_die_with_the_process_that_started_them(tmp_path: Path, si
     try:
         assert harness.stdout is not None
         assert harness.stdout.readline().strip() == "up", (tmp_path / "harness.err").read_text()
-        roles = {pid: sid for pid, sid in tagged(tag).items() if pid != harness.pid}
-        assert sorted(roles) == sorted(roles.values()) and len(roles) == 2, roles  # own sessions
+        roles = {pid: gid for pid, gid in tagged(tag).items() if pid != harness.pid}
+        assert sorted(roles) == sorted(roles.values()) and len(roles) == 2, roles  # own groups
         born = {pid: procfs.stat(pid).start for pid in roles}  # type: ignore[union-attr]
         harness.send_signal(sig)
         assert harness.wait(timeout=10) == -sig
@@ -386,7 +386,7 @@ def test_cluster_roles_die_with_the_process_that_started_them(tmp_path: Path, si
 
 # -- a child's lifecycle (laminar.proc.children), in this process -----------------------------------------
 
-# A role that fails at once, leaving behind a process that escaped its session still holding its
+# A role that fails at once, leaving behind a process that escaped its group still holding its
 # stdout and stderr; it reports the parent-death signal the supervisor armed (15: SIGTERM).
 ESCAPER = """
 import ctypes, os, subprocess, sys, time
@@ -475,7 +475,7 @@ def test_a_child_is_restarted_while_an_escaped_process_holds_its_pipes_and_leaks
         assert gave_up == [child]
         assert lines == ["pdeathsig 15"] * 2, lines
         escaped = tagged(tag)
-        assert len(escaped) == 2, escaped  # one per incarnation, out of the run's sessions
+        assert len(escaped) == 2, escaped  # one per incarnation, out of the run's groups
         assert leaked <= 0, f"{leaked} fds left open (the escaped processes' pipes)"
     finally:
         for pid in tagged(tag):

@@ -92,6 +92,25 @@ def test_release_requeues_at_the_front_and_resumes_only_on_the_same_version(tmp_
     assert got7[0].resume_token_ids == [4, 5] and got7[0].version == 7
 
 
+def test_give_back_requeues_only_unstarted_leases_of_that_rollout_in_queue_order(tmp_path):
+    store = make_store(tmp_path)
+    store.refill(10, samples=1, seed=0, epochs=None)
+    a, b, c = store.lease("r1", 3, 4, set(), PARAMS)
+    (d,) = store.lease("r2", 1, 4, set(), PARAMS)
+    chunk = PartialChunk(
+        trajectory_id=b.trajectory_id, version=4, offset=0, token_ids=[4], logprobs=[-1]
+    )
+    store.append_partials("r1", [chunk])  # b has started
+    ids = [c.trajectory_id, b.trajectory_id, a.trajectory_id, d.trajectory_id, "nope/0"]
+    assert store.give_back("r1", ids) == [a.trajectory_id, c.trajectory_id]
+    assert store.give_back("r1", ids) == []  # a repeated call is a no-op
+    # back at the front, in queue order, and free for any version (no tokens of their own)
+    got = store.lease("r3", 2, 9, set(), PARAMS)
+    assert [g.trajectory_id for g in got] == [a.trajectory_id, c.trajectory_id]
+    assert store.holder(b.trajectory_id) == ("leased", "r1", 4)
+    assert store.holder(d.trajectory_id) == ("leased", "r2", 4)
+
+
 def test_partials_gap_is_refused_and_completion_is_exactly_once(tmp_path):
     store = make_store(tmp_path)
     store.refill(1, samples=1, seed=0, epochs=1)

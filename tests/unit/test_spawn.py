@@ -1,5 +1,5 @@
 """The one launcher (:mod:`laminar.proc.spawn`): the command line and environment a role is started
-with, its ready line, its output, and a real role started, seen ready and ended with its session.
+with, its ready line, its output, and a real role started, seen ready and ended with its group.
 
 Both ``laminar run`` (:class:`laminar.devmode.supervisor.Supervisor`) and :class:`laminar.harness.launch.
 ProcessCluster` go through it; the tests of their command lines check the argv they give, and that
@@ -232,11 +232,14 @@ def test_output_lines_give_up_when_the_process_exits_unready() -> None:
 # -- a real role -----------------------------------------------------------------------------------
 
 
-async def test_a_role_is_started_in_its_own_session_seen_ready_and_ended_with_all_it_started(
+async def test_a_role_is_started_in_its_own_group_seen_ready_and_ended_with_all_it_started(
     tmp_path: Path,
 ) -> None:
     """The spawner role starts a child that ignores SIGTERM and holds the role's stdout, as a vLLM
-    engine core does: both are in the role's session, and ending the role ends both."""
+    engine core does: both are in the role's process group, and ending the role ends both. The
+    group is in the launcher's session, not a session of its own: under the kernel's autogroup
+    scheduler a session is a scheduling group, and roles in sessions of their own starved each
+    other of CPU (``laminar.proc.procfs``)."""
     config = tmp_path / "cluster.yaml"
     config.write_text("{}\n")
     spec = ServeSpec(
@@ -256,9 +259,10 @@ async def test_a_role_is_started_in_its_own_session_seen_ready_and_ended_with_al
         assert info["instance"] == "spawner-0", info
         members = await until(_members(proc.pid, mark, 2), 30)  # the role and its child
         assert proc.pid in members
+        assert os.getpgid(proc.pid) == proc.pid and os.getsid(proc.pid) == os.getsid(0)
         kill_role(proc, mark, grace=1.0)  # the child needs SIGKILL after the grace
         assert proc.returncode == -signal.SIGKILL
-        assert procfs.session_members(proc.pid, mark) == []
+        assert procfs.group_members(proc.pid, mark) == []
         assert not any(procfs.alive(pid) for pid in members), members
     finally:
         for pid in procfs.pids():
@@ -269,9 +273,9 @@ async def test_a_role_is_started_in_its_own_session_seen_ready_and_ended_with_al
             proc.wait(timeout=10)
 
 
-def _members(sid: int, mark: str, count: int):  # type: ignore[no-untyped-def]
+def _members(gid: int, mark: str, count: int):  # type: ignore[no-untyped-def]
     async def probe() -> list[int] | None:
-        found = procfs.session_members(sid, mark)
+        found = procfs.group_members(gid, mark)
         return found if len(found) >= count else None
 
     return probe
@@ -281,7 +285,7 @@ def test_a_cluster_member_before_its_manager_starts_nothing(tmp_path: Path) -> N
     cluster = ProcessCluster(tmp_path / "c.yaml", tmp_path / "logs", env=env())
     with pytest.raises(LaminarError, match="rollout-0: start the manager first"):
         cluster.serve("rollout", "rollout-0")
-    assert cluster.procs == {} and cluster.sessions == set()
+    assert cluster.procs == {} and cluster.groups == set()
     assert not (tmp_path / "logs" / "rollout-0.log").exists()
 
 
@@ -292,4 +296,4 @@ def test_a_cluster_role_that_never_gets_ready_is_ended_and_its_log_shown(tmp_pat
         with pytest.raises(LaminarError, match=r"(?s)manager never became ready.*no_such_key"):
             cluster.serve("manager", "manager", timeout=60)
         proc = cluster.procs["manager"]
-        assert proc.returncode is not None and cluster.sessions == set()
+        assert proc.returncode is not None and cluster.groups == set()

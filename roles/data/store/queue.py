@@ -263,6 +263,24 @@ class Queue(StoreBase):
             )
         ]
 
+    def give_back(self, rollout: str, tids: Iterable[str]) -> list[str]:
+        """Leases ``rollout`` gives back unstarted: those still leased to it without progress on
+        this lease go back to the front of the queue, in queue order (a resume keeps its tokens
+        and its version); returns their ids."""
+        mine: list[tuple[int, str]] = []
+        with self._transaction():
+            for tid in dict.fromkeys(tids):
+                row = self.db.execute(
+                    "SELECT seq FROM samples WHERE trajectory_id = ? AND state = 'leased' "
+                    "AND rollout = ? AND progress = 0",
+                    (tid, rollout),
+                ).fetchone()
+                if row is not None:
+                    mine.append((row[0], tid))
+            released = [tid for _, tid in sorted(mine)]
+            self._requeue(released)
+        return released
+
     def _requeue(self, tids: list[str]) -> None:
         """Leased samples back to the front of the queue, in order (inside a transaction)."""
         front = int(self.db.execute("SELECT COALESCE(MIN(seq), 0) FROM samples").fetchone()[0])

@@ -1,0 +1,68 @@
+"""Leases held ahead of the engine (``rollout.lease_ahead``) on the in-process cluster: a rollout
+keeps at most ``concurrency`` trajectories in its engine and ``lease_ahead`` more in hand, and a
+drained rollout gives back the ones it has not started, which another rollout then generates."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from laminar.harness.inproc import inproc_cluster, run_inproc
+from laminar.roles.data.api import DataApi, SampleRequest
+from laminar.roles.rollout import RolloutApi
+from laminar.roles.rollout.api import DrainRequest
+
+from ..support.poll import until
+from .test_inproc_failures import _finished, sections
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+async def give_back_scenario(tmp: Path, seed: int) -> None:
+    members = [("data", "data"), ("rollout", "rollout-0"), ("rollout", "rollout-1")]
+    async with inproc_cluster(sections(tmp, 16, 2, 4), seed=seed, members=members) as cluster:
+        data = cluster.proxy(DataApi, "data")
+        drained = cluster.service("rollout-1")
+        assert (drained.lease_ahead, drained.min_take) == (2, 1)  # the defaults for 4 slots
+        most = {"rollout-0": (0, 0), "rollout-1": (0, 0)}
+        watching = True
+
+        async def watch() -> None:  # what each rollout holds, every step of virtual time
+            while watching:
+                for name in most:
+                    svc = cluster.service(name)
+                    held = (len(svc.flights), len(svc.ahead))
+                    most[name] = tuple(map(max, most[name], held))  # type: ignore[assignment]
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.create_task(watch())
+
+        async def full() -> bool:
+            return len(drained.ahead) == 2
+
+        await until(full, timeout=30, interval=0.001)
+        ahead = list(drained.ahead)
+        await cluster.proxy(RolloutApi, "rollout-1").drain.call(DrainRequest(reason="test"))
+        assert len(drained.ahead) == 0
+        store = cluster.service("data").store
+        for tid in ahead:  # back in the queue, or already leased to the other rollout
+            state, holder, _ = store.holder(tid)
+            assert (state, holder) in {("queued", None), ("leased", "rollout-0")}, (tid, state)
+
+        status = await until(lambda: _finished(data), timeout=120)
+        watching = False
+        await watcher
+        done = {t.trajectory_id: t for t in (await data.sample.call(SampleRequest(n=32))).items}
+        assert status.trajectories == len(done) == 32
+        assert all(done[tid].rollout == "rollout-0" for tid in ahead), ahead
+        assert most["rollout-0"] == (4, 2), most  # never more than its slots and leases ahead
+        assert most["rollout-1"][0] <= 4 and most["rollout-1"][1] <= 2, most
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_drained_rollout_gives_back_the_leases_it_has_not_started(
+    tmp_path: Path, seed: int
+) -> None:
+    run_inproc(lambda: give_back_scenario(tmp_path, seed=seed), seed=seed)
