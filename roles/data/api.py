@@ -82,8 +82,8 @@ class Transferred(BaseModel):
 
 class LeaseRelease(BaseModel):
     """``rollout`` gives back leases it took but has not started (it was told to drain, or its
-    weights changed before it started them). Only samples still leased to it without stored
-    tokens go back to the front of the queue; the rest are left as they are."""
+    weights changed before it started them). Only samples still leased to it with no progress on
+    this lease go back to the front of the queue; the rest are left as they are."""
 
     rollout: str
     trajectory_ids: list[str]
