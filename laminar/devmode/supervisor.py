@@ -14,16 +14,16 @@ its output closing (what the child started inherits its pipes), ends what its gr
 ``max_restarts`` times, with a growing pause; the manager keeps its port across restarts so
 members find it again). A manager given up on ends the run with status 1.
 
-Ctrl-C or SIGTERM stops everything: SIGTERM to each child's own process (members first, the
-manager last), its group ended as above once it exits, and SIGKILL to the whole group of any
-child still there after ``run.shutdown_grace_s``; last, any group not yet seen empty is killed,
-so no process of the run outlives it. Then the run's tracker is closed (TensorBoard, W&B), so
-stopping the roles never waits on it. Only processes started with the run's ``LAMINAR_LAUNCH``
-value in their environment are signalled, so a recycled group id never hits someone else's; every
-child gets ``SPT_NOENV=1`` so that vLLM's process titles do not wipe that value from ``/proc``
-(:mod:`laminar.proc.procfs`). Children die with the supervisor if it is killed
-(``PR_SET_PDEATHSIG``: SIGTERM, and each then stops what it started; a vLLM engine also kills itself
-when its rollout is gone, see :mod:`laminar.engines.vllm_worker`).
+Ctrl-C or SIGTERM stops everything: SIGTERM to each child's own process (members first, the manager
+last), its group ended as above once it exits, and SIGKILL to the whole group of any child still
+there after ``run.shutdown_grace_s``; last, any group not yet seen empty is killed, and anything
+else carrying the run's mark, so no process of the run outlives it. Then the run's tracker is
+closed (TensorBoard, W&B), so stopping the roles never waits on it. Only processes started with the
+run's ``LAMINAR_LAUNCH`` value in their environment are signalled, so a recycled group id never
+hits someone else's; every child gets ``SPT_NOENV=1`` so that vLLM's process titles do not wipe
+that value from ``/proc`` (:mod:`laminar.proc.procfs`). Children die with the supervisor if it is
+killed (``PR_SET_PDEATHSIG``: SIGTERM, and each then stops what it started; a vLLM engine also
+kills itself when its rollout is gone, see :mod:`laminar.engines.vllm_worker`).
 
 **Private files.** The run directory is 0700; the token file, ``cluster.json`` and the logs are
 0600; the supervisor and every child run with umask 077, so what the roles write (the data role's

@@ -37,7 +37,7 @@ from typing import IO, Any
 
 from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot, available_cores
-from laminar.proc.procfs import end_groups
+from laminar.proc.procfs import end_groups, signal_marked
 from laminar.proc.spawn import (
     OutputLines,
     ServeSpec,
@@ -192,7 +192,8 @@ class ProcessCluster:
     def shutdown(self, grace: float = 20.0) -> None:
         """SIGTERM the members that use the data role, then the data role, then the manager;
         SIGKILL whatever outlives ``grace``. Then the same, for all of them at once, for anything
-        left in the groups of every role started (killed ones too).
+        left in the groups of every role started (killed ones too); last, SIGKILL to anything
+        else carrying the cluster's mark.
 
         The order is the dependency order: a rollout stopping hands its partial trajectories to
         the data role, and with the data role stopped beside it each rollout spent its stop
@@ -207,6 +208,7 @@ class ProcessCluster:
         self.roles.clear()
         end_groups(self.groups, grace, self.mark)
         self.groups.clear()
+        signal_marked(self.mark, signal.SIGKILL)  # what left its role's group (a reward's fork)
 
     def log_tail(self, name: str, chars: int = 4000) -> str:
         path = self.log_dir / f"{name}.log"

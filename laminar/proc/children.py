@@ -35,7 +35,8 @@ owns the life of its process, one incarnation after another:
 * **stop** (:meth:`ChildProcesses.stop`): SIGTERM to each child's own process (it stops what it
   started); its watcher sees it exit and ends its group as above; a child still running after
   the grace period gets SIGKILL to its whole group. **sweep**: last, whatever is left in a
-  group not yet seen empty is killed, so no process of the run outlives it.
+  group not yet seen empty is killed, and then whatever else carries the run's mark (a process
+  that left its role's group), so no process of the run outlives it.
 
 A watcher never dies silently: an unexpected error is said, the child's group killed, and the
 child given up on.
@@ -57,7 +58,7 @@ from laminar.config import RoleSpec
 from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot
 from laminar.proc.gpus import gpu_env
-from laminar.proc.procfs import end_group, signal_group
+from laminar.proc.procfs import end_group, signal_group, signal_marked
 from laminar.proc.restart import decide, keep_running
 from laminar.proc.spawn import arm_parent_death, cpu_env, parse_ready_line, pump_lines, start_async
 
@@ -382,9 +383,15 @@ class ChildProcesses:
 
     async def sweep(self) -> None:
         """Kill whatever is left in the run's groups (a child started while the run stopped, a
-        watcher cancelled before its child's group was empty): nothing outlives the run."""
+        watcher cancelled before its child's group was empty), then whatever else carries the
+        run's mark: nothing outlives the run."""
         for gid in sorted(self.groups):
             left = await asyncio.to_thread(signal_group, gid, signal.SIGKILL, self.mark)
             if left:
                 self.say(f"killed {processes(left)} left at the end of the run", "bold red")
         self.groups.clear()
+        # What left its role's group (a reward worker leads its own, and what a reward forked
+        # stays there after its data role died) still carries the run's mark.
+        strays = await asyncio.to_thread(signal_marked, self.mark, signal.SIGKILL)
+        if strays:
+            self.say(f"killed {processes(strays)} of the run outside its roles' groups", "bold red")

@@ -9,7 +9,8 @@ A process is named for good by its pid *and* start time (a recycled pid starts l
 
 **Process groups.** A child started with ``process_group=0`` leads a process group whose id is its
 pid; everything it starts stays in that group unless it moves itself (vLLM does not; a reward
-worker does, and dies with its data role by ``PR_SET_PDEATHSIG``), whoever its parent becomes. The
+worker does, and dies with its data role by ``PR_SET_PDEATHSIG``; what it leaves behind is ended
+by :func:`signal_marked` at the end of the run), whoever its parent becomes. The
 id is not recycled while any process of the group remains; once it is empty, it may be. So the
 helpers below take a ``mark`` (``NAME=value``): only processes started with it in their
 environment are members (the caller puts it in its children's environment, and it is inherited).

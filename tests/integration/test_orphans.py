@@ -150,6 +150,36 @@ def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_process_that_left_its_roles_group_does_not_outlive_the_run(tmp_path: Path) -> None:
+    """A role's child that leads a process group of its own (as a reward worker does; what a
+    reward forks stays in the worker's group) is not in its role's group: the run's last sweep,
+    by the run's mark, ends it."""
+    tag = uuid.uuid4().hex
+    spawner = {"role": f"{SPAWNER}:SpawnerService", "config": {"own_group": True}}
+    config = write_run_config(tmp_path, [spawner], shutdown_grace_s=1.0, display="lines")
+    sup = start_run(config, **{TAG: tag})
+    try:
+        manager = run_manager(tmp_path / "run")
+        first = until(
+            lambda: (m := members(manager).get("spawner-0")) and "child_pid" in m.stats and m,
+            30,
+            "spawner-0 heartbeating",
+        )
+        role, child = first.pid, int(first.stats["child_pid"])
+        groups = tagged(tag)
+        assert groups.get(role) == role and groups.get(child) == child, groups  # not role's
+        sup.send_signal(signal.SIGTERM)
+        out, _ = sup.communicate(timeout=60)
+        assert sup.returncode == 0, out
+        assert f"killed 1 process (pid {child}) of the run outside its roles' groups" in out, out
+        survivors = {pid: gid for pid, gid in tagged(tag).items() if pid != sup.pid}
+        assert not survivors, f"processes of the run outlived it: {survivors}\n{out}"
+    finally:
+        kill_session(sup)
+        for pid in tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+
+
 # The shape of a vLLM rollout, without vLLM: the owner (the rollout) names itself and starts an
 # "engine core" that runs none of our code, which starts a "worker" that imports our worker
 # extension module, as vLLM's worker does. Both set their process titles first, as vLLM's do.
@@ -439,7 +469,8 @@ def test_a_child_is_restarted_while_an_escaped_process_holds_its_pipes_and_leaks
     loop: str, exits: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The exit is seen although the pipes stay open (a pidfd; else a thread in ``waitid``), the
-    restart policy is applied, and the supervisor keeps no end of the escaped processes' pipes."""
+    restart policy is applied, the supervisor keeps no end of the escaped processes' pipes, and
+    the run's last sweep ends the escaped processes (they carry the run's mark)."""
     if exits == "no-pidfd":
         no_pidfds(monkeypatch)
     elif exits == "no-waitid-pidfd":  # as on Linux 5.3: pidfds, but not for waitid
@@ -468,14 +499,16 @@ def test_a_child_is_restarted_while_an_escaped_process_holds_its_pipes_and_leaks
 
     try:
         leaked = uvloop.run(run()) if loop == "uvloop" else asyncio.run(run())
-        assert said == [
+        assert said[:2] == [
             "escaper-0 exited with code 3; restarting (1/1)",
             "escaper-0 exited with code 3; not restarting (policy on-failure, 1 restarts)",
         ], said
+        # one escaped process per incarnation, out of the run's groups: killed by the mark
+        assert said[2:] and said[2].startswith("killed 2 processes"), said
+        assert said[2].endswith("of the run outside its roles' groups") and len(said) == 3, said
         assert gave_up == [child]
         assert lines == ["pdeathsig 15"] * 2, lines
-        escaped = tagged(tag)
-        assert len(escaped) == 2, escaped  # one per incarnation, out of the run's groups
+        until(lambda: not tagged(tag), 10, "the escaped processes gone")
         assert leaked <= 0, f"{leaked} fds left open (the escaped processes' pipes)"
     finally:
         for pid in tagged(tag):

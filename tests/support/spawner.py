@@ -2,13 +2,15 @@
 its engine core: the child inherits the role's stdout and stderr (so it holds the supervisor's
 pipes open after the role dies), is never stopped by the role, and sets its process title as
 vLLM's engine core does (``setproctitle``, which wipes ``/proc/<pid>/environ`` unless
-``SPT_NOENV`` is set). With ``stubborn`` it ignores SIGTERM as well, so only SIGKILL ends it.
+``SPT_NOENV`` is set). With ``stubborn`` it ignores SIGTERM as well, so only SIGKILL ends it; with
+``own_group`` it leads a process group of its own, as a data role's reward worker does.
 Used by ``tests/integration/test_orphans.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from typing import ClassVar
 
@@ -33,6 +35,7 @@ time.sleep(3600)
 
 class SpawnerConfig(ServiceConfig):
     stubborn: bool = Field(False, description="The child ignores SIGTERM.")
+    own_group: bool = Field(False, description="The child leaves the role's process group.")
 
 
 class SpawnerService(Service):
@@ -42,7 +45,14 @@ class SpawnerService(Service):
     async def on_start(self) -> None:
         mode = "stubborn" if self.config.stubborn else "plain"  # type: ignore[attr-defined]
         # stdout and stderr inherited: the supervisor's pipes
-        self.child = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, mode)
+        own = self.config.own_group  # type: ignore[attr-defined]
+        self.child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            CHILD,
+            mode,
+            preexec_fn=(lambda: os.setpgid(0, 0)) if own else None,
+        )
 
     def stats(self) -> dict[str, float]:
         return {"child_pid": float(self.child.pid)}
