@@ -89,6 +89,21 @@ def kill_all(born: dict[int, int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def spawner_heartbeating(manager: str):  # type: ignore[no-untyped-def]
+    """``spawner-0``'s member record once its heartbeat carries its child's pid."""
+    return until(
+        lambda: (m := members(manager).get("spawner-0")) and "child_pid" in m.stats and m,
+        30,
+        "spawner-0 heartbeating",
+    )
+
+
+def assert_nothing_outlived(tag: str, sup: subprocess.Popen[str], out: str) -> None:
+    """No process started with ``TAG=tag`` is left, the supervisor ``sup`` aside."""
+    survivors = {pid: gid for pid, gid in tagged(tag).items() if pid != sup.pid}
+    assert not survivors, f"processes of the run outlived it: {survivors}\n{out}"
+
+
 def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the_run(
     tmp_path: Path,
 ) -> None:
@@ -104,11 +119,7 @@ def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the
     sup = start_run(config, **{TAG: tag})
     try:
         manager = run_manager(tmp_path / "run")
-        first = until(
-            lambda: (m := members(manager).get("spawner-0")) and "child_pid" in m.stats and m,
-            30,
-            "spawner-0 heartbeating",
-        )
+        first = spawner_heartbeating(manager)
         role, child = first.pid, int(first.stats["child_pid"])
         procs = tagged(tag)
         groups = set(procs.values()) - {sup.pid}  # the supervisor leads its own
@@ -142,8 +153,7 @@ def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the
         assert "spawner-0 exited with signal 9 (SIGKILL); restarting (1/2)" in out, out
         assert f"spawner-0 left 1 process (pid {child}) behind; stopped it" in out, out
         assert "all roles stopped" in out, out
-        survivors = {pid: gid for pid, gid in tagged(tag).items() if pid != sup.pid}
-        assert not survivors, f"processes of the run outlived it: {survivors}\n{out}"
+        assert_nothing_outlived(tag, sup, out)
     finally:
         kill_session(sup)
         for pid in tagged(tag):
@@ -160,11 +170,7 @@ def test_a_process_that_left_its_roles_group_does_not_outlive_the_run(tmp_path: 
     sup = start_run(config, **{TAG: tag})
     try:
         manager = run_manager(tmp_path / "run")
-        first = until(
-            lambda: (m := members(manager).get("spawner-0")) and "child_pid" in m.stats and m,
-            30,
-            "spawner-0 heartbeating",
-        )
+        first = spawner_heartbeating(manager)
         role, child = first.pid, int(first.stats["child_pid"])
         groups = tagged(tag)
         assert groups.get(role) == role and groups.get(child) == child, groups  # not role's
@@ -172,8 +178,7 @@ def test_a_process_that_left_its_roles_group_does_not_outlive_the_run(tmp_path: 
         out, _ = sup.communicate(timeout=60)
         assert sup.returncode == 0, out
         assert f"killed 1 process (pid {child}) of the run outside its roles' groups" in out, out
-        survivors = {pid: gid for pid, gid in tagged(tag).items() if pid != sup.pid}
-        assert not survivors, f"processes of the run outlived it: {survivors}\n{out}"
+        assert_nothing_outlived(tag, sup, out)
     finally:
         kill_session(sup)
         for pid in tagged(tag):
