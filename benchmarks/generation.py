@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import gc
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -162,8 +163,11 @@ async def run_role(
     from laminar.service import transport_options
 
     token = "bench-token-0123456789abcdef"
+    # a fresh store: one left by an earlier invocation's run of this number (`--work` reused)
+    # would be resumed, its trajectories all served already
+    shutil.rmtree(work / f"role-{run}", ignore_errors=True)
     config = {
-        "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0},
+        "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0, "nice": args.nice},
         "manager": {"bind": "tcp://127.0.0.1:0", "metrics": None, "admin": "127.0.0.1:0"},
         "data": {
             "prompts": str(prompts),
@@ -221,6 +225,12 @@ def main() -> None:
     parser.add_argument(
         "--pairs", type=int, default=3, help="alternating bare/role pairs (at least three)"
     )
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="the roles' cluster.nice (laminar.proc.placement; default 0, the config's default)",
+    )
     parser.add_argument("--work", help="scratch directory (default: a temporary one)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
@@ -255,6 +265,7 @@ def main() -> None:
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
             "stream_interval": engine_config(args, model).stream_interval,
+            "nice": args.nice,
         },
     }
     for name, tps, last in (("bare vLLM", bare_tps, bare), ("role path", role_tps, role)):

@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -37,6 +37,7 @@ def _console() -> Console:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .log import configure_logging
+    from .proc.placement import give_way, keep_off_bound_cores, niceness_for
     from .roles_registry import load_role
     from .service import ServiceContext, ServiceHost, print_ready, transport_options
 
@@ -69,13 +70,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config=role_config,
         options=transport_options(cluster, cluster.token()),
     )
-    host = ServiceHost(
-        role_cls,
-        ctx,
-        manager=manager,
-        ready=print_ready,
-        handle_signals=True,
-    )
+
+    def ready(info: dict[str, Any]) -> None:
+        # Once on_start has run, so the engine processes a rollout started there keep their
+        # priority and their cores (laminar.proc.placement); not for the trainer.
+        if not role_cls.computes:
+            placed = keep_off_bound_cores()
+            nice = niceness_for(
+                cluster.nice,
+                computes=role_cls.computes,
+                feeds_engine=role_cls.feeds_engine,
+                placed=placed,
+            )
+            if nice:
+                give_way(nice)
+            ctx.log.info("placed", nice=nice, cores=list(placed.cores) or "unchanged")
+        print_ready(info)
+
+    host = ServiceHost(role_cls, ctx, manager=manager, ready=ready, handle_signals=True)
     _loop_runner(host.run())
     return 0
 

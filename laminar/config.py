@@ -86,6 +86,15 @@ class ClusterConfig(Strict):
         "Bounds how long a crashed host or a cut link goes unnoticed. null = 3 x "
         "heartbeat_timeout_s, at least 5 s.",
     )
+    nice: Annotated[int, Field(ge=0, le=19)] = Field(
+        0,
+        description="Niceness `laminar serve` gives a role's own threads once it is ready (0: "
+        "leave priorities alone), so they run in the gaps of the compute beside them on a host "
+        "(vLLM's CPU engine polls busily between steps) instead of taking turns with it. Not for "
+        "the trainer, nor a rollout still on its engine's cores (it feeds that engine), nor a "
+        "rollout's engine processes (started before). For hosts that generate and do not train: "
+        "beside a trainer the niced data role and relay slow it down (laminar.proc.placement).",
+    )
     log_format: Literal["console", "json"] = Field(
         "console", description="console: readable (dev); json: one object per line (production)."
     )

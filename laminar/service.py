@@ -193,6 +193,12 @@ class Service:
 
     role: ClassVar[str] = "service"
     config_model: ClassVar[type[ServiceConfig]] = ServiceConfig
+    #: Its own threads do the heavy work of a step (the trainer): ``laminar serve`` leaves its
+    #: priority and cores alone instead of making it give way (:mod:`laminar.proc.placement`).
+    computes: ClassVar[bool] = False
+    #: Its threads feed engine processes of its own (a rollout): it gives way only once it has
+    #: moved off their cores (:func:`laminar.proc.placement.niceness_for`).
+    feeds_engine: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # A role inherits its endpoint contract (``DataApi``) and overrides every stub: check the

@@ -113,6 +113,7 @@ class RolloutConfig(ServiceConfig):
 
 class RolloutService(Service, RolloutApi):
     role: ClassVar[str] = "rollout"
+    feeds_engine: ClassVar[bool] = True  # gives way only off its engine's cores (placement)
     config_model: ClassVar[type[ServiceConfig]] = RolloutConfig
     config: RolloutConfig
 

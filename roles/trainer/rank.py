@@ -64,6 +64,7 @@ class TrainerRankApi:
 
 class TrainerRankService(Service, TrainerRankApi):
     role: ClassVar[str] = "trainer_rank"
+    computes: ClassVar[bool] = True  # keeps its priority and cores (laminar.proc.placement)
     config_model: ClassVar[type[ServiceConfig]] = TrainerRankConfig
     config: TrainerRankConfig
 

@@ -61,6 +61,7 @@ def loop_settings(c: TrainerConfig) -> LoopSettings:
 
 class TrainerService(Service, TrainerApi):
     role: ClassVar[str] = "trainer"
+    computes: ClassVar[bool] = True  # keeps its priority and cores (laminar.proc.placement)
     config_model: ClassVar[type[ServiceConfig]] = TrainerConfig
     config: TrainerConfig
 

@@ -98,6 +98,7 @@ def loop_settings(c: SimTrainerConfig) -> LoopSettings:
 
 class SimTrainerService(Service):
     role: ClassVar[str] = "sim_trainer"
+    computes: ClassVar[bool] = True  # keeps its priority and cores (laminar.proc.placement)
     config_model: ClassVar[type[ServiceConfig]] = SimTrainerConfig
     config: SimTrainerConfig
 

@@ -9,13 +9,16 @@ checkpoint with the same version and cursor, and no trajectory is trained twice 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from laminar.harness.launch import ProcessCluster
+from laminar.proc import placement
 from laminar.roles.rollout import RolloutService, WeightsHistory
 from laminar.roles.trainer.api import TrainerStatus
 from laminar.roles.trainer.checkpoint import latest_checkpoint, load_state
@@ -104,6 +107,11 @@ def start_loop(cluster: ProcessCluster, rollouts: int = 2, *, together: bool = T
         cluster.serve(role, name, timeout=180)
 
 
+def threads_nice(pid: int) -> set[int]:
+    """The niceness of each of ``pid``'s threads, as a set."""
+    return {placement.niceness(tid) for tid in placement.thread_ids(pid)}
+
+
 def trajectories(store: Path) -> list[tuple[str, str, int, float]]:
     """(id, rollout, version, started_at) of every stored trajectory, read beside the data role."""
     with sqlite3.connect(f"file:{store}?mode=ro", uri=True) as db:
@@ -157,9 +165,16 @@ async def wait_caught_up(clients: Clients, rollouts: int, version: int, timeout:
 async def test_rollouts_follow_the_trainer(tmp_path: Path) -> None:
     tiny_qwen2(tmp_path / "model")
     config = loop_config(tmp_path, 4, SIM)
+    with_nice = yaml.safe_load(config.read_text())
+    with_nice["cluster"]["nice"] = 10
+    config.write_text(yaml.safe_dump(with_nice))
     with process_cluster(tmp_path, config) as cluster:
         start_loop(cluster)
         cluster.serve("trainer", "trainer", timeout=120)
+        # cluster.nice: 10 (laminar.proc.placement): the data role gives way, the trainer does not
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert threads_nice(cluster.procs["data"].pid) == {max(10, ours)}
+        assert threads_nice(cluster.procs["trainer"].pid) == {ours}
         clients = Clients(cluster)
         try:
             status = await wait_trained(clients.trainer(), 4, 150)

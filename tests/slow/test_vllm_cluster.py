@@ -52,7 +52,7 @@ import pytest
 import yaml
 
 from laminar.harness.launch import ProcessCluster
-from laminar.proc import procfs
+from laminar.proc import placement, procfs
 from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.rollout import MigrateReport, MigrateRequest, RolloutApi
 from laminar.roles.rollout.api import DrainRequest
@@ -111,6 +111,9 @@ def _engine(model: Path) -> dict[str, Any]:
 #: most likely its loop got no CPU for that long (the members' logs were not kept). A call that
 #: would answer is not a failure these tests look for.
 CLUSTER = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10.0, "rpc_timeout_s": 30.0}
+#: the fleet's own members (the manager, the rollouts) give way (laminar.proc.placement; off by
+#: default); the members a test adds do not
+FLEET_CLUSTER = {**CLUSTER, "nice": 10}
 
 
 @dataclass
@@ -158,7 +161,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     model = tiny_qwen2(tmp / "model", vocab=VOCAB)
     engine = _engine(model)
     fleet = Fleet(
-        process_cluster(tmp, write_config(tmp, {"cluster": CLUSTER, "rollout": _rollout(engine)})),
+        process_cluster(
+            tmp, write_config(tmp, {"cluster": FLEET_CLUSTER, "rollout": _rollout(engine)})
+        ),
         model,
         engine,
         small_node=can_unshare(),
@@ -454,6 +459,36 @@ async def test_vllm_rollouts_load_each_published_version(tmp_path: Path, fleet: 
     finally:
         await clients.close()
         _stop(cluster, "trainer", "relay-0", "data")
+
+
+def test_roles_give_way_to_the_vllm_engine_processes(fleet: Fleet) -> None:
+    """``cluster.nice: 10`` (laminar.proc.placement): every thread of the rollout and of the
+    manager runs at nice 10 once they are ready; vLLM's engine core and worker, which the rollout
+    started before that, keep the niceness they started at; the rollout and its engine core run
+    off the core the worker bound itself to (so the rollout may give way)."""
+    cluster = fleet.cluster
+    rollout = cluster.procs[ROLLOUTS[0]].pid
+    engine = descendants(rollout)
+    assert any("EngineCore" in name for name in engine.values()), engine
+
+    def nice(pid: int) -> set[int]:
+        return {placement.niceness(tid) for tid in placement.thread_ids(pid)}
+
+    ours = os.getpriority(os.PRIO_PROCESS, 0)  # what the cluster's processes started at
+    assert nice(rollout) == {max(10, ours)}
+    assert nice(cluster.procs["manager"].pid) == {max(10, ours)}
+    assert {pid: nice(pid) for pid in engine} == {pid: {ours} for pid in engine}, engine
+    # The cluster binds each rollout's vLLM worker to one core (VLLM_CPU_OMP_THREADS_BIND) and
+    # leaves the rollout unpinned: it moved itself and its other processes off that core.
+    everything = os.sched_getaffinity(0)
+    workers = [pid for pid, name in engine.items() if "VLLM::Worker" in name]
+    bound = set().union(*(os.sched_getaffinity(pid) for pid in workers))
+    spare = everything - bound or everything  # one core: nowhere to move
+    assert len(bound) == 1, (workers, bound)
+    assert os.sched_getaffinity(rollout) == spare
+    assert {pid: os.sched_getaffinity(pid) for pid in engine if pid not in workers} == {
+        pid: spare for pid in engine if pid not in workers
+    }, engine
 
 
 # -- 4. a rollout killed with -9 takes its engine along -------------------------------------------
