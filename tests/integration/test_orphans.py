@@ -31,6 +31,8 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from subprocess import PIPE
 from typing import Any
@@ -98,6 +100,33 @@ def spawner_heartbeating(manager: str):  # type: ignore[no-untyped-def]
     )
 
 
+@contextmanager
+def spawner_run(
+    tmp_path: Path, spawner: dict[str, Any], grace: float
+) -> Iterator[tuple[subprocess.Popen[str], str, str, Any]]:
+    """``laminar run`` of one spawner role, every process of it tagged: the supervisor, the tag,
+    the manager's address and ``spawner-0``'s first heartbeating record. Whatever is left of the
+    run afterwards is SIGKILLed."""
+    tag = uuid.uuid4().hex
+    config = write_run_config(tmp_path, [spawner], shutdown_grace_s=grace, display="lines")
+    sup = start_run(config, **{TAG: tag})
+    try:
+        manager = run_manager(tmp_path / "run")
+        yield sup, tag, manager, spawner_heartbeating(manager)
+    finally:
+        kill_session(sup)
+        for pid in tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+
+
+def stop_run(sup: subprocess.Popen[str]) -> str:
+    """SIGTERM the supervisor; its output, once it exited 0."""
+    sup.send_signal(signal.SIGTERM)
+    out, _ = sup.communicate(timeout=60)
+    assert sup.returncode == 0, out
+    return out
+
+
 def assert_nothing_outlived(tag: str, sup: subprocess.Popen[str], out: str) -> None:
     """No process started with ``TAG=tag`` is left, the supervisor ``sup`` aside."""
     survivors = {pid: gid for pid, gid in tagged(tag).items() if pid != sup.pid}
@@ -107,7 +136,6 @@ def assert_nothing_outlived(tag: str, sup: subprocess.Popen[str], out: str) -> N
 def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the_run(
     tmp_path: Path,
 ) -> None:
-    tag = uuid.uuid4().hex
     grace = 1.0
     spawner = {
         "role": f"{SPAWNER}:SpawnerService",
@@ -115,11 +143,7 @@ def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the
         "max_restarts": 2,
         "config": {"stubborn": True},
     }
-    config = write_run_config(tmp_path, [spawner], shutdown_grace_s=grace, display="lines")
-    sup = start_run(config, **{TAG: tag})
-    try:
-        manager = run_manager(tmp_path / "run")
-        first = spawner_heartbeating(manager)
+    with spawner_run(tmp_path, spawner, grace) as (sup, tag, manager, first):
         role, child = first.pid, int(first.stats["child_pid"])
         procs = tagged(tag)
         groups = set(procs.values()) - {sup.pid}  # the supervisor leads its own
@@ -147,42 +171,25 @@ def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the
         assert procfs.alive(int(again.stats["child_pid"]))
         print(f"restarted {took:.1f} s after kill -9")
 
-        sup.send_signal(signal.SIGTERM)
-        out, _ = sup.communicate(timeout=60)
-        assert sup.returncode == 0, out
+        out = stop_run(sup)
         assert "spawner-0 exited with signal 9 (SIGKILL); restarting (1/2)" in out, out
         assert f"spawner-0 left 1 process (pid {child}) behind; stopped it" in out, out
         assert "all roles stopped" in out, out
         assert_nothing_outlived(tag, sup, out)
-    finally:
-        kill_session(sup)
-        for pid in tagged(tag):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_process_that_left_its_roles_group_does_not_outlive_the_run(tmp_path: Path) -> None:
     """A role's child that leads a process group of its own (as a reward worker does; what a
     reward forks stays in the worker's group) is not in its role's group: the run's last sweep,
     by the run's mark, ends it."""
-    tag = uuid.uuid4().hex
     spawner = {"role": f"{SPAWNER}:SpawnerService", "config": {"own_group": True}}
-    config = write_run_config(tmp_path, [spawner], shutdown_grace_s=1.0, display="lines")
-    sup = start_run(config, **{TAG: tag})
-    try:
-        manager = run_manager(tmp_path / "run")
-        first = spawner_heartbeating(manager)
+    with spawner_run(tmp_path, spawner, 1.0) as (sup, tag, _manager, first):
         role, child = first.pid, int(first.stats["child_pid"])
         groups = tagged(tag)
         assert groups.get(role) == role and groups.get(child) == child, groups  # not role's
-        sup.send_signal(signal.SIGTERM)
-        out, _ = sup.communicate(timeout=60)
-        assert sup.returncode == 0, out
+        out = stop_run(sup)
         assert f"killed 1 process (pid {child}) of the run outside its roles' groups" in out, out
         assert_nothing_outlived(tag, sup, out)
-    finally:
-        kill_session(sup)
-        for pid in tagged(tag):
-            os.kill(pid, signal.SIGKILL)
 
 
 # The shape of a vLLM rollout, without vLLM: the owner (the rollout) names itself and starts an
