@@ -36,7 +36,7 @@ import os
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from .procfs import children
+from .procfs import descendants
 
 
 def thread_ids(pid: int | None = None) -> list[int]:
@@ -81,16 +81,6 @@ def spare_cores(ours: Iterable[int], bound: Iterable[Iterable[int]]) -> tuple[in
     return tuple(sorted(mine - set().union(*narrowed)))
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (children first)."""
-    out: list[int] = []
-    frontier = [pid]
-    while frontier:
-        frontier = [c for p in frontier for c in children(p) if c not in out]
-        out += frontier
-    return out
-
-
 def pin_threads(pid: int, cores: Iterable[int]) -> None:
     """Every thread of ``pid`` to ``cores``; threads that exit meanwhile are skipped."""
     cpus = set(cores)
@@ -129,9 +119,9 @@ def keep_off_bound_cores() -> Placed:
     for pid in descendants(os.getpid()):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             below[pid] = os.sched_getaffinity(pid)
-    bound = [cores for cores in below.values() if cores < ours]
-    spare = spare_cores(ours, bound)
+    bound = {pid: cores for pid, cores in below.items() if cores < ours}
+    spare = spare_cores(ours, bound.values())
     if spare:
-        for pid in [os.getpid(), *(p for p, cores in below.items() if not cores < ours)]:
+        for pid in [os.getpid(), *(p for p in below if p not in bound)]:
             pin_threads(pid, spare)
-    return Placed(tuple(sorted(set().union(*bound))), spare)
+    return Placed(tuple(sorted(set().union(*bound.values()))), spare)

@@ -97,6 +97,17 @@ def children(pid: int) -> list[int]:
     return [c for c in pids() if (st := stat(c)) and st.ppid == pid and st.state != "Z"]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, children before grandchildren (one scan of ``/proc``)."""
+    parent = {p: st.ppid for p in pids() if (st := stat(p)) and st.state != "Z"}
+    out: list[int] = []
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier and p not in out}
+        out += sorted(frontier)
+    return out
+
+
 # -- process groups--------------------------------------------------------------------------------
 
 

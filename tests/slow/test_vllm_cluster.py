@@ -499,20 +499,13 @@ BOUND_S = 10.0
 def descendants(root: int) -> dict[int, str]:
     """Every live process below ``root``: pid -> its command line (vLLM's processes set it to
     their title, e.g. ``VLLM::EngineCore``)."""
-    parent: dict[int, int] = {}
-    for pid in procfs.pids():
-        if (stat := procfs.stat(pid)) and stat.state != "Z":
-            parent[pid] = stat.ppid
     out: dict[int, str] = {}
-    frontier = {root}
-    while frontier:
-        frontier = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in out}
-        for pid in frontier:
-            try:
-                out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                out[pid] = "?"
-            out[pid] = out[pid].strip()[:80]
+    for pid in procfs.descendants(root):
+        try:
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            out[pid] = "?"
+        out[pid] = out[pid].strip()[:80]
     return out
 
 
