@@ -61,6 +61,10 @@ class Calls:
     ) -> None:
         self.limit = limit
         self.handler = handler
+        # Made in the connection's loop, which every task of the connection runs on. Tasks are
+        # created through it: asyncio.create_task looks the running loop up, which on Python 3.11
+        # is a getpid() system call, one per request (strace).
+        self.loop = asyncio.get_running_loop()
         self.on_room = on_room  # a request finished: the connection may read again
         self.running: dict[int, asyncio.Task[None]] = {}  # calls and streams, by call id
         self.oneway: set[asyncio.Task[None]] = set()  # notifies
@@ -75,7 +79,9 @@ class Calls:
         return len(self.held) >= self.limit
 
     def known(self, call_id: int) -> bool:
-        return call_id in self.running or any(f.meta.get("i") == call_id for f in self.held)
+        if call_id in self.running:
+            return True
+        return bool(self.held) and any(f.meta.get("i") == call_id for f in self.held)
 
     def submit(self, frame: Frame) -> None:
         if self.held or not self.has_room():
@@ -85,7 +91,7 @@ class Calls:
 
     def spawn_control(self, coro: Coroutine[Any, Any, None]) -> None:
         # answered from a task: a full send buffer must not stop the connection reading
-        task = asyncio.create_task(coro)
+        task = self.loop.create_task(coro)
         self.control.add(task)
         task.add_done_callback(self.control.discard)
 
@@ -118,7 +124,7 @@ class Calls:
             await asyncio.gather(*pending, return_exceptions=True)
 
     def _start(self, frame: Frame) -> None:
-        task = asyncio.create_task(self.handler(frame))
+        task = self.loop.create_task(self.handler(frame))
         if frame.meta.get("k") == K_NOTIFY:
             self.oneway.add(task)
             task.add_done_callback(self._oneway_done)

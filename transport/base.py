@@ -113,6 +113,17 @@ class Connection(abc.ABC):
     @abc.abstractmethod
     async def recv(self) -> Frame: ...
 
+    def try_send(self, frame: Frame) -> bool:
+        """Send ``frame`` now if that needs no waiting, and say whether it did; ``False`` sends
+        nothing, and the caller falls back on ``await send()``.
+
+        Why: a caller that knows its frame went out can time out only what is left (a call's
+        reply, with a timer on its future) instead of wrapping the send in ``asyncio.timeout``,
+        which costs three times as much (5 against 1.6 µs, measured) on every small RPC. The
+        default never sends. Raises what ``send`` raises for a frame over ``limits``.
+        """
+        return False
+
     # -- push delivery ----------------------------------------------------------------------------
     #
     # Why a second way to receive: ``await recv()`` in a reader task costs one task wake-up per

@@ -172,7 +172,7 @@ def map_writable(name: str) -> memoryview:
 class ShmConnection(StreamConnection):
     """A stream connection that sends SharedBuffer slices as descriptors."""
 
-    async def send(self, frame: Frame) -> None:
+    def _write(self, frame: Frame) -> None:  # under send() and try_send()
         segments: list[list[Any]] = []
         buffers = list(frame.buffers)
         for index, buf in enumerate(buffers):
@@ -183,7 +183,7 @@ class ShmConnection(StreamConnection):
                 buffers[index] = memoryview(b"")
         if segments:
             frame = Frame({**frame.meta, "shm": segments}, frame.payload, buffers)
-        await super().send(frame)
+        super()._write(frame)
 
     def deliver(self, frames: list[Frame]) -> None:
         for frame in frames:

@@ -43,6 +43,7 @@ from .reader import Allocator, FrameReader
 log = structlog.get_logger("laminar.transport")
 
 _WRITE_HIGH_WATER = 8 << 20
+_HEAD_ALLOWANCE = 64 << 10  # prefix and meta of a frame, generously
 _MAX_QUEUED_FRAMES = 256  # frames parsed but not yet taken by recv(); beyond this stop reading
 
 
@@ -71,16 +72,34 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
     async def send(self, frame: Frame) -> None:
         if self.close_reason is not None or self._transport is None:
             raise ConnectionClosed(self.close_reason or "not connected")
-        head = encode_head(frame, self.limits)
-        self._transport.write(head)
-        for buf in frame.buffers:
-            if buf.nbytes:
-                self._transport.write(buf)
-        self.bytes_sent += len(head) + sum(b.nbytes for b in frame.buffers)
+        self._write(frame)
         if self._drain_waiter is not None:
             await asyncio.shield(self._drain_waiter)
             if self.close_reason is not None:
                 raise ConnectionClosed(self.close_reason)
+
+    def try_send(self, frame: Frame) -> bool:
+        # Writes never wait below the write buffer's high-water mark: send() waits only once the
+        # transport has paused writing (pause_writing), which a frame that keeps the buffer under
+        # the mark cannot cause.
+        transport = self._transport
+        if self.close_reason is not None or transport is None or self._drain_waiter is not None:
+            return False
+        if transport.get_write_buffer_size() + frame.nbytes + _HEAD_ALLOWANCE >= _WRITE_HIGH_WATER:
+            return False
+        self._write(frame)
+        return True
+
+    def _write(self, frame: Frame) -> None:
+        assert self._transport is not None
+        head = encode_head(frame, self.limits)
+        self._transport.write(head)
+        sent = len(head)
+        for buf in frame.buffers:
+            if buf.nbytes:
+                self._transport.write(buf)
+                sent += buf.nbytes
+        self.bytes_sent += sent
 
     async def recv(self) -> Frame:
         while not self._frames:

@@ -179,3 +179,32 @@ async def test_the_default_pump_keeps_the_same_contract() -> None:
     assert sink.closed == ["peer gone"]
     with pytest.raises(RuntimeError, match="already"):
         conn.deliver_to(sink.frame, sink.close)
+
+
+@pytest.mark.parametrize("bind", TRANSPORTS)
+async def test_try_send_sends_only_what_cannot_wait(options, bind) -> None:  # type: ignore[no-untyped-def]
+    """``try_send`` (the RPC client's fast path): where it says it sent, the frame arrives as
+    with ``send``, in order with the frames sent either way; a frame that could have to wait (one
+    that would fill TCP's write buffer, on a closed connection, on a transport that does not
+    implement it) is not sent, and ``send`` then still works."""
+    listener, done, client, server = await _pair(bind, options)
+    sink = Sink()
+    server.deliver_to(sink.frame, sink.close)
+    try:
+        sent = [client.try_send(Frame({"n": 0})), client.try_send(Frame({"n": 1}))]
+        # tcp and shm (a tcp-like stream) write at once; inproc keeps the default
+        assert sent == ([False, False] if bind.startswith("inproc") else [True, True])
+        await client.send(Frame({"n": 2}))
+        # over the write buffer's high-water mark (8 MiB): never sent without waiting
+        big = Frame({"n": 3}, b"", [memoryview(bytearray(9 << 20))])
+        assert not client.try_send(big)
+        for _ in range(200):
+            if len(sink.frames) == (3 if sent[0] else 1):
+                break
+            await asyncio.sleep(0.01)
+        assert sink.frames == ([0, 1, 2] if sent[0] else [2])
+        client.close("done")
+        assert not client.try_send(Frame({"n": 4}))
+    finally:
+        done.set()
+        await listener.close()

@@ -3,6 +3,9 @@ limits are enforced before allocation."""
 
 from __future__ import annotations
 
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -91,6 +94,36 @@ def test_payload_with_blobs_round_trips(value, blobs) -> None:
     back = decode_payload(payload, bufs)
     assert back["v"] == value
     assert [bytes(b) for b in back["blobs"]] == blobs
+
+
+def test_threads_encoding_at_once_keep_their_own_buffers() -> None:
+    """encode_payload reuses one packer per thread (transport.frames._Encoder): messages with
+    blobs and typed arrays encoded on several threads at once, and one whose encoding fails
+    half-way, never lend each other a buffer or leave one behind."""
+    import numpy as np
+
+    from laminar.transport.arrays import PackedArray
+
+    def one(tag: int) -> None:
+        for n in range(300):
+            blobs = [Blob(bytes([tag]) * (n % 7 + 1)) for _ in range(n % 3)]
+            ids = PackedArray(list(range(tag, tag + n % 50)), np.dtype("int32"))
+            payload, bufs = encode_payload({"t": tag, "blobs": blobs, "ids": ids})
+            back = decode_payload(payload, bufs)
+            assert back["t"] == tag and back["ids"] == list(range(tag, tag + n % 50))
+            assert [bytes(b) for b in back["blobs"]] == [bytes(b) for b in blobs]
+            with pytest.raises(TypeError, match="cannot send"):
+                encode_payload({"blob": Blob(b"x"), "bad": object()})
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: inside the packing too
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(one, range(1, 9)))
+    finally:
+        sys.setswitchinterval(interval)
+    payload, bufs = encode_payload({"after": 1})
+    assert bufs == [] and decode_payload(payload, bufs) == {"after": 1}
 
 
 def test_large_buffer_lands_in_allocator_memory_without_staging() -> None:

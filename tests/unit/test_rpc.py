@@ -95,8 +95,13 @@ async def test_client_side_type_check(calc) -> None:  # type: ignore[no-untyped-
         await proxy.add.call(Tag(tag="x"))
 
 
-async def test_timeout_raises_and_cancels_on_server(calc) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("connected", [False, True], ids=["connecting", "connected"])
+async def test_timeout_raises_and_cancels_on_server(calc, connected) -> None:  # type: ignore[no-untyped-def]
+    # A connected client times out the reply alone (a timer on its future; RpcClient.call), a
+    # connecting one the connection, the send and the reply (asyncio.timeout): both must.
     proxy, service = calc
+    if connected:
+        await proxy.add.call(Pair(a=1, b=1))
     with pytest.raises(CallTimeout) as info:
         await proxy.sleep.options(timeout=0.2).call(Sleep(seconds=30, tag="slow"))
     assert info.value.method == "sleep"
@@ -107,8 +112,11 @@ async def test_timeout_raises_and_cancels_on_server(calc) -> None:  # type: igno
     assert service.cancelled == ["slow"] and service.finished == []
 
 
-async def test_caller_cancellation_reaches_server(calc) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("connected", [False, True], ids=["connecting", "connected"])
+async def test_caller_cancellation_reaches_server(calc, connected) -> None:  # type: ignore[no-untyped-def]
     proxy, service = calc
+    if connected:
+        await proxy.add.call(Pair(a=1, b=1))
     task = asyncio.create_task(proxy.sleep.call(Sleep(seconds=30, tag="c1")))
     for _ in range(100):
         if "c1" in service.started:
