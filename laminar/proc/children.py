@@ -37,6 +37,11 @@ owns the life of its process, one incarnation after another:
   the grace period gets SIGKILL to its whole group. **sweep**: last, whatever is left in a
   group not yet seen empty is killed, and then whatever else carries the run's mark (a process
   that left its role's group), so no process of the run outlives it.
+* **what left the group**: each incarnation is started with a mark of its own
+  (:data:`laminar.proc.procfs.INCARNATION_ENV`), which what it starts inherits wherever it goes (a
+  reward worker's own group, a ``setsid``); once the group is ended, every process still carrying
+  that mark is killed, so what a reward forked does not outlive its data role until the run's
+  end.
 
 A watcher never dies silently: an unexpected error is said, the child's group killed, and the
 child given up on.
@@ -49,6 +54,7 @@ import contextlib
 import os
 import signal
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +64,7 @@ from laminar.config import RoleSpec
 from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot
 from laminar.proc.gpus import gpu_env
-from laminar.proc.procfs import end_group, signal_group, signal_marked
+from laminar.proc.procfs import INCARNATION_ENV, end_group, signal_group, signal_marked
 from laminar.proc.restart import decide, keep_running
 from laminar.proc.spawn import arm_parent_death, cpu_env, parse_ready_line, pump_lines, start_async
 
@@ -84,6 +90,7 @@ class Child:
     log: Any = None  # the open log file
     pidfd: int | None = None  # of the current process, until its exit is seen
     exit: asyncio.Future[int | None] | None = None  # the current process's exit status
+    incarnation: str | None = None  # the current process's mark (procfs.INCARNATION_ENV=...)
     watcher: asyncio.Task[None] | None = None  # owns the child for the whole run
 
 
@@ -246,9 +253,13 @@ class ChildProcesses:
         child.ready.clear()
         if child.log is None:
             child.log = open_log(self.log_dir / f"{child.name}.log")
+        mark = uuid.uuid4().hex
+        child.incarnation = f"{INCARNATION_ENV}={mark}"
+        env = {**gpu_env(cpu_env(self.env, child.cpu, child.section), child.gpus)}
+        env[INCARNATION_ENV] = mark
         proc = await start_async(  # in a process group of its own: the group id is its pid
             self.command(child),
-            gpu_env(cpu_env(self.env, child.cpu, child.section), child.gpus),
+            env,
             preexec_fn=_child_setup(child.cpu.cpus if child.cpu else (), os.getpid()),
         )
         child.process = proc
@@ -280,6 +291,16 @@ class ChildProcesses:
             self.say(f"{child.name}: {processes(end.remaining)} survived SIGKILL", "bold red")
         else:
             self.groups.discard(gid)
+        # What left the group: a reward worker leads its own and dies with its data role, but
+        # what a reward forked would stay until the run's end (one scan of /proc).
+        if child.incarnation is not None:
+            strays = await asyncio.to_thread(signal_marked, child.incarnation, signal.SIGKILL)
+            if strays:
+                them = "it" if len(strays) == 1 else "them"
+                self.say(
+                    f"{child.name} left {processes(strays)} outside its group; killed {them}",
+                    "yellow",
+                )
 
     async def _close(self, proc: asyncio.subprocess.Process) -> None:
         """Release the process's pipes once the loop has reaped it (closing the transport of a

@@ -10,7 +10,8 @@ A process is named for good by its pid *and* start time (a recycled pid starts l
 **Process groups.** A child started with ``process_group=0`` leads a process group whose id is its
 pid; everything it starts stays in that group unless it moves itself (vLLM does not; a reward
 worker does, and dies with its data role by ``PR_SET_PDEATHSIG``; what it leaves behind is ended
-by :func:`signal_marked` at the end of the run), whoever its parent becomes. The
+by :func:`signal_marked` with the role's :data:`INCARNATION_ENV` mark once the role exited, and
+with the run's at the end of the run), whoever its parent becomes. The
 id is not recycled while any process of the group remains; once it is empty, it may be. So the
 helpers below take a ``mark`` (``NAME=value``): only processes started with it in their
 environment are members (the caller puts it in its children's environment, and it is inherited).
@@ -41,6 +42,12 @@ from typing import NamedTuple
 #: The variable that marks every process of one ``laminar run`` or ``ProcessCluster`` (its value
 #: is new each time); group members are those carrying it.
 MARK_ENV = "LAMINAR_LAUNCH"
+
+#: The variable that marks every process of one incarnation of one role (its value is new each
+#: time the supervisor starts the role): what left the role's group (a reward worker leads its
+#: own, and what a reward forks stays there) is ended by it when that incarnation exits, not only
+#: at the end of the run.
+INCARNATION_ENV = "LAMINAR_INCARNATION"
 
 #: Keeps ``/proc/<pid>/environ`` readable in processes that call ``setproctitle`` (see above).
 KEEP_ENVIRON = {"SPT_NOENV": "1"}

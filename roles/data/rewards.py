@@ -8,14 +8,15 @@ the cluster token. So it never runs on the data role's event loop or even in its
 time over a pair of pipes; the parent waits with ``loop.add_reader`` (no thread per job).
 
 What a worker gets (:class:`RewardSandbox`): an environment without the cluster token, without any
-other ``LAMINAR_*`` variable (the run's process mark aside), without any variable holding the
-token's value and without those named in ``drop_env``; a process group of its own; resource
-limits (address space, CPU time, optionally processes) that what it starts inherits. A job that
-overruns ``timeout_s`` gets its worker's whole process group killed, then every process still
-carrying the worker's mark (one that called ``setsid`` too), and the worker replaced: a reward
-that forks leaves nothing behind. Replies are JSON read without blocking, at most 64 KiB; one
-that is not a well-formed reply retires the worker (never unpickled: a worker's bytes are not
-code the role runs).
+other ``LAMINAR_*`` variable (the run's and the role's process marks aside), without any variable
+holding the token's value and without those named in ``drop_env``; a process group of its own;
+resource limits (address space, CPU time, optionally processes) that what it starts inherits. A
+job that overruns ``timeout_s`` gets its worker's whole process group killed, then every process
+still carrying the worker's mark (one that called ``setsid`` too), and the worker replaced: a
+reward that forks leaves nothing behind (nor when the data role dies: ``laminar run`` then kills
+what carries the role's incarnation mark). Replies are JSON read without blocking, at most 64
+KiB; one that is not a well-formed reply retires the worker (never unpickled: a worker's bytes are
+not code the role runs).
 
 Outcomes are values, never exceptions: :class:`RewardResult` has either a reward or the reason
 there is none ("raised ValueError: ...", "timed out after 5.0s", "returned 'abc', not a number",
@@ -84,7 +85,8 @@ class RewardSandbox(Strict):
         default_factory=list,
         description="More environment variables kept from reward workers: names or fnmatch "
         "patterns (e.g. `AWS_*`, `WANDB_API_KEY`). The cluster token's variable, any variable "
-        "holding its value and every `LAMINAR_*` (but the run's process mark) are always dropped.",
+        "holding its value and every `LAMINAR_*` (but the run's and the role's process marks) are "
+        "always dropped.",
     )
 
 
@@ -107,7 +109,8 @@ def worker_env(token_env: str, drop: list[str], mark: str) -> dict[str, str]:
     token = os.environ.get(token_env) or None
     env = {}
     for name, value in os.environ.items():
-        secret = name == token_env or (name.startswith("LAMINAR_") and name != procfs.MARK_ENV)
+        marks = (procfs.MARK_ENV, procfs.INCARNATION_ENV)  # how a run ends what a reward left
+        secret = name == token_env or (name.startswith("LAMINAR_") and name not in marks)
         if secret or (token and token in value) or any(fnmatchcase(name, p) for p in drop):
             continue
         env[name] = value

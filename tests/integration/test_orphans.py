@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -180,15 +181,46 @@ def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the
 
 def test_a_process_that_left_its_roles_group_does_not_outlive_the_run(tmp_path: Path) -> None:
     """A role's child that leads a process group of its own (as a reward worker does; what a
-    reward forks stays in the worker's group) is not in its role's group: the run's last sweep,
-    by the run's mark, ends it."""
+    reward forks stays in the worker's group) is not in its role's group: once the role stopped,
+    the sweep by its incarnation's mark ends it (the run's last sweep, by the run's mark, is
+    the backstop)."""
     spawner = {"role": f"{SPAWNER}:SpawnerService", "config": {"own_group": True}}
     with spawner_run(tmp_path, spawner, 1.0) as (sup, tag, _manager, first):
         role, child = first.pid, int(first.stats["child_pid"])
         groups = tagged(tag)
         assert groups.get(role) == role and groups.get(child) == child, groups  # not role's
         out = stop_run(sup)
-        assert f"killed 1 process (pid {child}) of the run outside its roles' groups" in out, out
+        assert f"spawner-0 left 1 process (pid {child}) outside its group; killed it" in out, out
+        assert_nothing_outlived(tag, sup, out)
+
+
+def test_a_process_that_left_its_roles_group_dies_with_its_role(tmp_path: Path) -> None:
+    """The same role killed with -9 mid-run (a data role whose reward forked a daemon): what left
+    its group carries the incarnation's mark and is killed once the role's exit is seen, not at
+    the end of the run; the restarted role's own child is left alone."""
+    spawner = {
+        "role": f"{SPAWNER}:SpawnerService",
+        "restart": "on-failure",
+        "config": {"own_group": True},
+    }
+    with spawner_run(tmp_path, spawner, 1.0) as (sup, tag, manager, first):
+        role, child = first.pid, int(first.stats["child_pid"])
+        assert tagged(tag).get(child) == child  # leads its own group
+        os.kill(role, signal.SIGKILL)
+        until(lambda: not procfs.alive(child), SETTLE_S + 10, f"the escaped child {child} killed")
+        again = until(
+            lambda: (
+                (m := members(manager).get("spawner-0"))
+                and m.incarnation == 2
+                and "child_pid" in m.stats
+                and m
+            ),
+            30,
+            "spawner-0 restarted",
+        )
+        assert procfs.alive(int(again.stats["child_pid"]))
+        out = stop_run(sup)
+        assert f"spawner-0 left 1 process (pid {child}) outside its group; killed it" in out, out
         assert_nothing_outlived(tag, sup, out)
 
 
@@ -482,7 +514,8 @@ def test_a_child_is_restarted_while_an_escaped_process_holds_its_pipes_and_leaks
 ) -> None:
     """The exit is seen although the pipes stay open (a pidfd; else a thread in ``waitid``), the
     restart policy is applied, the supervisor keeps no end of the escaped processes' pipes, and
-    the run's last sweep ends the escaped processes (they carry the run's mark)."""
+    each escaped process is ended once its incarnation exited (it carries the incarnation's
+    mark), so the run's last sweep finds none."""
     if exits == "no-pidfd":
         no_pidfds(monkeypatch)
     elif exits == "no-waitid-pidfd":  # as on Linux 5.3: pidfds, but not for waitid
@@ -511,13 +544,14 @@ def test_a_child_is_restarted_while_an_escaped_process_holds_its_pipes_and_leaks
 
     try:
         leaked = uvloop.run(run()) if loop == "uvloop" else asyncio.run(run())
-        assert said[:2] == [
+        # one escaped process per incarnation, out of its group: killed by the incarnation's mark
+        escaped = "escaper-0 left 1 process (pid {}) outside its group; killed it"
+        assert [re.sub(r"pid \d+", "pid {}", line) for line in said] == [
             "escaper-0 exited with code 3; restarting (1/1)",
+            escaped,
             "escaper-0 exited with code 3; not restarting (policy on-failure, 1 restarts)",
+            escaped,
         ], said
-        # one escaped process per incarnation, out of the run's groups: killed by the mark
-        assert said[2:] and said[2].startswith("killed 2 processes"), said
-        assert said[2].endswith("of the run outside its roles' groups") and len(said) == 3, said
         assert gave_up == [child]
         assert lines == ["pdeathsig 15"] * 2, lines
         until(lambda: not tagged(tag), 10, "the escaped processes gone")

@@ -99,6 +99,7 @@ async def test_a_reward_sees_no_token_in_its_environment(
     monkeypatch.setenv("LAMINAR_OTHER_SECRET", "another-secret-0123456789")
     monkeypatch.setenv("TOKEN_COPY", f"Bearer {TOKEN}")  # the value under another name
     monkeypatch.setenv("LAMINAR_LAUNCH", "the-runs-process-mark")  # a mark, not a secret: kept
+    monkeypatch.setenv("LAMINAR_INCARNATION", "the-roles-process-mark")  # kept as well
     out = tmp_path / "env.json"
     pool = RewardPool(f"{rewards}:environment")
     try:
@@ -109,6 +110,7 @@ async def test_a_reward_sees_no_token_in_its_environment(
     assert TOKEN not in seen["proc"] and "another-secret" not in seen["proc"]
     assert not {"LAMINAR_TOKEN", "LAMINAR_OTHER_SECRET", "TOKEN_COPY"} & seen["environ"].keys()
     assert seen["environ"]["LAMINAR_LAUNCH"] == "the-runs-process-mark"
+    assert seen["environ"]["LAMINAR_INCARNATION"] == "the-roles-process-mark"
     assert seen["environ"]["PATH"] == os.environ["PATH"]
 
 
