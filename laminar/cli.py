@@ -5,10 +5,12 @@ run directory."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +21,7 @@ from .errors import LaminarError
 
 if TYPE_CHECKING:
     from .devmode.status import AdminClient
+    from .loopwatch import LoopWatch
 
 #: what `laminar doctor` checks when no config is given (and it exists)
 DEFAULT_EXAMPLE = "examples/arith/config.yaml"
@@ -70,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config=role_config,
         options=transport_options(cluster, cluster.token()),
     )
+    watches: list[LoopWatch] = []
 
     def ready(info: dict[str, Any]) -> None:
         # Once on_start has run, so the engine processes a rollout started there keep their
@@ -85,11 +89,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if nice:
                 give_way(nice)
             ctx.log.info("placed", nice=nice, cores=list(placed.cores) or "unchanged")
+        if cluster.loop_stall_s is not None:  # from now: on_start may block the loop on purpose
+            # and not once stopping: on_stop may too (vLLM's shutdown joins its processes)
+            watches.append(watch_loop(ctx.log, cluster.loop_stall_s, lambda: host.stopping))
         print_ready(info)
 
     host = ServiceHost(role_cls, ctx, manager=manager, ready=ready, handle_signals=True)
-    _loop_runner(host.run())
+    try:
+        _loop_runner(host.run())
+    finally:
+        for watch in watches:
+            watch.close()
     return 0
+
+
+def watch_loop(log: Any, threshold_s: float, stopping: Callable[[], bool]) -> LoopWatch:
+    """Start a :class:`LoopWatch` on the running loop that logs each stall to ``log``, but for
+    those seen once ``stopping()`` is true."""
+    from .loopwatch import LoopWatch, Stall
+
+    def say(stall: Stall) -> None:
+        if stopping():
+            return
+        if stall.ended:
+            log.warning("event loop turns again", blocked_s=round(stall.seconds, 2), at=stall.where)
+        else:
+            log.warning(
+                "event loop blocked: code on it does not yield (see `at`); nothing else this "
+                "role does (heartbeats, calls) runs until it does",
+                blocked_s=round(stall.seconds, 2),
+                at=stall.where,
+                frames=stall.stack,  # not `stack`: structlog's renderers take that for a traceback
+            )
+
+    watch = LoopWatch(asyncio.get_running_loop(), threshold_s, say)
+    watch.start()
+    return watch
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -95,6 +95,15 @@ class ClusterConfig(Strict):
         "rollout's engine processes (started before). For hosts that generate and do not train: "
         "beside a trainer the niced data role and relay slow it down (laminar.proc.placement).",
     )
+    loop_stall_s: PositiveFloat | None = Field(
+        2.0,
+        description="`laminar serve` warns when a role's event loop has not turned for this "
+        "long (code blocking it: a time.sleep or a CPU-bound loop in an environment or a reward "
+        "hook), naming the code that holds it, and again with the stall's length once it "
+        "turns (laminar.loopwatch); from the role's start to its stop. Below "
+        "heartbeat_timeout_s, so the warning comes before the member is marked dead. null: no "
+        "watch.",
+    )
     log_format: Literal["console", "json"] = Field(
         "console", description="console: readable (dev); json: one object per line (production)."
     )

@@ -267,6 +267,11 @@ class ServiceHost:
         if self._stopping is not None:
             self._stopping.set()
 
+    @property
+    def stopping(self) -> bool:
+        """Asked to stop (a signal or :meth:`stop`): the service is on its way out."""
+        return self._stopping is not None and self._stopping.is_set()
+
     async def run(self) -> None:
         ctx = self.ctx
         self._stopping = asyncio.Event()

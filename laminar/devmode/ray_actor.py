@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from laminar.config import RoleSpec
+from laminar.devmode import ALARMS
 from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.procfs import signal_group
 
-#: A child's output lines worth passing on to the console (as the local supervisor shows them).
-ALARMS = ("Traceback", "[error", "[critical", "Error:", "error:")
 #: How many of them one incarnation passes on, the last ones (a traceback's end says the most).
 MAX_ALARMS = 40
 

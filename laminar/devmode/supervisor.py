@@ -48,6 +48,7 @@ from rich.console import Console
 from rich.text import Text
 
 from laminar.config import LaminarConfig
+from laminar.devmode import ALARMS
 from laminar.devmode.rundir import prepare_run_dir
 from laminar.devmode.runview import RunView
 from laminar.errors import ConfigError
@@ -57,9 +58,6 @@ from laminar.proc.gpus import gpus_wanted, plan_gpus, visible_gpus
 from laminar.proc.spawn import ServeSpec, config_sets, ensure_token, launch_env, serve_command
 from laminar.roles_registry import load_role
 from laminar.tracking import TrackingPlan, plan_for_run
-
-# A child line worth showing even when children's output goes only to their log files.
-ALARMS = ("Traceback", "[error", "[critical", "Error:", "error:")
 
 COLOURS = [
     "cyan",

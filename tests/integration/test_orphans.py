@@ -224,6 +224,21 @@ def test_a_process_that_left_its_roles_group_dies_with_its_role(tmp_path: Path) 
         assert_nothing_outlived(tag, sup, out)
 
 
+def test_a_role_whose_loop_is_blocked_says_where(tmp_path: Path) -> None:
+    """``laminar serve`` watches a ready role's event loop (laminar.loopwatch): a role that blocks
+    it (``time.sleep`` on the loop, as an environment or reward hook might) logs a warning naming
+    that code while the loop is held, and the stall's length once it turns again; the warning is
+    one of the lines ``laminar run`` shows on its console."""
+    spawner = {"role": f"{SPAWNER}:SpawnerService", "config": {"block_s": 3.0}}
+    with spawner_run(tmp_path, spawner, 1.0) as (sup, _tag, _manager, _first):
+        log = tmp_path / "run" / "logs" / "spawner-0.log"
+        until(lambda: "event loop turns again" in log.read_text(), 30, "the stall's end logged")
+        out = stop_run(sup)
+    (blocked,) = [line for line in log.read_text().splitlines() if "event loop blocked" in line]
+    assert "spawner.py:" in blocked and "in block_once" in blocked, blocked
+    assert "event loop blocked" in out, out
+
+
 # The shape of a vLLM rollout, without vLLM: the owner (the rollout) names itself and starts an
 # "engine core" that runs none of our code, which starts a "worker" that imports our worker
 # extension module, as vLLM's worker does. Both set their process titles first, as vLLM's do.

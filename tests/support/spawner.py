@@ -3,7 +3,8 @@ its engine core: the child inherits the role's stdout and stderr (so it holds th
 pipes open after the role dies), is never stopped by the role, and sets its process title as
 vLLM's engine core does (``setproctitle``, which wipes ``/proc/<pid>/environ`` unless
 ``SPT_NOENV`` is set). With ``stubborn`` it ignores SIGTERM as well, so only SIGKILL ends it; with
-``own_group`` it leads a process group of its own, as a data role's reward worker does.
+``own_group`` it leads a process group of its own, as a data role's reward worker does; with
+``block_s`` the role blocks its own event loop once (``laminar.loopwatch`` must say so).
 Used by ``tests/integration/test_orphans.py``.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from typing import ClassVar
 
 from pydantic import Field
@@ -36,6 +38,7 @@ time.sleep(3600)
 class SpawnerConfig(ServiceConfig):
     stubborn: bool = Field(False, description="The child ignores SIGTERM.")
     own_group: bool = Field(False, description="The child leaves the role's process group.")
+    block_s: float = Field(0.0, description="Once, a second after starting: block the loop.")
 
 
 class SpawnerService(Service):
@@ -53,6 +56,13 @@ class SpawnerService(Service):
             mode,
             preexec_fn=(lambda: os.setpgid(0, 0)) if own else None,
         )
+
+        if self.config.block_s:  # type: ignore[attr-defined]
+            self.spawn(self.block_once(self.config.block_s), name="block")  # type: ignore[attr-defined]
+
+    async def block_once(self, seconds: float) -> None:
+        await asyncio.sleep(1.0)  # the role is ready by then: `laminar serve` watches its loop
+        time.sleep(seconds)  # noqa: ASYNC251 - what an environment or reward hook must not do
 
     def stats(self) -> dict[str, float]:
         return {"child_pid": float(self.child.pid)}

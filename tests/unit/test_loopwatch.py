@@ -1,0 +1,96 @@
+"""The event-loop watch (laminar.loopwatch): a loop held by blocking code is said once while it is
+held, naming the code, and once more when it turns again; a loop that keeps turning is not said;
+and ``laminar serve`` logs both (a role whose endpoint blocks its loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from laminar.loopwatch import LoopWatch, Stall
+
+
+def hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # blocking, on purpose
+
+
+async def test_a_blocked_loop_is_said_with_the_code_holding_it() -> None:
+    threshold = 0.25
+    said: list[Stall] = []
+    watch = LoopWatch(asyncio.get_running_loop(), threshold, said.append)
+    watch.start()
+    try:
+        await asyncio.sleep(3 * threshold)  # turning: nothing to say
+        assert said == []
+        hold_the_loop(4 * threshold)
+        for _ in range(100):  # the watch thread says the end once the loop stamps again
+            await asyncio.sleep(threshold / 4)
+            if len(said) == 2:
+                break
+    finally:
+        watch.close()
+    assert [s.ended for s in said] == [False, True], said
+    first, end = said
+    assert first.where.endswith("in hold_the_loop") and "test_loopwatch.py" in first.where
+    assert first.stack[-1] == first.where and len(first.stack) <= 4
+    assert first.seconds >= threshold
+    # its whole length, within the watch's interval (threshold / 4) and the scheduler's slack
+    assert 3 * threshold <= end.seconds, end
+    assert end.where == first.where
+
+
+async def test_each_stall_is_said_once_and_close_stops_the_watch() -> None:
+    said: list[Stall] = []
+    watch = LoopWatch(asyncio.get_running_loop(), 0.25, said.append)
+    watch.start()
+    try:
+        for _ in range(2):
+            hold_the_loop(1.0)
+            await asyncio.sleep(0.6)
+    finally:
+        watch.close()
+    assert [s.ended for s in said] == [False, True, False, True], said
+    assert not watch._thread.is_alive()
+    hold_the_loop(1.0)
+    await asyncio.sleep(0.3)
+    assert len(said) == 4
+
+
+def test_threshold_must_be_positive() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ValueError, match="positive"):
+            LoopWatch(loop, 0.0, lambda _: None)
+    finally:
+        loop.close()
+
+
+async def test_laminar_serve_logs_stalls_but_not_once_the_role_is_stopping() -> None:
+    """``laminar serve``'s reporter: a warning naming the code, then the stall's length; nothing
+    once the host is stopping (a rollout's on_stop joins vLLM's processes on the loop)."""
+    from laminar.cli import watch_loop
+
+    class Log:
+        def __init__(self) -> None:
+            self.lines: list[tuple[str, dict[str, object]]] = []
+
+        def warning(self, event: str, **kw: object) -> None:
+            self.lines.append((event, kw))
+
+    stopping = False
+    log = Log()
+    watch = watch_loop(log, 0.25, lambda: stopping)
+    try:
+        hold_the_loop(1.0)
+        await asyncio.sleep(0.5)
+        stopping = True
+        hold_the_loop(1.0)
+        await asyncio.sleep(0.5)
+    finally:
+        watch.close()
+    events = [event for event, _ in log.lines]
+    assert len(events) == 2 and events[0].startswith("event loop blocked"), log.lines
+    assert events[1] == "event loop turns again", log.lines
+    assert str(log.lines[0][1]["at"]).endswith("in hold_the_loop")
