@@ -255,8 +255,10 @@ class ChildProcesses:
             child.log = open_log(self.log_dir / f"{child.name}.log")
         mark = uuid.uuid4().hex
         child.incarnation = f"{INCARNATION_ENV}={mark}"
-        env = {**gpu_env(cpu_env(self.env, child.cpu, child.section), child.gpus)}
-        env[INCARNATION_ENV] = mark
+        env = {
+            **gpu_env(cpu_env(self.env, child.cpu, child.section), child.gpus),
+            INCARNATION_ENV: mark,
+        }
         proc = await start_async(  # in a process group of its own: the group id is its pid
             self.command(child),
             env,
