@@ -113,6 +113,13 @@ def watch_loop(log: Any, threshold_s: float, stopping: Callable[[], bool]) -> Lo
             return
         if stall.ended:
             log.warning("event loop turns again", blocked_s=round(stall.seconds, 2), at=stall.where)
+        elif stall.idle:
+            log.warning(
+                "event loop blocked: no Python code of the role holds it (this process waited "
+                "for a CPU, or a call without Python frames, such as a C callback, runs on it)",
+                blocked_s=round(stall.seconds, 2),
+                at=stall.where,
+            )
         else:
             log.warning(
                 "event loop blocked: code on it does not yield (see `at`); nothing else this "

@@ -12,7 +12,10 @@ How: a callback on the loop stamps the time every ``interval``. A daemon thread 
 once it is ``threshold_s`` old, the loop is blocked, and the thread reads the loop thread's
 current Python stack (``sys._current_frames``: what is running *now*, not what ran last) and says
 where it is, once per stall, while the stall goes on, then once more, with its whole length,
-when the loop turns again. The thread only reads; it never touches the loop.
+when the loop turns again. The thread only reads; it never touches the loop. When the innermost
+frames are the loop's own (:func:`loop_machinery`), no Python code of the role holds it: the
+process waited for a CPU, or a callback without Python frames ran; the stall says so (``idle``)
+rather than name the loop as the culprit.
 
 Started by ``laminar serve`` once the role is ready (starting an engine may block the loop on
 purpose), with ``cluster.loop_stall_s``.
@@ -40,6 +43,9 @@ class Stall:
     ended: bool
     where: str  # "file:line in function" of the innermost frame, "" when it was not seen
     stack: list[str]  # the innermost frames, outermost first
+    #: No Python code of the role's held the loop: the loop's own frames were innermost. The
+    #: process waited for a CPU, or a call without Python frames (a C callback) held the loop.
+    idle: bool = False
 
 
 class LoopWatch:
@@ -90,13 +96,13 @@ class LoopWatch:
             stamp = self._stamp
             age = time.monotonic() - stamp
             if stalled is None and age >= self.threshold_s:
-                where, stack = self._where()
-                stalled, since = Stall(age, False, where, stack), stamp
+                where, stack, idle = self._where()
+                stalled, since = Stall(age, False, where, stack, idle), stamp
                 self._say(stalled)
             elif stalled is not None and stamp != since:  # the loop turned again
                 # From the last stamp before the stall to the first after it: the stall's length
                 # to within one interval.
-                self._say(Stall(stamp - since, True, stalled.where, stalled.stack))
+                self._say(Stall(stamp - since, True, stalled.where, stalled.stack, stalled.idle))
                 stalled = None
 
     def _say(self, stall: Stall) -> None:
@@ -105,10 +111,26 @@ class LoopWatch:
         except Exception:  # a broken reporter must not end the watch
             traceback.print_exc()
 
-    def _where(self) -> tuple[str, list[str]]:
+    def _where(self) -> tuple[str, list[str], bool]:
         frame = sys._current_frames().get(self._loop_thread or -1)
         if frame is None:
-            return "", []
+            return "", [], False
         summary = traceback.extract_stack(frame)[-STACK_FRAMES:]
         stack = [f"{f.filename}:{f.lineno} in {f.name}" for f in summary]
-        return (stack[-1] if stack else ""), stack
+        return (stack[-1] if stack else ""), stack, loop_machinery(summary)
+
+
+def loop_machinery(frames: traceback.StackSummary) -> bool:
+    """Whether the innermost frames are the event loop's own: asyncio's loop waiting in its
+    selector or running a callback that has no Python frame, or uvloop's loop (all C below
+    ``run``). A selector wait called by other code (``multiprocessing``'s ``join``) is not."""
+    if not frames:
+        return False
+    last = frames[-1]
+    path = last.filename.replace("\\", "/")
+    if last.name == "select" and len(frames) > 1 and frames[-2].name == "_run_once":
+        return True
+    if "/asyncio/" in path and last.name in ("_run_once", "_run", "run_forever"):
+        return True
+    in_a_loop = "/asyncio/" in path or "/uvloop/" in path
+    return in_a_loop and last.name in ("run", "run_until_complete")

@@ -94,3 +94,29 @@ async def test_laminar_serve_logs_stalls_but_not_once_the_role_is_stopping() -> 
     assert len(events) == 2 and events[0].startswith("event loop blocked"), log.lines
     assert events[1] == "event loop turns again", log.lines
     assert str(log.lines[0][1]["at"]).endswith("in hold_the_loop")
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_loop_held_without_python_frames_is_told_apart(loop_kind: str) -> None:
+    """A C callback (``time.sleep`` scheduled directly) holds the loop with only the loop's own
+    frames on the stack: said as ``idle`` (no Python code of the role to name), under both
+    loops; a Python function holding it is not idle."""
+    import uvloop
+
+    said: list[Stall] = []
+
+    async def main() -> None:
+        watch = LoopWatch(asyncio.get_running_loop(), 0.25, said.append)
+        watch.start()
+        try:
+            asyncio.get_running_loop().call_soon(time.sleep, 1.0)
+            await asyncio.sleep(0.6)
+            hold_the_loop(1.0)
+            await asyncio.sleep(0.6)
+        finally:
+            watch.close()
+
+    (uvloop.run if loop_kind == "uvloop" else asyncio.run)(main())
+    starts = [s for s in said if not s.ended]
+    assert [s.idle for s in starts] == [True, False], said
+    assert starts[1].where.endswith("in hold_the_loop")
