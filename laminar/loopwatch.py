@@ -43,7 +43,7 @@ class Stall:
     ended: bool
     where: str  # "file:line in function" of the innermost frame, "" when it was not seen
     stack: list[str]  # the innermost frames, outermost first
-    #: No Python code of the role's held the loop: the loop's own frames were innermost. The
+    #: No Python code of the role held the loop: the loop's own frames were innermost. The
     #: process waited for a CPU, or a call without Python frames (a C callback) held the loop.
     idle: bool = False
 
