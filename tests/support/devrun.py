@@ -21,7 +21,10 @@ def write_run_config(tmp_path: Path, roles: list[dict[str, Any]], **run: Any) ->
     ``run`` keys override (``run_dir`` is ``tmp_path/run``)."""
     config = {
         "cluster": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0},
-        "manager": {"bind": "tcp://127.0.0.1:0"},
+        # every port a free one: the admin API's default (7421) is one port for the whole
+        # machine, and two runs of parallel test workers collided on it (the manager then
+        # failed to start and the test waited out run_manager's timeout)
+        "manager": {"bind": "tcp://127.0.0.1:0", "admin": "127.0.0.1:0"},
         "run": {
             "run_dir": str(tmp_path / "run"),
             "view_interval_s": 0.2,
