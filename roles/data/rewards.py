@@ -108,8 +108,8 @@ def worker_env(token_env: str, drop: list[str], mark: str) -> dict[str, str]:
     """The data role's environment, less what a reward must not see (see :class:`RewardSandbox`)."""
     token = os.environ.get(token_env) or None
     env = {}
+    marks = (procfs.MARK_ENV, procfs.INCARNATION_ENV)  # how a run ends what a reward left
     for name, value in os.environ.items():
-        marks = (procfs.MARK_ENV, procfs.INCARNATION_ENV)  # how a run ends what a reward left
         secret = name == token_env or (name.startswith("LAMINAR_") and name not in marks)
         if secret or (token and token in value) or any(fnmatchcase(name, p) for p in drop):
             continue

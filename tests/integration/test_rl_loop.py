@@ -18,7 +18,6 @@ import pytest
 import yaml
 
 from laminar.harness.launch import ProcessCluster
-from laminar.proc import placement
 from laminar.roles.rollout import RolloutService, WeightsHistory
 from laminar.roles.trainer.api import TrainerStatus
 from laminar.roles.trainer.checkpoint import latest_checkpoint, load_state
@@ -27,6 +26,7 @@ from laminar.roles.trainer.service import TrainerService
 from ..support.clients import ClusterClients
 from ..support.models import tiny_qwen2
 from ..support.poll import until
+from ..support.procs import threads_nice
 from ..support.scenario import process_cluster, write_config
 from ..support.task import write_prompts, write_tokenizer
 from ..support.tensorboard import read_scalars
@@ -105,11 +105,6 @@ def start_loop(cluster: ProcessCluster, rollouts: int = 2, *, together: bool = T
     cluster.serve_many(members)
     for role, name in rollout:
         cluster.serve(role, name, timeout=180)
-
-
-def threads_nice(pid: int) -> set[int]:
-    """The niceness of each of ``pid``'s threads, as a set."""
-    return {placement.niceness(tid) for tid in placement.thread_ids(pid)}
 
 
 def trajectories(store: Path) -> list[tuple[str, str, int, float]]:

@@ -52,7 +52,7 @@ import pytest
 import yaml
 
 from laminar.harness.launch import ProcessCluster
-from laminar.proc import placement, procfs
+from laminar.proc import procfs
 from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.rollout import MigrateReport, MigrateRequest, RolloutApi
 from laminar.roles.rollout.api import DrainRequest
@@ -65,7 +65,7 @@ from tests.integration.test_rl_loop import (
 )
 from tests.support.models import tiny_qwen2
 from tests.support.poll import until
-from tests.support.procs import ROOT
+from tests.support.procs import ROOT, threads_nice
 from tests.support.scenario import kill_data_midway, process_cluster, write_config
 from tests.support.small_node import KV_LINE, SMALL, can_unshare, namespace_prefix
 from tests.support.task import write_prompts, write_tokenizer
@@ -471,9 +471,6 @@ def test_roles_give_way_to_the_vllm_engine_processes(fleet: Fleet) -> None:
     engine = descendants(rollout)
     assert any("EngineCore" in name for name in engine.values()), engine
 
-    def nice(pid: int) -> set[int]:
-        return {placement.niceness(tid) for tid in placement.thread_ids(pid)}
-
     # The cluster binds each rollout's vLLM worker to one core (VLLM_CPU_OMP_THREADS_BIND) and
     # leaves the rollout unpinned: it moved itself and its other processes off that core.
     everything = os.sched_getaffinity(0)
@@ -482,9 +479,9 @@ def test_roles_give_way_to_the_vllm_engine_processes(fleet: Fleet) -> None:
     spare = everything - bound or everything  # one core: nowhere to move (nor to give way)
     assert len(bound) == 1, (workers, bound)
     ours = os.getpriority(os.PRIO_PROCESS, 0)  # what the cluster's processes started at
-    assert nice(rollout) == {max(10, ours) if spare != everything else ours}
-    assert nice(cluster.procs["manager"].pid) == {max(10, ours)}
-    assert {pid: nice(pid) for pid in engine} == {pid: {ours} for pid in engine}, engine
+    assert threads_nice(rollout) == {max(10, ours) if spare != everything else ours}
+    assert threads_nice(cluster.procs["manager"].pid) == {max(10, ours)}
+    assert {pid: threads_nice(pid) for pid in engine} == {pid: {ours} for pid in engine}, engine
     assert os.sched_getaffinity(rollout) == spare
     assert {pid: os.sched_getaffinity(pid) for pid in engine if pid not in workers} == {
         pid: spare for pid in engine if pid not in workers

@@ -8,11 +8,17 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
+from laminar.proc import placement
 from laminar.proc.spawn import read_ready_line
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORT_ROLES = str(ROOT / "tests" / "support" / "roles.py")
 TOKEN = "test-token-0123456789abcdef"
+
+
+def threads_nice(pid: int) -> set[int]:
+    """The niceness of each of ``pid``'s threads, as a set (laminar.proc.placement)."""
+    return {placement.niceness(tid) for tid in placement.thread_ids(pid)}
 
 
 def env(**extra: str) -> dict[str, str]:
