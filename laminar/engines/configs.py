@@ -52,7 +52,7 @@ class VllmEngineConfig(Strict):
         16,
         description="Tokens per streamed output of a request (vLLM's stream_interval). Larger is "
         "cheaper for the rollout's process, which shares the cores with vLLM's (16 against 4: "
-        "1.08-1.22x the role path's tokens/s on 2 cores, README *Benchmarks*); partial tokens "
+        "1.08-1.22x the role path's tokens/s on 2 cores, docs/benchmarks.md); partial tokens "
         "reach the data role in batches anyway, and a migrated sequence moves what was streamed.",
     )
     kv_migration: bool = Field(

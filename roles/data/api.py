@@ -152,7 +152,7 @@ class DataStatus(BaseModel):
     held: int = 0  # skipped for staleness by the last sample (action ``hold``), still buffered
     failed: int = 0  # trajectories recorded as failed (never handed out again), quarantined incl.
     quarantined: int = 0  # failed because their rollouts kept dying while holding them
-    orphaned: int = 0  # evicted: members of a group another member of which failed
+    orphaned: int = 0  # evicted: members of a group too many other members of which failed
     cancelled: int = 0  # redundant samples withdrawn: their group finished without them
     focus_skipped: int = 0  # prompts drawn and not queued (``focus``) by this incarnation
     focus_rates: dict[str, float] = {}  # ``focus``: class -> admit probability now

@@ -110,9 +110,11 @@ class ExperienceBuffer:
       group the sampler does not pick at all is not taken). Members stay adjacent, ordered by
       sample index. A group one of whose members was evicted (or consumed by a request without
       ``whole_groups``) can never complete: its other members stay in the buffer until eviction
-      drops them. A group one of whose members *failed* (``failures``: never generated) can never
+      drops them. A group more of whose members *failed* (``failures``: never generated) than it
+      started spare (``spare_samples``: ``data.redundant_samples``, 0 by default) can never
       complete either; its other members are evicted as soon as a whole-group sample sees them
-      (counted in ``orphaned``), so they neither wait forever nor count as lost.
+      (counted in ``orphaned``), so they neither wait forever nor count as lost. Up to that many
+      failures a group completes from its spares.
     * **Staleness** (``bound`` set): staleness = ``trainer_version - version``. Over the bound,
       ``drop`` evicts durably (counted in ``stale_dropped``); ``hold`` skips them and keeps them
       (``held`` counts those skipped by the last call). With whole groups a group with any member
@@ -138,6 +140,7 @@ class ExperienceBuffer:
         staleness_bound: int | None = None,
         staleness_action: Literal["drop", "hold"] = "drop",
         drop_constant_groups: bool = False,
+        spare_samples: int = 0,
         on_group: Callable[[str, bool], None] | None = None,
     ) -> None:
         if staleness_bound is not None and staleness_bound < 0:
@@ -149,6 +152,9 @@ class ExperienceBuffer:
         self.staleness_bound = staleness_bound
         self.staleness_action = staleness_action
         self.drop_constant_groups = drop_constant_groups
+        # samples started beyond group_size per group (data.redundant_samples): a group stays
+        # whole-able while no more than this many of its members failed
+        self.spare_samples = spare_samples
         self.on_group = on_group  # (a member's trajectory id, informative?) per group consumed
         self._picked: list[list[BufferEntry]] = []  # the whole groups the last call chose
         self.held = 0  # trajectories the last call skipped for staleness (``hold``)
@@ -230,8 +236,10 @@ class ExperienceBuffer:
         return [e for e in ready if e.trajectory_id not in stale]
 
     def _evict_orphans(self, ready: list[BufferEntry]) -> list[BufferEntry]:
-        """Evict members of groups with a failed member (they can never be whole)."""
-        broken = self.store.failed_prompt_ids()
+        """Evict members of groups that can never be whole: more of their members failed than
+        they started spare (``spare_samples``: redundant samples)."""
+        failed = self.store.failed_per_group()
+        broken = {pid for pid, n in failed.items() if n > self.spare_samples}
         orphans = [e.trajectory_id for e in ready if e.prompt_id in broken]
         if not orphans:
             return ready

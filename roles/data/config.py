@@ -117,8 +117,9 @@ class DataConfig(ServiceConfig):
         "keep the first samples_per_prompt to finish; the rest are cancelled (queued ones "
         "withdrawn, running ones dropped at their rollout's next report, late completions "
         "ignored). Cuts the wait for a group's slowest member (a long generation or a slow "
-        "environment) at the price of the generation spent on the cancelled ones. Not with "
-        "round schedules.",
+        "environment) at the price of the generation spent on the cancelled ones; up to this "
+        "many failed samples (refused, quarantined) leave the group whole. Not with round "
+        "schedules.",
     )
     epochs: Annotated[int, Field(ge=1)] | None = Field(1, description="null = cycle forever.")
     seed: int = Field(0, description="Seeds the per-epoch prompt order.")

@@ -216,6 +216,7 @@ class DataService(Service, DataApi):
             staleness_bound=c.staleness.bound,
             staleness_action=c.staleness.action,
             drop_constant_groups=c.drop_constant_groups,
+            spare_samples=c.redundant_samples,
             on_group=self._observe_group if self.focus is not None else None,
         )
         try:

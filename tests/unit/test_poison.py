@@ -158,6 +158,30 @@ def test_a_group_with_a_failed_member_is_evicted_from_whole_group_samples(tmp_pa
     assert store.counts()["orphaned"] == 1 and store.ready_entries() == []
 
 
+def test_a_group_with_spare_samples_completes_despite_as_many_failures(tmp_path):
+    """``data.redundant_samples``: groups of 2 started with 3 samples; a failure is what the
+    spare is for, a second one breaks the group."""
+    store = make_store(tmp_path, 2)
+    store.refill(4, samples=3, seed=0, epochs=1)
+    leased = [a.trajectory_id for a in store.lease("r", 6, 0, set(), PARAMS)]
+    groups: dict[str, list[str]] = {}
+    for tid in leased:
+        groups.setdefault(tid.rpartition("/")[0], []).append(tid)
+    (spared, one), (broken, two) = sorted(groups.items())
+    failed = [one[0], *two[:2]]
+    recorded, _ = store.fail("r", [(t, "refused by the engine") for t in failed], "refused")
+    assert sorted(recorded) == sorted(failed)
+    done = [one[1], one[2], two[2]]
+    new, _, _ = store.complete("r", [traj(t) for t in done], keep=2)
+    assert sorted(new) == sorted(done)
+    store.set_rewards([(t, float(i), None) for i, t in enumerate(done)])
+    buffer = ExperienceBuffer(store, FifoSampler(), KeepAll(), group_size=2, spare_samples=1)
+    batch = buffer.sample(4, 0, whole_groups=True)
+    assert batch is not None and sorted(t.trajectory_id for t in batch.items) == sorted(one[1:])
+    assert store.counts()["orphaned"] == 1 and store.ready_entries() == []  # the broken one
+    assert broken != spared
+
+
 def test_a_round_replaces_a_group_that_lost_a_member(tmp_path):
     store = make_store(tmp_path, 6)
     gate = RoundGate(ScheduleConfig(kind="sync", round_prompts=2), 2, 0, None)

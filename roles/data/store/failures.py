@@ -119,9 +119,10 @@ class FailureLedger(StoreBase):
         )
         self.db.execute("DELETE FROM partials WHERE trajectory_id = ?", (tid,))
 
-    def failed_prompt_ids(self) -> set[str]:
-        """Groups (prompt ids, an epoch's repeat apart) with a failed member."""
-        return {pid for (pid,) in self.db.execute("SELECT DISTINCT prompt_id FROM failures")}
+    def failed_per_group(self) -> dict[str, int]:
+        """Groups (prompt ids, an epoch's repeat apart) with failed members: how many failed."""
+        rows = self.db.execute("SELECT prompt_id, COUNT(*) FROM failures GROUP BY prompt_id")
+        return {pid: int(n) for pid, n in rows}
 
     def failures(self) -> list[tuple[str, str, str]]:
         """Every failed sample as (trajectory id, kind, reason), in the order they failed."""
