@@ -12,7 +12,7 @@ So that each check is testable on a machine it is not running on, the facts and 
 gathered once and the checks are pure functions of them:
 
 * :mod:`.facts` — :class:`MachineFacts`, what this machine has (cores, NUMA memory as vLLM's CPU
-  worker computes it, ``/dev/shm``, disks, the environment);
+  worker computes it, ``/dev/shm``, disks, the environment, the kernel's autogroup setting);
 * :mod:`.probe` — whether vLLM and ucxx import, asked of a subprocess that overlaps the rest
   (``laminar doctor``), or only whether they are installed, from package metadata (the preflight
   of ``laminar run``, which must not pay a vLLM import);

@@ -203,6 +203,30 @@ def check_shm(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     return [Finding("ok", "shm", f"{what} needed")]
 
 
+def check_scheduler(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
+    """The kernel's autogroup scheduler gives each session one share of the cores. vLLM's CPU
+    engine processes poll busily, so a role started from another session on the same host (a
+    shell, ``setsid``, ssh) waited up to 0.6 s for a core: about 30% of the generation rate on 2
+    cores (docs/benchmarks.md, *Generation*). ``laminar run`` keeps every role in its session."""
+    if facts.autogroup is None:
+        return [Finding("ok", "scheduler", "no autogroup setting here")]
+    if not facts.autogroup:
+        return [Finding("ok", "scheduler", "autogroup off")]
+    if needs.mode == "run":
+        return [Finding("ok", "scheduler", "autogroup on; `laminar run` keeps its roles in one "
+                        "session, scheduled as one group")]  # fmt: skip
+    if facts.vllm is None:  # not probed: the config runs no vLLM engine
+        return [Finding("ok", "scheduler", "autogroup on; no vLLM engine in this config")]
+    if _on_gpu(facts):
+        return [Finding("ok", "scheduler", "autogroup on; vLLM runs on a GPU here")]
+    return [Finding("warning", "scheduler",
+                    "autogroup on: each session gets one share of the cores, and a CPU vLLM "
+                    "rollout's engine polls busily; roles started from other sessions on this "
+                    "host wait for a core",
+                    "start this host's roles from one session (one supervisor script), or "
+                    "`sysctl -w kernel.sched_autogroup_enabled=0`")]  # fmt: skip
+
+
 def check_vllm(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     if not needs.vllm_rollouts:
         return []
@@ -362,6 +386,7 @@ CHECKS = (
     check_data,
     check_token,
     check_cores,
+    check_scheduler,
     check_memory,
     check_kv_cache,
     check_shm,

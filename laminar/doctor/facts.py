@@ -47,6 +47,8 @@ class MachineFacts:
     #: whether tool code can be jailed here: None, or why not (see ``sandbox_probed``)
     sandbox_problem: str | None = None
     sandbox_probed: bool = False  # False: not asked (the config has no environment)
+    #: kernel.sched_autogroup_enabled (None: no such setting, e.g. not Linux)
+    autogroup: bool | None = None
 
     def node_of(self, cpu: int) -> NumaNode:
         for node in self.nodes:
@@ -188,4 +190,10 @@ def gather_facts(
         disks=disks,
         sandbox_problem=sandbox_problem,
         sandbox_probed=sandbox,
+        autogroup=read_autogroup(),
     )
+
+
+def read_autogroup(path: str | Path = "/proc/sys/kernel/sched_autogroup_enabled") -> bool | None:
+    value = _read_int(path)
+    return None if value is None else value != 0

@@ -25,6 +25,7 @@ from laminar.doctor.checks import (
     check_kv_cache,
     check_memory,
     check_models,
+    check_scheduler,
     check_shm,
     check_token,
     check_tool_sandbox,
@@ -37,6 +38,7 @@ from laminar.doctor.facts import (
     NumaNode,
     gather_facts,
     parse_cpulist,
+    read_autogroup,
     read_numa_nodes,
 )
 from laminar.doctor.findings import Finding, summary
@@ -220,6 +222,32 @@ def test_a_missing_token_is_fine_for_run_and_a_blocker_for_serve() -> None:
     assert only(check_token(short, arith_needs(kv=1))).severity == "blocker"
     good = small_machine(env={"LAMINAR_TOKEN": "3f9c2a7e5b1d8064c7a9e2f15d3b7a60"})
     assert only(check_token(good, arith_needs(kv=1, mode="serve"))).severity == "ok"
+
+
+def test_autogroup_is_a_warning_only_for_roles_served_beside_a_cpu_vllm_engine() -> None:
+    serve = arith_needs(kv=64 * MiB, mode="serve")
+    warned = only(check_scheduler(small_machine(autogroup=True), serve))
+    assert warned.severity == "warning" and "sched_autogroup_enabled=0" in warned.fix
+    # laminar run keeps its roles in one session; off, absent, GPU or no vLLM: nothing to fix
+    assert only(check_scheduler(small_machine(autogroup=True), arith_needs(kv=1))).severity == "ok"
+    for facts in (
+        small_machine(autogroup=False),
+        small_machine(autogroup=None),
+        small_machine(autogroup=True, vllm=None),
+        small_machine(
+            autogroup=True, vllm=ImportFacts("vllm", True, "0.32.0", "vllm", platform="cuda")
+        ),
+    ):
+        assert only(check_scheduler(facts, serve)).severity == "ok", facts
+
+
+def test_autogroup_is_read_from_the_kernel_setting(tmp_path: Path) -> None:
+    setting = tmp_path / "sched_autogroup_enabled"
+    setting.write_text("1\n")
+    assert read_autogroup(setting) is True
+    setting.write_text("0\n")
+    assert read_autogroup(setting) is False
+    assert read_autogroup(tmp_path / "missing") is None
 
 
 def test_vllm_missing_broken_or_untested_is_reported_only_when_the_config_uses_it() -> None:
