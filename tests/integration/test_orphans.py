@@ -112,7 +112,7 @@ def spawner_run(
     config = write_run_config(tmp_path, [spawner], shutdown_grace_s=grace, display="lines")
     sup = start_run(config, **{TAG: tag})
     try:
-        manager = run_manager(tmp_path / "run")
+        manager = run_manager(tmp_path / "run", sup)
         yield sup, tag, manager, spawner_heartbeating(manager)
     finally:
         kill_session(sup)

@@ -224,7 +224,7 @@ def test_laminar_run_restarts_a_killed_member_and_stops_cleanly(tmp_path) -> Non
     )
     sup = start_run(config)
     try:
-        manager = run_manager(tmp_path / "run")
+        manager = run_manager(tmp_path / "run", sup)
         view, _ = _status_until(
             manager, lambda v: sum(m["state"] == "alive" for m in v.values()) == 3, 30
         )

@@ -67,7 +67,7 @@ def test_ray_launcher_restarts_a_killed_member_and_leaves_nothing(
     run = spawn(laminar(*args), merge_stderr=True, **environ)
     started: dict[int, int] = {}
     try:
-        manager = run_manager(tmp_path / "run", timeout=90)
+        manager = run_manager(tmp_path / "run", run, timeout=90)
 
         async def all_alive() -> dict[str, dict] | None:
             view = await _members(manager)
