@@ -21,7 +21,7 @@ started there are already running):
   leaves one free for the engine core and the front end (``VLLM_CPU_NUM_OF_RESERVED_CPU``), but
   pins nothing to it: a rollout then moves itself and its engine core there, off the worker's.
 
-Measured (``benchmarks/generation.py``, one rollout on 2 cores; README, *Benchmarks*).
+Measured (``benchmarks/generation.py``, one rollout on 2 cores; docs/benchmarks.md).
 
 Linux keeps a niceness and an affinity per thread, and a new thread or process inherits its
 creator's: so both are set on every thread that exists, and what those start later follows.

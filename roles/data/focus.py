@@ -5,10 +5,11 @@ nothing (``drop_constant_groups`` evicts it), but it was generated all the same.
 more of the dataset becomes such groups: the easy prompts all right, the hard ones all wrong.
 On the arithmetic example, within 4,000 groups most chain lengths' groups came
 out constant nearly always (1-5 steps all right; on some seeds 7-12 steps all wrong), and the
-trainer waited for the few informative ones while the rollouts generated the rest (README,
-*Benchmarks*, for what focus changed there). Per-prompt pass rates (the usual online difficulty
-filter) do not help a run that sees each prompt once or twice; a record field that classes
-prompts (a difficulty, a chain length, a source dataset) does: its classes recur all run long.
+trainer waited for the few informative ones while the rollouts generated the rest
+(docs/benchmarks.md, *Learning*, for what focus changed there). Per-prompt pass rates (the usual
+online difficulty filter) do not help a run that sees each prompt once or twice; a record field
+that classes prompts (a difficulty, a chain length, a source dataset) does: its classes recur all
+run long.
 
 What: for each value of the record field ``key`` (a *class*), the outcomes of its last ``window``
 complete groups (informative: the rewards differ; constant: they do not). A prompt drawn for the
