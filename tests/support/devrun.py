@@ -58,16 +58,14 @@ def start_run(config: Path, **extra_env: str) -> subprocess.Popen[str]:
     return spawn(laminar("run", str(config)), merge_stderr=True, **extra_env)
 
 
-def run_manager(
-    run_dir: Path, launcher: subprocess.Popen[str] | None = None, timeout: float = 60.0
-) -> str:
+def run_manager(run_dir: Path, launcher: subprocess.Popen[str], timeout: float = 60.0) -> str:
     """The manager's address, once the supervisor has written ``cluster.json``. A ``launcher``
     that exits first fails the test at once, with its output (a manager that cannot start ends
     the run: waiting out ``timeout`` would only hide why)."""
     cluster_file = run_dir / "cluster.json"
     deadline = time.monotonic() + timeout
     while not cluster_file.is_file():
-        if launcher is not None and launcher.poll() is not None:
+        if launcher.poll() is not None:
             output, _ = launcher.communicate(timeout=10)
             raise AssertionError(
                 f"the launcher exited ({launcher.returncode}) before writing {cluster_file}; "

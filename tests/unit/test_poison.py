@@ -167,7 +167,7 @@ def test_a_group_with_spare_samples_completes_despite_as_many_failures(tmp_path)
     groups: dict[str, list[str]] = {}
     for tid in leased:
         groups.setdefault(tid.rpartition("/")[0], []).append(tid)
-    (spared, one), (broken, two) = sorted(groups.items())
+    (_, one), (_, two) = sorted(groups.items())
     failed = [one[0], *two[:2]]
     recorded, _ = store.fail("r", [(t, "refused by the engine") for t in failed], "refused")
     assert sorted(recorded) == sorted(failed)
@@ -179,7 +179,6 @@ def test_a_group_with_spare_samples_completes_despite_as_many_failures(tmp_path)
     batch = buffer.sample(4, 0, whole_groups=True)
     assert batch is not None and sorted(t.trajectory_id for t in batch.items) == sorted(one[1:])
     assert store.counts()["orphaned"] == 1 and store.ready_entries() == []  # the broken one
-    assert broken != spared
 
 
 def test_a_round_replaces_a_group_that_lost_a_member(tmp_path):
