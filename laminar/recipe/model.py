@@ -3,8 +3,8 @@
 Why Qwen2: it is the architecture every engine we target (vLLM on GPU and on CPU, HF
 transformers for the trainer) supports first-class, so the same checkpoint directory runs in the
 trainer, the relays' manifests and the rollouts without conversion. The defaults are sized for
-CPU: hidden 256, 4 layers, 4 query / 2 KV heads (head dim 64, which vLLM's CPU attention supports;
-32 works too), MLP 512, ~2.4 M parameters, float32. The vocabulary is the task's character
+CPU: hidden 128, 2 layers, 4 query / 2 KV heads (head dim 32, which vLLM's CPU attention supports),
+MLP 384, ~0.4 M parameters, float32. The vocabulary is the task's character
 tokenizer (see :mod:`laminar.recipe.tokenizer`), already a multiple of 16.
 
 The directory holds ``config.json``, ``generation_config.json`` (EOS/pad ids), ``model.safetensors``
