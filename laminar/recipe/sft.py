@@ -49,8 +49,10 @@ from __future__ import annotations
 import json
 import math
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -333,13 +335,18 @@ def train_sft(task: Task, model_dir: str | Path, out: str | Path, cfg: SftConfig
             every = cfg.bucket_every if armed else cfg.eval_every
             check = result.steps % every == 0 or out_of_budget
             if validator is not None and result.steps and check:
-                acc = validator.accuracy(model)
-                result.evals.append((result.steps, round(elapsed, 2), round(acc, 4)))
-                if acc >= cfg.stop_at:  # type: ignore[operator]
-                    armed = frontier is not None
-                    if _frontier_reached(frontier, model, cfg, result):
-                        result.stopped_by = "stop_at"
-                        break
+                with shown.checking(
+                    result.steps, f"checking greedy accuracy on {cfg.val_n} problems"
+                ):
+                    acc = validator.accuracy(model)
+                    result.evals.append((result.steps, round(elapsed, 2), round(acc, 4)))
+                    reached = acc >= cfg.stop_at  # type: ignore[operator]
+                    if reached:
+                        armed = frontier is not None
+                        reached = _frontier_reached(frontier, model, cfg, result)
+                if reached:
+                    result.stopped_by = "stop_at"
+                    break
             if out_of_budget:
                 result.stopped_by = "steps" if by_steps >= 1.0 else "minutes"
                 break
@@ -375,7 +382,7 @@ def train_sft(task: Task, model_dir: str | Path, out: str | Path, cfg: SftConfig
 class _Progress:
     """What SFT shows while it runs: a rich bar on a terminal; when the output is piped (CI,
     ``make run`` in a log) a plain line every ``every_s`` seconds instead, so a long warm start
-    never looks hung."""
+    never looks hung; during a validation check too (:meth:`checking`)."""
 
     def __init__(self, every_s: float = 10.0, console: Any = None) -> None:
         from rich.console import Console
@@ -383,7 +390,35 @@ class _Progress:
         self.console = console or Console(highlight=False)
         self.every_s = every_s
         self.bar: Any = None
-        self._last = -math.inf
+        self._last = -math.inf  # the training clock (update's elapsed) at the last line
+        self._printed_at = time.monotonic()  # the wall clock at the last line
+
+    @contextmanager
+    def checking(self, step: int, what: str) -> Iterator[None]:
+        """Lines at least every ``every_s`` while the block runs. Why a thread: a check blocks
+        the training loop, and an agentic task's validation waits on its environment (a
+        sandboxed tool call per step): 15-35 s for 100 problems of ``examples/arith_tool`` here,
+        which left the log silent that long."""
+        if self.bar is not None:  # a terminal's bar shows its elapsed time by itself
+            yield
+            return
+        began = time.monotonic()
+        done = threading.Event()
+
+        def tick() -> None:
+            while not done.wait(max(0.0, self._printed_at + self.every_s - time.monotonic())):
+                self._printed_at = time.monotonic()
+                self.console.print(
+                    f"sft: step {step}, {what} ({self._printed_at - began:.0f} s so far)"
+                )
+
+        ticker = threading.Thread(target=tick, name="sft-progress", daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
 
     def __enter__(self) -> _Progress:
         if self.console.is_terminal:
@@ -416,6 +451,7 @@ class _Progress:
             return
         if elapsed - self._last >= self.every_s:
             self._last = elapsed
+            self._printed_at = time.monotonic()
             val = "" if math.isnan(acc) else f", val acc {acc:.2f}"
             self.console.print(
                 f"sft: step {step} ({100 * progress:.0f}% of the budget), {elapsed:.0f} s, "

@@ -9,6 +9,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -366,6 +367,31 @@ def test_sft_prints_progress_lines_when_piped() -> None:
     assert len(lines) == 5, lines  # at 0, 10, 20, 30 and 40 s: never more than 10 s apart
     assert lines[1].startswith("sft: step 100 (29% of the budget), 10 s, loss 0.5000")
     assert lines[-1].endswith("loss 0.2500, val acc 0.75, 1000 tok/s")
+
+
+def test_sft_prints_progress_lines_while_a_check_blocks_training() -> None:
+    """A validation check blocks the loop (an agentic task's took 15-35 s): lines go on."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from laminar.recipe.sft import _Progress
+
+    out = StringIO()
+    with _Progress(every_s=0.01, console=Console(file=out, width=200)) as shown:
+        with shown.checking(100, "checking greedy accuracy on 100 problems"):
+            deadline = time.monotonic() + 60  # waits for the lines; asserts no timing
+            while out.getvalue().count("\n") < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        after = out.getvalue()
+    lines = after.splitlines()
+    assert len(lines) >= 3, lines
+    assert all(
+        line.startswith("sft: step 100, checking greedy accuracy on 100 problems (")
+        for line in lines
+    )
+    time.sleep(0.05)
+    assert out.getvalue() == after  # the ticker ended with the check
 
 
 def test_stop_at_flag() -> None:
