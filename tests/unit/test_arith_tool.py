@@ -24,30 +24,31 @@ pytestmark = pytest.mark.skipif(check_sandbox() is not None, reason="no sandbox 
 def test_the_calculator_replays_every_demonstration() -> None:
     task = load_task(TASK)
     env_class = task.environment
-    for record in task.test_records(20):
+
+    async def play(record: dict) -> None:
         demo = task.demonstration(record)
         turns = demo.split("?")  # model turn i ends with "?", the next starts with the answer
+        env = env_class()
+        await env.reset(record)
+        reward, calls = 0.0, 0
+        answer = ""  # the calculator's part at the start of each turn but the first
+        for i, turn in enumerate(turns):
+            action = turn[len(answer) :]
+            if i < len(turns) - 1:
+                step = await env.step(action + "?")
+                answer = turns[i + 1].split("\n")[0]
+                assert step.observation == answer, (record, i)
+                calls += 1
+            else:
+                step = await env.step(action)
+                assert step.done
+            reward += step.reward
+        assert reward == 1.0 and calls == demo.count("?"), record
 
-        async def play(record: dict = record, turns: list[str] = turns) -> tuple[float, int]:
-            env = env_class()
-            await env.reset(record)
-            reward, calls = 0.0, 0
-            answer = ""  # the calculator's part at the start of each turn but the first
-            for i, turn in enumerate(turns):
-                action = turn[len(answer) :]
-                if i < len(turns) - 1:
-                    step = await env.step(action + "?")
-                    answer = turns[i + 1].split("\n")[0]
-                    assert step.observation == answer, (record, i)
-                    calls += 1
-                else:
-                    step = await env.step(action)
-                    assert step.done
-                reward += step.reward
-            return reward, calls
+    async def play_all() -> None:  # at once, as the data role's env.concurrency plays them
+        await asyncio.gather(*(play(record) for record in task.test_records(20)))
 
-        reward, calls = asyncio.run(play())
-        assert reward == 1.0 and calls == demo.count("?")
+    asyncio.run(play_all())
 
 
 def test_the_calculator_answers_a_bad_call_with_the_error_mark() -> None:
