@@ -132,17 +132,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from .evaluate import evaluate, render
     from .tasks import load_task
+    from .ticker import Ticker
 
     task = load_task(args.task)
-    result = evaluate(
-        task,
-        args.model,
-        n=args.n,
-        seed=args.seed,
-        data=args.data,
-        batch_size=args.batch_size,
-        threads=args.threads,
-    )
+    # on stderr, so that --json's stdout stays one JSON document
+    ticker = Ticker(lambda line: print(line, file=sys.stderr, flush=True))
+    with ticker.during(f"eval: {args.model}"):
+        result = evaluate(
+            task,
+            args.model,
+            n=args.n,
+            seed=args.seed,
+            data=args.data,
+            batch_size=args.batch_size,
+            threads=args.threads,
+        )
     print(json.dumps(asdict(result), indent=2) if args.json else render(result))
     return 0
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,6 +59,7 @@ from typing import Any
 from ..errors import ConfigError
 from .model import check_model_dir, save_model_dir
 from .tasks import Record, Task, read_jsonl
+from .ticker import Ticker
 from .tokenizer import EOS, PAD, load_tokenizer, special_id
 
 IGNORE = -100
@@ -391,34 +391,17 @@ class _Progress:
         self.every_s = every_s
         self.bar: Any = None
         self._last = -math.inf  # the training clock (update's elapsed) at the last line
-        self._printed_at = time.monotonic()  # the wall clock at the last line
+        self._ticker = Ticker(self.console.print, every_s)
 
     @contextmanager
     def checking(self, step: int, what: str) -> Iterator[None]:
-        """Lines at least every ``every_s`` while the block runs. Why a thread: a check blocks
-        the training loop, and an agentic task's validation waits on its environment (a
-        sandboxed tool call per step): 15-35 s for 100 problems of ``examples/arith_tool`` here,
-        which left the log silent that long."""
-        if self.bar is not None:  # a terminal's bar shows its elapsed time by itself
+        """Lines on while a check blocks the training loop (:mod:`.ticker`); a terminal's bar
+        shows its elapsed time by itself."""
+        if self.bar is not None:
             yield
             return
-        began = time.monotonic()
-        done = threading.Event()
-
-        def tick() -> None:
-            while not done.wait(max(0.0, self._printed_at + self.every_s - time.monotonic())):
-                self._printed_at = time.monotonic()
-                self.console.print(
-                    f"sft: step {step}, {what} ({self._printed_at - began:.0f} s so far)"
-                )
-
-        ticker = threading.Thread(target=tick, name="sft-progress", daemon=True)
-        ticker.start()
-        try:
+        with self._ticker.during(f"sft: step {step}, {what}"):
             yield
-        finally:
-            done.set()
-            ticker.join()
 
     def __enter__(self) -> _Progress:
         if self.console.is_terminal:
@@ -451,7 +434,7 @@ class _Progress:
             return
         if elapsed - self._last >= self.every_s:
             self._last = elapsed
-            self._printed_at = time.monotonic()
+            self._ticker.said()
             val = "" if math.isnan(acc) else f", val acc {acc:.2f}"
             self.console.print(
                 f"sft: step {step} ({100 * progress:.0f}% of the budget), {elapsed:.0f} s, "

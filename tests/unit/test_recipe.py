@@ -394,6 +394,34 @@ def test_sft_prints_progress_lines_while_a_check_blocks_training() -> None:
     assert out.getvalue() == after  # the ticker ended with the check
 
 
+def test_the_ticker_says_how_long_and_counts_from_the_callers_last_line() -> None:
+    from laminar.recipe.ticker import Ticker
+
+    lines: list[str] = []
+    ticker = Ticker(lines.append, every_s=3600.0)
+    with ticker.during("eval: m"):
+        pass
+    assert lines == []  # nothing due within the hour
+    ticker = Ticker(lines.append, every_s=0.01)
+    with ticker.during("eval: m"):
+        deadline = time.monotonic() + 60  # waits for the lines; asserts no timing
+        while len(lines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    said = list(lines)
+    assert len(said) >= 2 and all(
+        x.startswith("eval: m (") and x.endswith(" s so far)") for x in said
+    )
+    time.sleep(0.05)
+    assert lines == said  # the thread ended with the block
+    ticker.every_s = 3600.0
+    ticker.said_at = time.monotonic() - 3600.0  # as if the caller last printed an hour ago
+    with ticker.during("late"):
+        deadline = time.monotonic() + 60
+        while len(lines) == len(said) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert lines[len(said)].startswith("late (")  # due at once: the hour since the caller's line
+
+
 def test_stop_at_flag() -> None:
     from laminar.recipe.cli import parse_stop_at
 
