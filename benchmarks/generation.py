@@ -12,9 +12,23 @@ Two runs in one invocation, on the example task's model and prompts, with identi
    started_at) of the trajectories the data role holds.
 
 ``overhead_ratio = role / bare`` (goal >= 0.95), measured in alternating pairs
-(``benchmarks/pairs.py``): bare, role, bare, role, ... (``--pairs``, at least three); the figure
-is the median of the pair ratios, with their spread. Both share this machine's cores; the role
-run also pays for the data and manager processes, which is the overhead being measured.
+(``benchmarks/pairs.py``); the figure is the median of the pair ratios, with their spread. Both
+share this machine's cores; the role run also pays for the data and manager processes, which is
+the overhead being measured. Two ways to alternate (``--mode``):
+
+* ``segments`` (the default): both set-ups start once and stay up, and the pairs are segments of
+  ``--prompts`` x ``--samples`` requests each: the role path generates one (the data role's
+  ``max_ahead`` lets the rollout lease exactly that many), the rollout is drained, the segment's
+  trajectories are taken, and bare vLLM then generates the very same requests (their prompt
+  tokens and per-trajectory seeds); the rollout is resumed for the next. ``--warmup-pairs``
+  (default 1) run first and are not counted: a side's first segment is its first real load.
+  Each side waits ``--settle`` seconds before its segment, so the other side's idle engine has
+  stopped polling (vLLM's engine core and worker spin only about a second after their last
+  work). No start-up, no model load and no fresh interpreter sits between the two sides of a
+  pair.
+* ``fresh``: each run starts its own engine (bare) or cluster (role) and stops it afterwards, the
+  protocol of every figure measured before 2026-11-27; pairs a minute apart, each
+  behind a start-up, disagreed by 15% and more on this 2-core VM.
 
     python benchmarks/generation.py --json runs/bench/generation.json
 """
@@ -23,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import shutil
@@ -30,7 +45,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -43,6 +60,7 @@ from laminar.harness.launch import ProcessCluster  # noqa: E402
 from laminar.roles.data.api import DataApi, SampleRequest  # noqa: E402
 from laminar.roles.data.prompts import load_tokenizer, read_records  # noqa: E402
 from laminar.roles.data.service import trajectory_seed  # noqa: E402
+from laminar.roles.rollout.api import DrainRequest, RolloutApi  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pairs  # noqa: E402  (benchmarks/pairs.py)
@@ -50,8 +68,8 @@ import pairs  # noqa: E402  (benchmarks/pairs.py)
 TASK = ROOT / "examples" / "arith" / "task.py"
 
 
-def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
-    """The model directory and a prompts JSONL of ``--prompts`` records."""
+def prepare(args: argparse.Namespace, work: Path, n: int) -> tuple[Path, Path]:
+    """The model directory and a prompts JSONL of ``n`` records."""
     model = Path(args.model) if args.model else work / "arith-init"
     if not (model / "config.json").is_file():
         subprocess.run(
@@ -68,7 +86,7 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
             ],
             check=True,
         )
-    data = work / "arith-data"
+    data = work / f"arith-data-{max(n, 64)}"
     if not (data / "test.jsonl").is_file():
         subprocess.run(
             [
@@ -80,14 +98,14 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
                 "--train",
                 "0",
                 "--test",
-                str(max(args.prompts, 64)),
+                str(max(n, 64)),
                 "--seed",
                 "1",
             ],
             check=True,
         )
-    records = read_records(data / "test.jsonl")[: args.prompts]
-    prompts = work / f"prompts-{args.prompts}.jsonl"
+    records = read_records(data / "test.jsonl")[:n]
+    prompts = work / f"prompts-{n}.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
     return model, prompts
 
@@ -99,20 +117,39 @@ def engine_config(args: argparse.Namespace, model: Path) -> VllmEngineConfig:
     )
 
 
-async def run_bare(args: argparse.Namespace, model: Path, prompts: Path) -> dict[str, float]:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+def bare_start(args: argparse.Namespace, model: Path) -> Any:
+    """vLLM's ``AsyncLLM`` on the rollout's engine settings (warmed up by :func:`bare_warm`)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    tok = load_tokenizer(model)
-    records = read_records(prompts)
-    jobs = [
-        (f"{r['id']}/{k}", tok.encode(r["prompt"]).ids)
-        for r in records
-        for k in range(args.samples)
-    ]
-    eos = eos_token_ids(str(model))
-    llm = AsyncLLM.from_engine_args(engine_args(engine_config(args, model)))
+    return AsyncLLM.from_engine_args(engine_args(engine_config(args, model)))
+
+
+async def bare_warm(llm: Any, args: argparse.Namespace) -> None:
+    """What the rollout's engine does before it reports ready (``VllmEngine._warmup``)."""
+    from vllm import SamplingParams
+
+    warm = SamplingParams(max_tokens=4, temperature=1.0, logprobs=0, detokenize=False)
+
+    async def one(i: int) -> None:
+        async for _ in llm.generate({"prompt_token_ids": [i % 2] * 8}, warm, f"warmup-{i}"):
+            pass
+
+    await asyncio.gather(*(one(i) for i in range(min(8, args.concurrency))))
+
+
+def bare_stop(llm: Any) -> None:
+    llm.shutdown()
+    gc.collect()  # now: its __del__ at interpreter exit would find vLLM torn down
+
+
+async def bare_generate(
+    llm: Any, jobs: list[tuple[str, list[int]]], args: argparse.Namespace, eos: list[int]
+) -> dict[str, float]:
+    """``jobs`` (trajectory id, prompt token ids) through ``llm``, ``--concurrency`` in flight,
+    each seeded as the data role seeds that trajectory; tokens and wall time."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
     tokens = 0
 
     async def one(tid: str, ids: list[int]) -> None:
@@ -130,43 +167,40 @@ async def run_bare(args: argparse.Namespace, model: Path, prompts: Path) -> dict
             if out.finished:
                 tokens += len(out.outputs[0].token_ids)
 
-    async def worker(queue: list[tuple[str, list[int]]]) -> None:
+    queue = list(jobs)
+
+    async def worker() -> None:
         while queue:
             await one(*queue.pop(0))
 
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0, "requests": len(jobs)}
+
+
+async def run_bare(args: argparse.Namespace, model: Path, prompts: Path) -> dict[str, float]:
+    """``fresh``: an engine of its own for one run of every prompt x sample."""
+    tok = load_tokenizer(model)
+    jobs = [
+        (f"{r['id']}/{k}", tok.encode(r["prompt"]).ids)
+        for r in read_records(prompts)
+        for k in range(args.samples)
+    ]
+    llm = bare_start(args, model)
     try:
-        # the rollout's engine warms up the same way before it reports ready (VllmEngine._warmup)
-        warm = SamplingParams(max_tokens=4, temperature=1.0, logprobs=0, detokenize=False)
-
-        async def warmup(i: int) -> None:
-            async for _ in llm.generate({"prompt_token_ids": [i % 2] * 8}, warm, f"warmup-{i}"):
-                pass
-
-        await asyncio.gather(*(warmup(i) for i in range(min(8, args.concurrency))))
-        tokens = 0
-        queue = list(jobs)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(queue) for _ in range(args.concurrency)))
-        wall = time.perf_counter() - t0
+        await bare_warm(llm, args)
+        return await bare_generate(llm, jobs, args, eos_token_ids(str(model)))
     finally:
-        llm.shutdown()
-        llm = None  # collect it now: its __del__ at interpreter exit would find vLLM torn down
-        gc.collect()
-    return {"tokens": tokens, "seconds": wall, "requests": len(jobs)}
+        bare_stop(llm)
 
 
-async def run_role(
-    args: argparse.Namespace, model: Path, prompts: Path, work: Path, run: int
-) -> dict[str, float]:
-    from laminar.config import ClusterConfig
-    from laminar.rpc_client import RpcClient, remote
-    from laminar.service import transport_options
+TOKEN = "bench-token-0123456789abcdef"
 
-    token = "bench-token-0123456789abcdef"
-    # a fresh store: one left by an earlier invocation's run of this number (`--work` reused)
-    # would be resumed, its trajectories all served already
-    shutil.rmtree(work / f"role-{run}", ignore_errors=True)
-    config = {
+
+def role_config(
+    args: argparse.Namespace, model: Path, prompts: Path, store: Path, max_ahead: int | None
+) -> dict[str, Any]:
+    return {
         "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0, "nice": args.nice},
         "manager": {"bind": "tcp://127.0.0.1:0", "metrics": None, "admin": "127.0.0.1:0"},
         "data": {
@@ -175,8 +209,9 @@ async def run_role(
             "reward": f"{TASK}:reward",
             "samples_per_prompt": args.samples,
             "sampling": {"max_tokens": args.max_tokens, "temperature": 1.0, "seed": args.seed},
-            "store": str(work / f"role-{run}" / "data.sqlite"),
+            "store": str(store),
             "metrics": None,
+            "max_ahead": max_ahead,
         },
         "rollout": {
             "metrics": None,
@@ -184,27 +219,101 @@ async def run_role(
             "engine": engine_config(args, model).model_dump(),
         },
     }
-    path = work / "role.yaml"
-    path.write_text(yaml.safe_dump(config))
-    total = len(read_records(prompts)) * args.samples
-    logs = work / f"role-{run}" / "logs"
-    # unpinned, as the bare engine it is compared with
-    with ProcessCluster(path, logs, env={"LAMINAR_TOKEN": token}, pin_rollouts=False) as cluster:
-        cluster.serve("manager", "manager")
-        data_info = cluster.serve("data", "data-0")
-        cluster.serve("rollout", "rollout-0", timeout=300)
-        client = RpcClient(data_info["address"], transport_options(ClusterConfig(), token.encode()))
-        data = remote(DataApi, client)
-        try:
-            while not (await data.status.call()).finished:  # noqa: ASYNC110 - another process
-                await asyncio.sleep(0.5)
-            trajectories = (await data.sample.call(SampleRequest(n=total))).items
-        finally:
-            await client.close()
+
+
+def role_figures(trajectories: list[Any]) -> dict[str, float]:
+    """Tokens over the time from the first trajectory started to the last finished."""
     start = min(t.started_at for t in trajectories)
     end = max(t.finished_at for t in trajectories)
     tokens = sum(len(t.response_token_ids) for t in trajectories)
     return {"tokens": tokens, "seconds": end - start, "requests": len(trajectories)}
+
+
+@contextlib.asynccontextmanager
+async def role_cluster(
+    args: argparse.Namespace, work: Path, config: dict[str, Any], logs: Path
+) -> AsyncIterator[tuple[Any, Any]]:
+    """Manager, data and one rollout as processes; typed clients of the data role and rollout."""
+    from laminar.config import ClusterConfig
+    from laminar.rpc_client import RpcClient, remote
+    from laminar.service import transport_options
+
+    path = work / "role.yaml"
+    path.write_text(yaml.safe_dump(config))
+    options = transport_options(ClusterConfig(), TOKEN.encode())
+    # unpinned, as the bare engine it is compared with
+    with ProcessCluster(path, logs, env={"LAMINAR_TOKEN": TOKEN}, pin_rollouts=False) as cluster:
+        cluster.serve("manager", "manager")
+        data_info = cluster.serve("data", "data-0")
+        rollout_info = cluster.serve("rollout", "rollout-0", timeout=300)
+        data_client = RpcClient(data_info["address"], options)
+        rollout_client = RpcClient(rollout_info["address"], options)
+        try:
+            yield remote(DataApi, data_client), remote(RolloutApi, rollout_client)
+        finally:
+            await data_client.close()
+            await rollout_client.close()
+
+
+async def run_role(
+    args: argparse.Namespace, model: Path, prompts: Path, work: Path, run: int
+) -> dict[str, float]:
+    """``fresh``: a cluster of its own for one run of every prompt x sample."""
+    # a fresh store: one left by an earlier invocation's run of this number (`--work` reused)
+    # would be resumed, its trajectories all served already
+    shutil.rmtree(work / f"role-{run}", ignore_errors=True)
+    config = role_config(args, model, prompts, work / f"role-{run}" / "data.sqlite", None)
+    total = len(read_records(prompts)) * args.samples
+    async with role_cluster(args, work, config, work / f"role-{run}" / "logs") as (data, _):
+        while not (await data.status.call()).finished:  # noqa: ASYNC110 - another process
+            await asyncio.sleep(0.5)
+        trajectories = (await data.sample.call(SampleRequest(n=total))).items
+    return role_figures(trajectories)
+
+
+async def run_segments(
+    args: argparse.Namespace, model: Path, prompts: Path, work: Path
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """``segments``: both set-ups up at once, alternating segments of the same requests."""
+    segment = args.prompts * args.samples
+    eos = eos_token_ids(str(model))
+    bares: list[dict[str, float]] = []
+    roles: list[dict[str, float]] = []
+    llm = bare_start(args, model)
+    try:
+        await bare_warm(llm, args)  # then idle: its processes stop polling before the roles start
+        shutil.rmtree(work / "segments", ignore_errors=True)
+        # the data role leases one segment's trajectories and no more until they are taken
+        config = role_config(args, model, prompts, work / "segments" / "data.sqlite", segment)
+        async with role_cluster(args, work, config, work / "segments" / "logs") as (data, rollout):
+            for k in range(args.warmup_pairs + args.pairs):
+                if k:
+                    await asyncio.sleep(args.settle)
+                    await rollout.resume.call()
+                while (await data.status.call()).scored < (k + 1) * segment:  # noqa: ASYNC110
+                    await asyncio.sleep(0.5)
+                await rollout.drain.call(DrainRequest(reason="the bare segment runs"))
+                items = (await data.sample.call(SampleRequest(n=segment))).items
+                if len(items) != segment:
+                    raise RuntimeError(f"segment {k}: took {len(items)} of {segment} trajectories")
+                role = role_figures(items)
+                await asyncio.sleep(args.settle)
+                jobs = [(t.trajectory_id, t.prompt_token_ids) for t in items]
+                bare = await bare_generate(llm, jobs, args, eos)
+                warmup = k < args.warmup_pairs
+                print(
+                    f"{'warm-up pair' if warmup else 'pair'} {k}: role "
+                    f"{role['tokens'] / role['seconds']:.0f}, bare "
+                    f"{bare['tokens'] / bare['seconds']:.0f} tokens/s",
+                    flush=True,
+                )
+                if not warmup:
+                    roles.append(role)
+                    bares.append(bare)
+    finally:
+        bare_stop(llm)
+        llm = None
+    return bares, roles
 
 
 def main() -> None:
@@ -231,16 +340,42 @@ def main() -> None:
         default=0,
         help="the roles' cluster.nice (laminar.proc.placement; default 0, the config's default)",
     )
+    parser.add_argument(
+        "--mode",
+        choices=("segments", "fresh"),
+        default="segments",
+        help="segments: both set-ups stay up and alternate segments of the same requests; "
+        "fresh: a new engine or cluster for every run (see the module's docstring)",
+    )
+    parser.add_argument(
+        "--warmup-pairs",
+        type=int,
+        default=1,
+        help="segments: pairs run first and not counted (a side's first segment is its first "
+        "real load: caches, allocator, the data role's first leases)",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        help="segments: seconds between segments, for the idle side's engine to stop polling",
+    )
     parser.add_argument("--work", help="scratch directory (default: a temporary one)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    if args.pairs < 3:
+        parser.error("--pairs: at least three, for a median and a spread")
     work = Path(args.work or tempfile.mkdtemp(prefix="laminar-bench-gen-"))
     work.mkdir(parents=True, exist_ok=True)
-    model, prompts = prepare(args, work)
-    bares, roles = [], []
-    for run in range(args.pairs):  # alternating, so drift in the machine hits both alike
-        bares.append(asyncio.run(run_bare(args, model, prompts)))
-        roles.append(asyncio.run(run_role(args, model, prompts, work, run)))
+    if args.mode == "segments":  # a segment of its own prompts per pair
+        model, prompts = prepare(args, work, args.prompts * (args.warmup_pairs + args.pairs))
+        bares, roles = asyncio.run(run_segments(args, model, prompts, work))
+    else:
+        model, prompts = prepare(args, work, args.prompts)
+        bares, roles = [], []
+        for run in range(args.pairs):  # alternating, so drift in the machine hits both alike
+            bares.append(asyncio.run(run_bare(args, model, prompts)))
+            roles.append(asyncio.run(run_role(args, model, prompts, work, run)))
     bare_runs = [b["tokens"] / b["seconds"] for b in bares]
     role_runs = [r["tokens"] / r["seconds"] for r in roles]
     ratio = pairs.summarise(bare_runs, role_runs)
@@ -258,6 +393,9 @@ def main() -> None:
         "bare": bares,
         "role": roles,
         "settings": {
+            "mode": args.mode,
+            "settle_s": args.settle,
+            "warmup_pairs": args.warmup_pairs if args.mode == "segments" else 0,
             "pairs": args.pairs,
             "model": str(model),
             "prompts": args.prompts,

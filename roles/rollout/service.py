@@ -291,6 +291,11 @@ class RolloutService(Service, RolloutApi):
                 self.ahead.add(assignment)
             else:  # a resume continues tokens of its version: now, while that is the engine's
                 await self._start(assignment)
+        if self.phases.operator_drain:
+            # A drain came while this take waited at the data role (a long poll): what it brought
+            # goes back now, or a drained rollout would keep those prompts from every other
+            # rollout for as long as the drain lasts.
+            await self._give_back(self.ahead.clear())
         await self._fill()
 
     async def _feed(self) -> None:

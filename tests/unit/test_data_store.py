@@ -111,6 +111,25 @@ def test_give_back_requeues_only_unstarted_leases_of_that_rollout_in_queue_order
     assert store.holder(d.trajectory_id) == ("leased", "r2", 4)
 
 
+def test_a_lease_given_back_unstarted_starts_at_its_next_lease(tmp_path):
+    now = [100.0]
+    store = Store(tmp_path / "s.sqlite", now=lambda: now[0])
+    store.load_prompts(((f"p{i}", {"id": f"p{i}"}, [1, 2, i]) for i in range(2)), "fp")
+    store.refill(10, samples=1, seed=0, epochs=None)
+    a, b = store.lease("r1", 2, 0, set(), PARAMS)
+    chunk = PartialChunk(
+        trajectory_id=b.trajectory_id, version=0, offset=0, token_ids=[4], logprobs=[-1]
+    )
+    store.append_partials("r1", [chunk])  # b has tokens: its release below keeps its start
+    assert store.give_back("r1", [a.trajectory_id]) == [a.trajectory_id]
+    assert store.release("r1") == [b.trajectory_id]
+    now[0] = 130.0
+    again = {x.trajectory_id: x for x in store.lease("r2", 2, 0, set(), PARAMS)}
+    # a waited in a rollout's hand and never ran: its first start is this lease, not the first
+    assert again[a.trajectory_id].started_at == 130.0
+    assert again[b.trajectory_id].started_at == 100.0
+
+
 def test_partials_gap_is_refused_and_completion_is_exactly_once(tmp_path):
     store = make_store(tmp_path)
     store.refill(1, samples=1, seed=0, epochs=1)

@@ -279,6 +279,13 @@ class Queue(StoreBase):
                     mine.append((row[0], tid))
             released = [tid for _, tid in sorted(mine)]
             self._requeue(released)
+            # One that never generated a token never started: its next lease is its first start
+            # (a resume keeps the start of the lease that began its tokens).
+            self.db.executemany(
+                "UPDATE samples SET started_at = NULL WHERE trajectory_id = ? "
+                "AND NOT EXISTS (SELECT 1 FROM partials WHERE trajectory_id = ?)",
+                [(tid, tid) for tid in released],
+            )
         return released
 
     def _requeue(self, tids: list[str]) -> None:
