@@ -1,12 +1,22 @@
-"""The process a sandboxed tool call runs in: namespaces and limits first, then the tool.
+"""The jail a sandboxed tool call runs in (namespaces and limits, then the tool); its fork server.
 
-``python -m laminar.tools.jail SPEC.json`` is what :func:`laminar.tools.sandbox.run_python`
-starts (in a session of its own). Why a separate program rather than a ``preexec_fn``: the data
-role has threads, and a forked child of a threaded process may deadlock on a lock another thread
-held at the fork; here the parent only fork-execs, and this fresh interpreter sets everything up.
+A program of the standard library alone, run by path (``python -I -S jail.py``), so that it starts
+in milliseconds and needs nothing a tool's user cannot read. Two ways to run it:
 
-In order (each step's failure is an error on stderr and exit status 125, never a tool run without
-it):
+* ``jail.py --serve FD``: the **fork server** that :func:`laminar.tools.sandbox.run_python`
+  starts once per process and keeps. It reads requests from the socket ``FD`` (a tool's spec, and
+  the write ends of the pipes its stdout and stderr go to), forks a jail for each (below) and
+  answers with the jail's pid, then its exit status. Why a server: a call used to start two
+  interpreters (this program, then the tool's own), about 100 ms of CPU each call on a 2-core
+  machine, where a fork of this small, warm interpreter takes about a millisecond and the tool
+  runs in the fork. The server is single-threaded, so its forks are safe (the data role, which
+  has threads, only fork-execs the server); it exits, killing its jails, when the caller's end
+  of the socket closes (the caller exited or was killed).
+* ``jail.py SPEC.json``: one call, the jail below in this process (the tests run it as a plain
+  user); its exit status is the tool's.
+
+A jail, in order (each step's failure is an error on stderr and exit status 125, never a tool run
+without it):
 
 1. **Namespaces**: a new network namespace (only a loopback device, down: no network at all) and
    a new PID namespace; not as root, a new user namespace first, which is what lets an
@@ -19,27 +29,40 @@ it):
    then, as root, **a user of its own** (an unused uid and gid from the spec: RLIMIT_NPROC then
    counts only the tool's processes, and the tool cannot write what the project owns), then
    ``PR_SET_PDEATHSIG``: if this jail dies, the tool gets SIGKILL and the namespace with it.
-4. ``exec`` the interpreter in isolated mode (``-I``: no user site, no ``PYTHONPATH``) on the
-   tool's file, in its working directory, with the environment the spec gives (never the
-   cluster's token: the caller builds it).
+4. The tool: a fork of the init runs the tool's file as ``__main__`` (``runpy``) in this
+   interpreter, isolated (``-I``: no user site, no ``PYTHONPATH``; ``-S``: no site-packages), in
+   its working directory, with exactly the environment the spec gives (never the cluster's
+   token: the caller builds it) and the default signal dispositions. Its exit status is what a
+   fresh ``python tool.py`` would give: 0, ``sys.exit``'s code, 1 with the traceback on stderr
+   for an uncaught exception, 128 + the signal that killed it.
 
-The jail waits for the child and exits with its status (128 + signal if it was killed).
+The jail waits for the child and exits with its status (128 + signal if it was killed); told to
+stop (SIGTERM, SIGINT, SIGHUP), it kills the child first.
 """
 
 from __future__ import annotations
 
+import array
 import ctypes
 import json
 import os
+import pkgutil  # noqa: F401 - runpy.run_path imports it on first use: once, here, not per tool
 import resource
+import runpy
+import selectors
 import signal
+import socket
 import sys
+import traceback
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 CLONE_NEWPID = 0x20000000
 PR_SET_PDEATHSIG = 1
 SETUP_FAILED = 125
+#: largest request (a spec is a few hundred bytes) and the most file descriptors one carries
+MAX_MESSAGE = 1 << 16
+MAX_FDS = 2
 
 
 def _libc() -> ctypes.CDLL:
@@ -104,6 +127,45 @@ def exit_status(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
+def _default_signals() -> None:
+    """What a fresh interpreter starts with: every handler this program set undone (SIGINT back
+    to Python's own, SIGPIPE ignored as Python does)."""
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def run_tool(spec: dict) -> int:
+    """Step 4, in the tool's process: its file as ``__main__``; the status a fresh interpreter
+    would exit with."""
+    _default_signals()
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    sys.argv[:] = [spec["program"]]
+    code = 0
+    try:
+        runpy.run_path(spec["program"], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code & 0xFF
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # what the interpreter would print, then status 1
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            if code == 0:
+                code = 120  # as the interpreter does when it cannot flush stdout at exit
+    return code
+
+
 def child(spec: dict) -> None:
     """Steps 3 and 4; never returns. This process is PID 1 of the new namespace, and the kernel
     delivers no signal to a namespace's init that it has no handler for (SIGXCPU at the CPU
@@ -115,26 +177,31 @@ def child(spec: dict) -> None:
         become(spec["uid"], spec["gid"])  # before the limits: RLIMIT_NPROC is the new uid's
     limit(spec)
     # getppid() is 0 here (the parent is outside the namespace), so a jail that died before this
-    # line goes unseen; the caller's kill of the session and, as root, of the uid cover it.
+    # line goes unseen; the caller's stop and, as root, its kill of the uid cover it.
     _die_with_parent()
     tool = os.fork()
     if tool == 0:
-        _die_with_parent()  # not inherited across fork
-        os.execve(spec["python"], [spec["python"], "-I", spec["program"]], spec["env"])
+        status = SETUP_FAILED
+        try:
+            _die_with_parent()  # not inherited across fork
+            status = run_tool(spec)
+        finally:
+            os._exit(status)
     while True:  # reap: orphans of the namespace are ours too
         pid, status = os.wait()
         if pid == tool:
             os._exit(exit_status(status))
 
 
-def main() -> int:
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
+def jail(spec: dict) -> int:
+    """Steps 1 and 2 in this process, 3 and 4 in its child; the child's exit status."""
     try:
         isolate(os.geteuid() == 0)
     except OSError as exc:
         print(f"sandbox: cannot isolate the tool: unshare failed: {exc}", file=sys.stderr)
         return SETUP_FAILED
+    sys.stdout.flush()
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         try:
@@ -142,11 +209,146 @@ def main() -> int:
         except BaseException as exc:
             print(f"sandbox: cannot start the tool: {exc!r}", file=sys.stderr, flush=True)
         os._exit(SETUP_FAILED)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the caller ends us: end it
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # told to stop: end the child
         signal.signal(sig, lambda s, _f: os.kill(pid, signal.SIGKILL))
-    _, status = os.waitpid(pid, 0)
-    return exit_status(status)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            return exit_status(status)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for old Pythons
+            continue
+
+
+# -- the fork server ------------------------------------------------------------------------
+
+
+def _jail_of_server(spec: dict, out: int, err: int) -> int:
+    """In a fork of the server: the call's pipes as stdout and stderr, every other descriptor of
+    the server closed, death with the server, then the jail."""
+    _default_signals()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.closerange(3, 1 << 16)  # the server's socket and wake-up pipe, these pipes' copies
+    _die_with_parent()
+    return jail(spec)
+
+
+def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """One request and the descriptors it carries; ``(None, [])`` once the caller is gone."""
+    room = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+    data, ancillary, _, _ = sock.recvmsg(MAX_MESSAGE, room)
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    if not data:
+        return None, list(fds)
+    return json.loads(data), list(fds)
+
+
+def serve(fd: int) -> int:
+    """The fork server's loop (see the module docstring). Requests: ``{"op": "run", "id": N,
+    "spec": {...}}`` with two descriptors (stdout, stderr), answered ``{"id": N, "pid": P}`` and
+    later ``{"id": N, "status": S}`` (or ``{"id": N, "error": "..."}`` when no jail started);
+    ``{"op": "signal", "id": N, "signal": S}`` signals that call's jail while it has not been
+    reaped (so never a recycled pid)."""
+    sock = socket.socket(fileno=fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wake-up byte is written
+    jobs: dict[int, int] = {}  # jail pid -> request id
+    calls: dict[int, int] = {}  # request id -> jail pid
+
+    def send(message: dict) -> None:
+        sock.send(json.dumps(message).encode())
+
+    def reap() -> None:
+        while jobs:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            call = jobs.pop(pid, None)
+            if call is not None:
+                calls.pop(call, None)
+                send({"id": call, "status": exit_status(status)})
+
+    def run(message: dict, fds: list[int]) -> None:
+        call = message["id"]
+        if len(fds) != 2:
+            send({"id": call, "error": f"a run carries 2 descriptors, not {len(fds)}"})
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            send({"id": call, "error": f"fork failed: {exc}"})
+            return
+        if pid == 0:
+            status = SETUP_FAILED
+            try:
+                status = _jail_of_server(message["spec"], *fds)
+            except BaseException as exc:
+                print(f"sandbox: cannot start the jail: {exc!r}", file=sys.stderr, flush=True)
+            finally:
+                os._exit(status)
+        jobs[pid] = call
+        calls[call] = pid
+        send({"id": call, "pid": pid})
+
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    try:
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj is not sock:
+                    while True:
+                        try:
+                            if not os.read(wake_r, 4096):
+                                break
+                        except BlockingIOError:
+                            break
+                    continue
+                message, fds = _receive(sock)
+                try:
+                    if message is None:
+                        return 0  # the caller is gone
+                    if message.get("op") == "run":
+                        run(message, fds)
+                    elif message.get("op") == "signal" and message.get("id") in calls:
+                        os.kill(calls[message["id"]], int(message["signal"]))
+                finally:
+                    for f in fds:
+                        os.close(f)
+            reap()
+    except (BrokenPipeError, ConnectionResetError):
+        return 0  # the caller is gone
+    finally:
+        for pid in jobs:  # each jail's init and tool die with it (their parent-death signal)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--serve"] and len(argv) == 2:
+        return serve(int(argv[1]))
+    if len(argv) != 1:
+        print("usage: jail.py SPEC.json | jail.py --serve FD", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    return jail(spec)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -5,15 +5,16 @@ being trained to do whatever earns reward. Whatever it writes (an infinite loop,
 gigabyte of output, a connection to the cluster, a read of the cluster's token) must fail that
 turn with a reason, and nothing else: not the data role, not the machine, not the run.
 
-:func:`run_python` writes the code to a fresh directory and starts :mod:`.jail` in a session of
-its own; the jail puts the tool in new network and PID namespaces, under CPU, memory, process and
-file-size limits and (as root) a user of its own, and execs the interpreter in isolated mode with
-a minimal environment (``PATH``, ``HOME`` = its directory, ``LANG``; nothing of the caller's, so
-no token). Here, in the caller:
+:func:`run_python` writes the code to a fresh directory and hands it to this process's jail server
+(:mod:`.jailserver`: :mod:`.jail` run as a fork server, started on first use), which forks a jail
+for it: the tool runs in new network and PID namespaces, under CPU, memory, process and file-size
+limits and (as root) a user of its own, isolated (``-I -S``) with a minimal environment (``PATH``,
+``HOME`` = its directory, ``LANG``; nothing of the caller's, so no token). A call costs a fork of
+a small warm interpreter, not the start of two (:mod:`.jail` says why). Here, in the caller:
 
 * **wall clock**: past ``wall_s`` the jail is told to stop, kills the tool and reaps it, and the
-  tool's death empties its PID namespace (a jail that does not stop is killed with its session;
-  the tool then dies by its parent-death signal);
+  tool's death empties its PID namespace (a jail that does not stop is killed; the tool then
+  dies by its parent-death signal); a call whose task is cancelled kills its jail at once;
 * **output**: stdout and stderr are read as they come, at most ``output_bytes`` each; past that the
   tool is killed and the turn fails (``output over N bytes``), so a flood costs bounded memory;
 * **afterwards**: every process still running as the tool's uid is killed (as root), and the
@@ -31,9 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import secrets
 import shutil
 import signal
 import stat
@@ -49,12 +48,10 @@ from pydantic import Field
 from laminar.config import Strict
 
 from .jail import SETUP_FAILED
+from .jailserver import JailCall, JailServer, JailServerGone
+from .uids import CLAIMS, SANDBOX_UIDS
 
-__all__ = ["SandboxLimits", "ToolResult", "check_sandbox", "run_python"]
-
-#: uids a tool runs as (as root): one per call, drawn from a range no distribution allocates
-#: (systemd's dynamic users stop at 61183; container ranges start at 524288).
-SANDBOX_UIDS = range(200_000, 260_000)
+__all__ = ["SANDBOX_UIDS", "SandboxLimits", "ToolResult", "check_sandbox", "run_python"]
 
 
 class SandboxLimits(Strict):
@@ -164,26 +161,30 @@ def _status_reason(status: int, limits: SandboxLimits, stderr: str) -> str | Non
 
 
 async def run_python(code: str, limits: SandboxLimits | None = None) -> ToolResult:
-    """Run ``code`` with the interpreter this process runs, sandboxed; see the module docstring."""
+    """Run ``code`` sandboxed, with this process's jail server; see the module docstring."""
     limits = limits or SandboxLimits()
     start = time.perf_counter()
-    uid = SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))] if os.geteuid() == 0 else None
-    work, spec_file = _prepare(code, limits, uid)
+    uid = CLAIMS.claim() if os.geteuid() == 0 else None  # a uid no other call holds
     try:
-        return await _run(spec_file, limits, uid, start)
+        work, spec = _prepare(code, limits, uid)
+        try:
+            return await _run(spec, limits, uid, start)
+        finally:
+            _cleanup(work, uid)
     finally:
-        _cleanup(work, spec_file, uid)
+        if uid is not None:
+            CLAIMS.release(uid)  # once nothing of the call runs as it
 
 
-def _prepare(code: str, limits: SandboxLimits, uid: int | None) -> tuple[Path, Path]:
-    """The tool's directory (its file inside, owned by ``uid``) and the jail's spec file."""
+def _prepare(code: str, limits: SandboxLimits, uid: int | None) -> tuple[Path, dict[str, object]]:
+    """The tool's directory (its file inside, owned by ``uid``) and the jail's spec."""
     work = Path(tempfile.mkdtemp(prefix="laminar-tool-"))
     program = work / "tool.py"
     program.write_text(code)
     if uid is not None:
         os.chown(work, uid, uid)
         os.chown(program, uid, uid)
-    spec = {
+    spec: dict[str, object] = {
         "python": interpreter(uid is not None),
         "program": str(program),
         "workdir": str(work),
@@ -195,73 +196,97 @@ def _prepare(code: str, limits: SandboxLimits, uid: int | None) -> tuple[Path, P
         "max_processes": limits.max_processes,
         "file_mib": limits.file_mib,
     }
-    fd, name = tempfile.mkstemp(prefix="laminar-jail-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(spec, f)
-    return work, Path(name)
+    return work, spec
 
 
-def _cleanup(work: Path, spec_file: Path, uid: int | None) -> None:
+def _cleanup(work: Path, uid: int | None) -> None:
     if uid is not None:
         _kill_uid(uid)
-    spec_file.unlink(missing_ok=True)
     shutil.rmtree(work, ignore_errors=True)
 
 
-async def _run(spec_file: Path, limits: SandboxLimits, uid: int | None, start: float) -> ToolResult:
-    jail = [sys.executable, "-I", "-m", "laminar.tools.jail", str(spec_file)]
-    proc = await asyncio.create_subprocess_exec(
-        *jail,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-    )
+async def _run(
+    spec: dict[str, object], limits: SandboxLimits, uid: int | None, start: float
+) -> ToolResult:
+    loop = asyncio.get_running_loop()
+    server = JailServer.get(str(spec["python"]))
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        call = server.start(spec, out_w, err_w)
+    except JailServerGone as exc:
+        os.close(out_r)
+        os.close(err_r)
+        wall = time.perf_counter() - start
+        return ToolResult(False, "", "", None, f"sandbox unavailable: {exc}", wall, uid)
+    finally:
+        os.close(out_w)  # the jail holds them now: EOF once it and everything it started end
+        os.close(err_w)
+    unread = [out_r, err_r]
+    pipes: list[asyncio.BaseTransport] = []
+    readers: list[asyncio.Future[None]] = []
     out, err = bytearray(), bytearray()
-    assert proc.stdout is not None and proc.stderr is not None
     reason = None
     try:
-        async with asyncio.timeout(limits.wall_s):
-            await asyncio.gather(
-                _read(proc.stdout, limits.output_bytes, out),
-                _read(proc.stderr, limits.output_bytes, err),
-            )
-            await proc.wait()
-    except TimeoutError:
-        reason = f"timed out after {limits.wall_s:g} s"
-    except _Overflow:
-        reason = f"output over {limits.output_bytes} bytes"
-    finally:
-        if proc.returncode is None:
-            await _stop(proc)
+        try:
+            for into in (out, err):
+                stream, pipe = await _reader(loop, unread.pop(0))
+                pipes.append(pipe)
+                readers.append(asyncio.ensure_future(_read(stream, limits.output_bytes, into)))
+            async with asyncio.timeout(limits.wall_s):
+                await asyncio.gather(*readers, asyncio.shield(call.status))
+        except TimeoutError:
+            reason = f"timed out after {limits.wall_s:g} s"
+        except _Overflow:
+            reason = f"output over {limits.output_bytes} bytes"
+        except JailServerGone as exc:
+            reason = f"sandbox unavailable: {exc}"
+        except BaseException:  # cancelled: the jail goes now, nothing more awaited
+            call.signal(signal.SIGKILL)
+            raise
+        if not call.status.done():
+            await _stop(call)
         if uid is not None:
             _kill_uid(uid)
-        with contextlib.suppress(TimeoutError):  # the rest (a pipe's worth at most), then EOF
-            await asyncio.wait_for(proc.communicate(), 5.0)
+        # the rest (a pipe's worth at most), then EOF: nothing holds the pipes any more
+        await asyncio.wait(readers, timeout=5.0)
+    finally:
+        for task in readers:
+            task.cancel()
+        for pipe in pipes:
+            pipe.close()
+        for fd in unread:
+            os.close(fd)
     stdout = out[: limits.output_bytes].decode(errors="replace")
     stderr = err[: limits.output_bytes].decode(errors="replace")
-    status = None if reason else proc.returncode
+    status = None
     if reason is None:
-        assert status is not None
+        status = call.status.result()
         reason = _status_reason(status, limits, stderr)
     wall = time.perf_counter() - start
     return ToolResult(reason is None, stdout, stderr, status, reason, wall, uid)
 
 
-async def _stop(proc: asyncio.subprocess.Process) -> None:
-    """End the jail and its tool. SIGTERM first: the jail SIGKILLs the tool and reaps it (the
-    tool's exit empties its namespace, the kernel reaping the rest), so no zombie is left to a
-    process 1 that may never reap it. A jail that does not exit at once is killed with its session
-    (the tool then dies by its parent-death signal)."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(proc.wait(), 5.0)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+async def _reader(
+    loop: asyncio.AbstractEventLoop, fd: int
+) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+    """An asyncio stream over the read end ``fd`` of a pipe (closed with its transport)."""
+    stream = asyncio.StreamReader(limit=1 << 20)
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(fd, "rb", buffering=0)
+    )
+    return stream, transport
+
+
+async def _stop(call: JailCall) -> None:
+    """End the jail and its tool. SIGTERM first: the jail SIGKILLs the tool's init (whose exit
+    empties the tool's namespace) and exits; one that has not exited within 5 s is killed (its
+    init, then the namespace, die by their parent-death signal)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        call.signal(sig)
+        with contextlib.suppress(TimeoutError, JailServerGone):
+            await asyncio.wait_for(asyncio.shield(call.status), 5.0)
+            return
 
 
 def check_sandbox() -> str | None:

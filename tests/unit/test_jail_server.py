@@ -1,0 +1,129 @@
+"""The jail's fork server (``laminar/tools/jailserver.py``, ``jail.py --serve``): one per process,
+shared by every event loop; a call whose task is cancelled, a server that dies, a caller killed
+with -9: each ends its tools and leaves no process behind, and the next call works.
+
+Real servers, real jails, real kills. "Behind" is counted as the processes below the server (its
+jails, their inits and tools), so tests of other modules using the sandbox meanwhile do not count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from laminar.proc.procfs import alive, descendants
+from laminar.tools.jailserver import JailServer
+from laminar.tools.sandbox import SandboxLimits, interpreter, run_python
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("sandbox")]
+
+SLEEPER = "import time\nprint('up', flush=True)\ntime.sleep(600)"
+LONG = SandboxLimits(wall_s=60.0)
+
+
+def server() -> JailServer:
+    return JailServer.get(interpreter(os.geteuid() == 0))
+
+
+def wait_for(probe, timeout: float = 30.0, interval: float = 0.02):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not (result := probe()):
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(interval)
+    return result
+
+
+def tools_of(pid: int) -> list[int]:
+    return descendants(pid)
+
+
+def test_calls_from_several_event_loops_share_one_server() -> None:
+    first = asyncio.run(run_python("print(6 * 7)"))
+    pid = server().process.pid
+    found: list[object] = []
+    worker = threading.Thread(target=lambda: found.append(asyncio.run(run_python("print(1)"))))
+    worker.start()
+    worker.join()
+
+    async def many() -> list[str]:  # concurrent calls on one loop
+        results = await asyncio.gather(*(run_python(f"print({i} * {i})") for i in range(12)))
+        return [r.stdout for r in results]
+
+    assert first.ok and first.stdout == "42\n"
+    assert found[0].ok and found[0].stdout == "1\n"  # type: ignore[attr-defined]
+    assert asyncio.run(many()) == [f"{i * i}\n" for i in range(12)]
+    assert server().process.pid == pid and alive(pid)
+    wait_for(lambda: not tools_of(pid))  # every jail reaped
+
+
+def test_a_cancelled_call_kills_its_tool_at_once() -> None:
+    async def scenario() -> None:
+        call = asyncio.create_task(run_python(SLEEPER, LONG))
+        pid = server().process.pid
+        while len(tools_of(pid)) < 3:  # noqa: ASYNC110 - another process: jail, init, tool
+            await asyncio.sleep(0.01)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    asyncio.run(scenario())
+    wait_for(lambda: not tools_of(server().process.pid))
+
+
+def test_a_killed_server_fails_its_calls_and_the_next_call_starts_another() -> None:
+    async def scenario() -> tuple[object, int, list[int]]:
+        call = asyncio.create_task(run_python(SLEEPER, LONG))
+        old = server().process.pid
+        while len(below := tools_of(old)) < 3:  # noqa: ASYNC110 - another process
+            await asyncio.sleep(0.01)
+        os.kill(old, signal.SIGKILL)
+        return await call, old, below
+
+    result, old, below = asyncio.run(scenario())
+    assert not result.ok and result.reason.startswith("sandbox unavailable: ")  # type: ignore[attr-defined]
+    wait_for(lambda: not any(alive(p) for p in [old, *below]))  # its jails died with it
+    again = asyncio.run(run_python("print('again')"))
+    assert again.ok and again.stdout == "again\n"
+    assert server().process.pid != old
+
+
+CALLER = """
+import asyncio, os, sys
+from laminar.tools.jailserver import JailServer
+from laminar.tools.sandbox import SandboxLimits, interpreter, run_python
+
+async def main():
+    call = asyncio.create_task(run_python({code!r}, SandboxLimits(wall_s=600)))
+    while True:
+        server = JailServer._current
+        if server is not None:
+            print(server.process.pid, flush=True)
+            break
+        await asyncio.sleep(0.01)
+    await call
+
+asyncio.run(main())
+"""
+
+
+def test_the_server_and_its_tools_die_with_a_caller_killed_by_sigkill() -> None:
+    caller = subprocess.Popen(
+        [sys.executable, "-c", CALLER.format(code=SLEEPER)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert caller.stdout is not None
+        pid = int(caller.stdout.readline())
+        below = wait_for(lambda: (found := tools_of(pid)) and len(found) >= 3 and found)
+        caller.kill()  # SIGKILL: no clean-up of any kind in the caller
+        caller.wait()
+        wait_for(lambda: not any(alive(p) for p in [pid, *below]))
+    finally:
+        caller.kill()
+        caller.wait()
