@@ -97,8 +97,9 @@ def warm_start(
     return sft, json.loads((sft / "sft.json").read_text())
 
 
-#: stop_at, stop_bucket, stop_bucket_at, bucket_every (the last three None without a bucket)
-Stop = tuple[float | None, str | None, float | None, int | None]
+#: stop_at, stop_bucket, stop_bucket_at, bucket_every (the last three None without a bucket), and
+#: the landing: near_every, confirm (0 and False for a warm start made before there was one)
+Stop = tuple[float | None, str | None, float | None, int | None, int, bool]
 
 
 def _stop(sft: Path) -> Stop:
@@ -106,7 +107,8 @@ def _stop(sft: Path) -> Stop:
     config = json.loads((sft / "sft.json").read_text())["config"]
     bucket = config.get("stop_bucket")
     every = config.get("bucket_every") if bucket is not None else None
-    return config.get("stop_at"), bucket, config.get("stop_bucket_at"), every
+    landing = config.get("near_every", 0), config.get("confirm", False)
+    return config.get("stop_at"), bucket, config.get("stop_bucket_at"), every, *landing
 
 
 def _target_stop(module: Any, stop_at: str | None, stop_bucket: str | None) -> Stop:
@@ -115,9 +117,10 @@ def _target_stop(module: Any, stop_at: str | None, stop_bucket: str | None) -> S
     bucket, bucket_acc = parse_stop_bucket(
         stop_bucket, getattr(module, "SFT_STOP_BUCKET", None), acc
     )
+    landing = SftConfig().near_every, SftConfig().confirm
     if bucket is None:
-        return acc, None, None, None
-    return acc, bucket, bucket_acc, SftConfig().bucket_every
+        return acc, None, None, None, *landing
+    return acc, bucket, bucket_acc, SftConfig().bucket_every, *landing
 
 
 def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -45,15 +45,15 @@ LIMITS = SandboxLimits(cpu_s=1, wall_s=5, memory_mib=256, output_bytes=1024)
 
 
 async def per_call(code: str) -> str:
-    """One call as a jail process of its own, with run_python's set-up and clean-up."""
+    """One call as a jail process of its own, with run_python's spec and clean-up."""
     uid = CLAIMS.claim() if os.geteuid() == 0 else None
-    work, spec = sandbox._prepare(code, LIMITS, uid)
+    spec = sandbox._spec(code, LIMITS, uid)
     fd, name = tempfile.mkstemp(prefix="laminar-jail-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(spec, f)
         proc = await asyncio.create_subprocess_exec(
-            str(spec["python"]), "-I", "-S", JAIL, name,
+            sandbox.interpreter(uid is not None), "-I", "-S", JAIL, name,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
         )  # fmt: skip
@@ -63,8 +63,9 @@ async def per_call(code: str) -> str:
         return out.decode()
     finally:
         os.unlink(name)
-        sandbox._cleanup(work, uid)
-        if uid is not None:
+        if os.path.lexists(str(spec["workdir"])):  # noqa: ASYNC240 - as run_python
+            sandbox._cleanup(str(spec["workdir"]), uid)
+        elif uid is not None:
             CLAIMS.release(uid)
 
 

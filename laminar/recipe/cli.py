@@ -50,9 +50,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
     cfg = SftConfig(
         steps=steps, minutes=args.minutes, seed=args.seed, threads=args.threads, demos=args.demos
     )
-    for name in ("batch_size", "lr", "warmup", "eval_every"):
+    for name in ("batch_size", "lr", "warmup", "eval_every", "near_every"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
+    cfg.confirm = not args.no_confirm
     cfg.stop_at = parse_stop_at(args.stop_at, getattr(task.module, "SFT_STOP_AT", None))
     cfg.stop_bucket, cfg.stop_bucket_at = parse_stop_bucket(
         args.stop_bucket, getattr(task.module, "SFT_STOP_BUCKET", None), cfg.stop_at
@@ -203,8 +204,8 @@ def register(sub: Any) -> None:
         "--stop-at",
         metavar="ACC",
         help="stop once greedy accuracy on training-split problems reaches ACC (checked every "
-        "100 steps), so the warm start leaves RL room; 'off' to disable (default: the task's "
-        "SFT_STOP_AT, if any)",
+        "100 steps, every 20 near it), so the warm start leaves RL room; 'off' to disable "
+        "(default: the task's SFT_STOP_AT, if any)",
     )
     sft.add_argument(
         "--stop-bucket",
@@ -219,6 +220,18 @@ def register(sub: Any) -> None:
         help="draw from the task's own distribution from the first step (ignore SFT_CURRICULUM)",
     )
     sft.add_argument("--eval-every", type=int, help="steps between accuracy checks (default 100)")
+    sft.add_argument(
+        "--near-every",
+        type=int,
+        help="steps between checks once one reads within 0.15 of --stop-at (default 20; 0: "
+        "every --eval-every)",
+    )
+    sft.add_argument(
+        "--no-confirm",
+        action="store_true",
+        help="stop at the first check that reaches --stop-at (default: repeat it on as many other "
+        "problems and stop if the two together reach it)",
+    )
     sft.add_argument("--demos", help="JSONL of prompt/response rows (default: from the task)")
     threads_arg(sft)
     sft.set_defaults(fn=cmd_sft)

@@ -25,16 +25,22 @@ without it):
    exits with its status. When it exits, or is killed, the kernel kills every process left in
    the namespace: a fork bomb or a daemon that called ``setsid`` dies with the tool, whatever it
    did to its session or process group.
-3. In the child: **limits** (RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE, no core dumps),
-   then, as root, **a user of its own** (an unused uid and gid from the spec: RLIMIT_NPROC then
-   counts only the tool's processes, and the tool cannot write what the project owns), then
-   ``PR_SET_PDEATHSIG``: if this jail dies, the tool gets SIGKILL and the namespace with it.
-4. The tool: a fork of the init runs the tool's file as ``__main__`` (``runpy``) in this
+3. In the child: as root, **a user of its own** (an unused uid and gid from the spec: RLIMIT_NPROC
+   then counts only the tool's processes, and the tool cannot write what the project owns), then
+   **limits** (RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE, no core dumps), then
+   ``PR_SET_PDEATHSIG``: if this jail dies, the tool gets SIGKILL and the namespace with it. As
+   that user it makes the tool's **directory** (the spec's ``workdir``, mode 700: its cwd and
+   ``HOME``) and writes the tool's code there as ``tool.py``.
+4. The tool: a fork of the init runs ``tool.py`` as ``__main__`` (``runpy``) in this
    interpreter, isolated (``-I``: no user site, no ``PYTHONPATH``; ``-S``: no site-packages), in
-   its working directory, with exactly the environment the spec gives (never the cluster's
-   token: the caller builds it) and the default signal dispositions. Its exit status is what a
-   fresh ``python tool.py`` would give: 0, ``sys.exit``'s code, 1 with the traceback on stderr
-   for an uncaught exception, 128 + the signal that killed it.
+   its directory, with exactly the environment the spec gives (never the cluster's token: the
+   caller builds it) and the default signal dispositions. Its exit status is what a fresh
+   ``python tool.py`` would give: 0, ``sys.exit``'s code, 1 with the traceback on stderr for an
+   uncaught exception, 128 + the signal that killed it.
+5. Once the tool has exited, the init kills whatever it left running (from a namespace's init,
+   ``kill(-1)`` reaches every other process in it), reaps it, removes the directory and exits
+   with the tool's status. So a call whose jail exits by itself leaves nothing, and its caller
+   has nothing to clean up; only a jail that was killed leaves that to the caller.
 
 The jail waits for the child and exits with its status (128 + signal if it was killed); told to
 stop (SIGTERM, SIGINT, SIGHUP), it kills the child first.
@@ -50,6 +56,7 @@ import pkgutil  # noqa: F401 - runpy.run_path imports it on first use: once, her
 import resource
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import sys
@@ -142,10 +149,11 @@ def run_tool(spec: dict) -> int:
     _default_signals()
     os.environ.clear()
     os.environ.update(spec["env"])
-    sys.argv[:] = [spec["program"]]
+    program = os.path.join(spec["workdir"], "tool.py")
+    sys.argv[:] = [program]
     code = 0
     try:
-        runpy.run_path(spec["program"], run_name="__main__")
+        runpy.run_path(program, run_name="__main__")
     except SystemExit as exc:
         if exc.code is None:
             code = 0
@@ -167,18 +175,22 @@ def run_tool(spec: dict) -> int:
 
 
 def child(spec: dict) -> None:
-    """Steps 3 and 4; never returns. This process is PID 1 of the new namespace, and the kernel
+    """Steps 3 to 5; never returns. This process is PID 1 of the new namespace, and the kernel
     delivers no signal to a namespace's init that it has no handler for (SIGXCPU at the CPU
     limit, SIGSEGV, SIGTERM...): so it stays a small init that forks the tool, waits for it and
     exits with its status, and the tool gets the usual signal semantics. Its exit empties the
     namespace."""
-    os.chdir(spec["workdir"])
     if spec.get("uid") is not None:
         become(spec["uid"], spec["gid"])  # before the limits: RLIMIT_NPROC is the new uid's
     limit(spec)
     # getppid() is 0 here (the parent is outside the namespace), so a jail that died before this
     # line goes unseen; the caller's stop and, as root, its kill of the uid cover it.
     _die_with_parent()
+    work = spec["workdir"]
+    os.mkdir(work, 0o700)
+    with open(os.path.join(work, "tool.py"), "w") as f:
+        f.write(spec["code"])
+    os.chdir(work)
     tool = os.fork()
     if tool == 0:
         status = SETUP_FAILED
@@ -190,11 +202,23 @@ def child(spec: dict) -> None:
     while True:  # reap: orphans of the namespace are ours too
         pid, status = os.wait()
         if pid == tool:
-            os._exit(exit_status(status))
+            break
+    try:  # step 5: what the tool left running (a daemon), then its directory
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            break
+    os.chdir("/")
+    shutil.rmtree(work, ignore_errors=True)
+    os._exit(exit_status(status))
 
 
 def jail(spec: dict) -> int:
-    """Steps 1 and 2 in this process, 3 and 4 in its child; the child's exit status."""
+    """Steps 1 and 2 in this process, 3 to 5 in its child; the child's exit status."""
     try:
         isolate(os.geteuid() == 0)
     except OSError as exc:
@@ -261,6 +285,7 @@ def serve(fd: int) -> int:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wake-up byte is written
     jobs: dict[int, int] = {}  # jail pid -> request id
+    dirs: dict[int, str] = {}  # jail pid -> its tool's directory
     calls: dict[int, int] = {}  # request id -> jail pid
 
     def send(message: dict) -> None:
@@ -275,6 +300,7 @@ def serve(fd: int) -> int:
             if pid == 0:
                 return
             call = jobs.pop(pid, None)
+            dirs.pop(pid, None)
             if call is not None:
                 calls.pop(call, None)
                 send({"id": call, "status": exit_status(status)})
@@ -301,6 +327,7 @@ def serve(fd: int) -> int:
                 os._exit(status)
         jobs[pid] = call
         calls[call] = pid
+        dirs[pid] = str(message["spec"]["workdir"])
         send({"id": call, "pid": pid})
 
     selector = selectors.DefaultSelector()
@@ -332,11 +359,16 @@ def serve(fd: int) -> int:
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the caller is gone
     finally:
-        for pid in jobs:  # each jail's init and tool die with it (their parent-death signal)
+        # The caller is gone, so nobody will clean up after these jails: kill each (its init and
+        # tool die with it, by their parent-death signals), reap it, remove its tool's directory.
+        for pid in jobs:
             try:
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
                 pass
+        for work in dirs.values():
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import socket
 import subprocess
 import threading
@@ -61,10 +62,7 @@ class JailCall:
 
     def _resolve(self, message: dict[str, Any]) -> None:
         if "error" in message:
-            error = JailServerGone(f"no jail started: {message['error']}")
-            for future in (self.pid, self.status):
-                if not future.done():
-                    future.set_exception(error)
+            self._fail(JailServerGone(f"no jail started: {message['error']}"))
         elif "pid" in message and not self.pid.done():
             self.pid.set_result(int(message["pid"]))
         elif "status" in message and not self.status.done():
@@ -88,9 +86,11 @@ class JailServer:
     def get(cls, python: str) -> JailServer:
         """This process's server, started now if there is none or the last one died."""
         with cls._lock:
-            if cls._current is None or not cls._current.alive:
-                cls._current = cls(python)
-            return cls._current
+            current = cls._current
+            # a fork of this process (no exec) must not share the server's socket with us
+            if current is None or not current.alive or current.owner != os.getpid():
+                cls._current = current = cls(python)
+            return current
 
     def __init__(self, python: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -105,6 +105,7 @@ class JailServer:
         finally:
             theirs.close()
         ours.settimeout(SEND_TIMEOUT_S)
+        self.owner = os.getpid()
         self.sock = ours
         self.alive = True
         self._send_lock = threading.Lock()
@@ -158,7 +159,7 @@ class JailServer:
                         del self._calls[message["id"]]
                 if call is not None:
                     _call_soon(call.loop, call._resolve, message)
-        except OSError as exc:
+        except (OSError, ValueError, KeyError) as exc:  # a failed socket, a garbled reply
             why = f"the jail server's socket failed: {exc!r}"
         self.close(why)
         self.process.wait()  # reaped here, whoever ended it

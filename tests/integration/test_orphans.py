@@ -50,7 +50,7 @@ from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_group, group_members
 from tests.support.devrun import kill_session, run_manager, spawn, start_run, write_run_config
 from tests.support.procs import ROOT, TOKEN, env
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 SPAWNER = str(ROOT / "tests" / "support" / "spawner.py")
 TAG = "LAMINAR_TEST_ORPHANS"
@@ -116,7 +116,7 @@ def spawner_run(
     config = write_run_config(tmp_path, [spawner], shutdown_grace_s=grace, display="lines")
     sup = start_run(config, **{TAG: tag})
     try:
-        manager = run_manager(tmp_path / "run", sup)
+        manager = run_manager(tmp_path / "run", sup, timeout=STARTUP_S)
         yield sup, tag, manager, spawner_heartbeating(manager)
     finally:
         kill_session(sup)

@@ -14,6 +14,7 @@ The test process lives in the root namespace, which has no route to the lab's 19
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from laminar.config import ClusterConfig
+from laminar.errors import CallTimeout, PeerUnavailable
 from laminar.harness.launch import ProcessCluster
 from laminar.harness.netns import NetLab
 from laminar.membership import MembershipApi
@@ -176,21 +178,30 @@ async def observe(addresses: dict[str, str], published: int, timeout: float) -> 
         rollouts = {n: remote(RolloutService, c) for n, c in clients.items() if "rollout" in n}
         relays = {n: remote(RelayApi, c) for n, c in clients.items() if n.startswith("relay")}
 
+        # A probe that cannot reach its peer this time says "not yet": on a loaded 2-core
+        # machine a handshake into a namespace can take over its 5 s (seen in the full suite);
+        # the state must still be reached within ``timeout``.
         async def trained() -> Any:
-            s = await trainer.status.call()
-            return s if not s.training and s.published >= published else None
+            with contextlib.suppress(PeerUnavailable, CallTimeout):
+                s = await trainer.status.call()
+                return s if not s.training and s.published >= published else None
+            return None
 
         status = await until(trained, timeout, 0.25)
 
         async def caught_up() -> bool:
-            hs = [await r.weights.call() for r in rollouts.values()]
-            return all(h.loads and h.loads[-1].version == published for h in hs)
+            with contextlib.suppress(PeerUnavailable, CallTimeout):
+                hs = [await r.weights.call() for r in rollouts.values()]
+                return all(h.loads and h.loads[-1].version == published for h in hs)
+            return False
 
         await until(caught_up, timeout, 0.25)
 
         async def everywhere() -> bool:
-            states = [await r.status.call() for r in relays.values()]
-            return all(published in s.received_at for s in states)
+            with contextlib.suppress(PeerUnavailable, CallTimeout):
+                states = [await r.status.call() for r in relays.values()]
+                return all(published in s.received_at for s in states)
+            return False
 
         await until(everywhere, timeout, 0.25)
         manager = clients["manager"]

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -114,16 +117,24 @@ asyncio.run(main())
 
 
 def test_the_server_and_its_tools_die_with_a_caller_killed_by_sigkill() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="laminar-jail-test-", dir="/tmp"))
+    tmp.chmod(0o1777)  # as /tmp: the tool's user makes its directory here
     caller = subprocess.Popen(
-        [sys.executable, "-c", CALLER.format(code=SLEEPER)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", CALLER.format(code=SLEEPER)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
     )
     try:
         assert caller.stdout is not None
         pid = int(caller.stdout.readline())
         below = wait_for(lambda: (found := tools_of(pid)) and len(found) >= 3 and found)
+        assert len(list(tmp.iterdir())) == 1  # the tool's directory
         caller.kill()  # SIGKILL: no clean-up of any kind in the caller
         caller.wait()
         wait_for(lambda: not any(alive(p) for p in [pid, *below]))
+        assert list(tmp.iterdir()) == []  # the server removed it on its way out
     finally:
         caller.kill()
         caller.wait()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -307,7 +307,10 @@ def test_sft_stops_once_validation_accuracy_reaches_stop_at(
         return 0.2 * len(seen)  # 0.2, 0.4, 0.6: crosses 0.5 at the third check
 
     monkeypatch.setattr(sft._Validator, "accuracy", fake_accuracy)
-    cfg = sft.SftConfig(steps=100, batch_size=4, threads=1, stop_at=0.5, eval_every=3, val_n=4)
+    cfg = sft.SftConfig(
+        steps=100, batch_size=4, threads=1, stop_at=0.5, eval_every=3, val_n=4, near_every=0,
+        confirm=False,
+    )  # fmt: skip
     result = sft.train_sft(task, tiny_model, tmp_path / "out", cfg)
     assert result.stopped_by == "stop_at"
     assert result.steps == 9
@@ -327,10 +330,42 @@ def test_sft_checks_its_target_at_the_last_step_of_the_budget(
         return 0.9 if len(seen) == 3 else 0.1  # reached at the third check: step 10, the last
 
     monkeypatch.setattr(sft._Validator, "accuracy", fake_accuracy)
-    cfg = sft.SftConfig(steps=10, batch_size=4, threads=1, stop_at=0.5, eval_every=4, val_n=4)
+    cfg = sft.SftConfig(
+        steps=10, batch_size=4, threads=1, stop_at=0.5, eval_every=4, val_n=4, confirm=False
+    )
     result = sft.train_sft(task, tiny_model, tmp_path / "out", cfg)
     assert [step for step, _, _ in result.evals] == [4, 8, 10]
     assert result.stopped_by == "stop_at" and result.reached_target
+
+
+def test_sft_lands_on_its_target_checking_closer_near_it_and_confirming_a_reading(
+    tiny_model, task, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from laminar.recipe import sft
+
+    # (the records a validator reads) -> readings, in order: the main set rises, and its first
+    # reading over the target is a lucky one that the other set does not confirm
+    readings = {"main": [0.2, 0.42, 0.48, 0.56, 0.46, 0.6], "other": [0.38, 0.58]}
+    made: dict[int, str] = {}
+
+    def fake_init(self, task, tok, n, bucket=None, seed=sft.VAL_SEED):  # type: ignore[no-untyped-def]
+        made[id(self)] = "main" if seed == sft.VAL_SEED else "other"
+
+    def fake_accuracy(self, model) -> float:  # type: ignore[no-untyped-def]
+        return readings[made[id(self)]].pop(0)
+
+    monkeypatch.setattr(sft._Validator, "__init__", fake_init)
+    monkeypatch.setattr(sft._Validator, "accuracy", fake_accuracy)
+    cfg = sft.SftConfig(
+        steps=200, batch_size=4, threads=1, stop_at=0.5, eval_every=10, val_n=4, near=0.1,
+        near_every=2,
+    )  # fmt: skip
+    result = sft.train_sft(task, tiny_model, tmp_path / "out", cfg)
+    # every 10 steps while far (0.2 at 10), every 2 once within 0.1 (0.42 at 20 is; on from 22)
+    assert [step for step, _, _ in result.evals] == [10, 20, 22, 24, 26, 28]
+    # 0.56 at 24 is repeated (0.38: together 0.47, no stop); 0.6 at 28 too (0.58: a stop)
+    assert result.confirm_evals == [(24, 0.38), (28, 0.58)]
+    assert result.stopped_by == "stop_at" and result.steps == 28
 
 
 def test_sft_that_misses_its_target_says_so_and_writes_nothing_where_expected(
@@ -474,7 +509,8 @@ def test_sft_stops_once_both_targets_are_reached(
 
     monkeypatch.setattr(sft._Validator, "accuracy", accuracy)
     cfg = sft.SftConfig(steps=100, batch_size=4, threads=1, stop_at=0.5, eval_every=4, val_n=4,
-                        stop_bucket="5-8", stop_bucket_at=0.3, bucket_every=2)  # fmt: skip
+                        stop_bucket="5-8", stop_bucket_at=0.3, bucket_every=2, near_every=0,
+                        confirm=False)  # fmt: skip
     result = sft.train_sft(task, tiny_model, tmp_path / "out", cfg)
     # the bucket is looked at only once the overall target is reached, and from then on both
     # every bucket_every steps

@@ -59,17 +59,19 @@ def sandbox_processes() -> set[int]:
     return processes_of(USED)
 
 
-def tool_dirs() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("laminar-tool-*")}
+def tool_dirs(uids: list[int]) -> list[Path]:
+    """Tool directories of these uids (named ``laminar-tool-UID-...``; other tests' calls, on
+    other workers, have other uids)."""
+    tmp = Path(tempfile.gettempdir())
+    return [p for uid in uids for p in tmp.glob(f"laminar-tool-{uid}-*")]
 
 
 @pytest.fixture(autouse=True)
 def leaves_nothing_behind():  # type: ignore[no-untyped-def]
-    before = tool_dirs()
     USED.clear()
     yield
     assert sandbox_processes() == set()
-    assert tool_dirs() <= before
+    assert tool_dirs(USED) == []  # every tool's directory removed
 
 
 def test_a_plain_call_returns_its_output_with_nothing_of_ours_in_its_environment() -> None:
@@ -174,14 +176,13 @@ def test_the_jail_isolates_a_plain_user_too(code: str, status: int, says: str) -
 
 
 def _run_as_nobody(python: str, work: Path, code: str, status: int, says: str) -> None:
-    (work / "tool.py").write_text(code)
     spec = {
-        "python": python, "program": str(work / "tool.py"), "workdir": str(work),
-        "env": {"PATH": "/usr/bin:/bin"}, "uid": None, "gid": None, "cpu_s": 1,
-        "memory_mib": 512, "max_processes": 16, "file_mib": 16,
+        "code": code, "workdir": str(work / "tool"), "env": {"PATH": "/usr/bin:/bin"},
+        "uid": None, "gid": None, "cpu_s": 1, "memory_mib": 512, "max_processes": 16,
+        "file_mib": 16,
     }  # fmt: skip
     (work / "spec.json").write_text(json.dumps(spec))
-    for path in (work, work / "tool.py", work / "spec.json"):
+    for path in (work, work / "spec.json"):
         os.chown(path, NOBODY, NOBODY)
     jail = work / "jail.py"  # a copy: the checkout may be out of nobody's reach (mode 700)
     shutil.copy(jail_module.__file__, jail)
@@ -193,3 +194,4 @@ def _run_as_nobody(python: str, work: Path, code: str, status: int, says: str) -
     )  # fmt: skip
     assert done.returncode == status, done.stderr
     assert says in done.stdout + done.stderr
+    assert not (work / "tool").exists()  # the jail removed the tool's directory
