@@ -92,6 +92,15 @@ class JailServer:
                 cls._current = current = cls(python)
             return current
 
+    @classmethod
+    def close_current(cls) -> None:
+        """End this process's server, if any (a process that is done with tools: ``laminar
+        doctor``'s one probe); a later call starts another."""
+        with cls._lock:
+            current, cls._current = cls._current, None
+        if current is not None:
+            current.close("closed by its owner")
+
     def __init__(self, python: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:

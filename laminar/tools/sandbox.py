@@ -301,5 +301,8 @@ async def _stop(call: JailCall) -> None:
 
 def check_sandbox() -> str | None:
     """None if tools can be sandboxed here, else why not (one sandboxed ``pass``)."""
-    result = asyncio.run(run_python("pass", SandboxLimits(wall_s=30)))
+    try:
+        result = asyncio.run(run_python("pass", SandboxLimits(wall_s=30)))
+    finally:
+        JailServer.close_current()  # the caller (laminar doctor, laminar run) runs no tools
     return None if result.ok else result.reason

@@ -23,7 +23,7 @@ import pytest
 
 from laminar.proc.procfs import alive, descendants
 from laminar.tools.jailserver import JailServer
-from laminar.tools.sandbox import SandboxLimits, interpreter, run_python
+from laminar.tools.sandbox import SandboxLimits, check_sandbox, interpreter, run_python
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("sandbox")]
 
@@ -97,10 +97,20 @@ def test_a_killed_server_fails_its_calls_and_the_next_call_starts_another() -> N
     assert server().process.pid != old
 
 
+def test_closing_the_server_ends_its_process_and_the_next_call_starts_another() -> None:
+    assert check_sandbox() is None  # one probe, then the server is closed (laminar doctor)
+    assert JailServer._current is None
+    first = server()
+    JailServer.close_current()
+    first.process.wait(timeout=30)  # it read EOF and exited
+    assert asyncio.run(run_python("print(2)")).stdout == "2\n"
+    assert server() is not first and alive(server().process.pid)
+
+
 CALLER = """
 import asyncio, os, sys
 from laminar.tools.jailserver import JailServer
-from laminar.tools.sandbox import SandboxLimits, interpreter, run_python
+from laminar.tools.sandbox import SandboxLimits, check_sandbox, interpreter, run_python
 
 async def main():
     call = asyncio.create_task(run_python({code!r}, SandboxLimits(wall_s=600)))
