@@ -10,6 +10,7 @@ import laminar.transport  # noqa: F401  (registers the schemes)
 from laminar.config import ClusterConfig
 from laminar.service import ServiceContext, ServiceHost, transport_options
 from laminar.transport.shm import SHM_TAG_ENV
+from tests.support.poll import STOP_S
 from tests.support.procs import TOKEN
 
 TRANSPORTS = ["tcp://127.0.0.1:0", "inproc://*", "shm://*"]
@@ -85,7 +86,7 @@ async def serve(cluster, options):  # type: ignore[no-untyped-def]
     yield start
     for host, task in reversed(hosts):
         host.stop()
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, STOP_S)
 
 
 def _owner_alive_elsewhere(name: str) -> bool:

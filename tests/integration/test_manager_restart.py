@@ -24,7 +24,7 @@ from laminar.roles.relay import LatestRequest, RelayApi, RelayConfig, RelayServi
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import ServiceContext, ServiceHost
 from laminar.weights.publisher import PublishConfig, WeightPublisher
-from tests.support.poll import until
+from tests.support.poll import STOP_S, until
 from tests.support.task import write_prompts, write_tokenizer
 
 pytestmark = pytest.mark.integration
@@ -68,7 +68,7 @@ class Manager:
     async def stop(self) -> None:
         if self.host is not None and self.task is not None:
             self.host.stop()
-            await asyncio.wait_for(self.task, 10)
+            await asyncio.wait_for(self.task, STOP_S)
             self.host = self.task = None
 
 

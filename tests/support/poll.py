@@ -8,6 +8,11 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+#: How long a test waits for a service it runs in its own loop to stop: a bound on a hang, never a
+#: timing check (a data role's stop, which ends its reward workers, took over 10 s in a
+#: fresh-clone suite run while three vLLM engines started beside it).
+STOP_S = 60.0
+
 
 async def until(probe: Callable[[], Awaitable[T]], timeout: float, interval: float = 0.05) -> T:
     """The first truthy result of ``probe()``; TimeoutError after ``timeout`` seconds.

@@ -17,7 +17,7 @@ from laminar.roles.manager import ManagerConfig, ManagerService
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import ServiceContext, ServiceHost, transport_options
 from laminar.weights.chain import ChainView, RelayInfo, follow_chain
-from tests.support.poll import until
+from tests.support.poll import STOP_S, until
 from tests.support.procs import TOKEN
 
 # A long heartbeat timeout: the relays below join by hand and never heartbeat.
@@ -67,7 +67,7 @@ class Manager:
     async def stop(self) -> None:
         if self.host is not None and self.task is not None:
             self.host.stop()
-            await asyncio.wait_for(self.task, 10)
+            await asyncio.wait_for(self.task, STOP_S)
             self.host = self.task = None
 
 
