@@ -28,7 +28,7 @@ from typing import Any
 from laminar.config import RoleSpec
 from laminar.devmode import ALARMS
 from laminar.proc.children import Child, ChildProcesses
-from laminar.proc.procfs import signal_group
+from laminar.proc.procfs import kill_group
 
 #: How many of them one incarnation passes on, the last ones (a traceback's end says the most).
 MAX_ALARMS = 40
@@ -152,7 +152,7 @@ class RoleProcess:
         if self.child.process is None:
             return []
         pid = self.child.process.pid
-        return await asyncio.to_thread(signal_group, pid, signal.SIGKILL, self.processes.mark)
+        return await asyncio.to_thread(kill_group, pid, self.processes.mark)
 
     async def sweep(self) -> list[tuple[str, str]]:
         """The end of the run: kill whatever is left in the groups this actor started (nothing

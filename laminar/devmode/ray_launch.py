@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from laminar.devmode.ray_place import (
 )
 from laminar.devmode.supervisor import COLOURS, Supervisor
 from laminar.proc.children import SETTLE_S, Child, processes
-from laminar.proc.procfs import signal_group
+from laminar.proc.procfs import kill_group
 from laminar.proc.restart import decide, keep_running
 from laminar.roles_registry import load_role
 
@@ -200,7 +199,7 @@ class RayProcesses:
         here, if it ran on this machine (its pid and the run's mark name it)."""
         pid = self.pids.get(name)
         if pid and self.places[name].machine.node_id == self.home:
-            left = await asyncio.to_thread(signal_group, pid, signal.SIGKILL, self.mark)
+            left = await asyncio.to_thread(kill_group, pid, self.mark)
             if left:
                 self.say(f"{name}: killed {processes(left)} from the driver", "bold red")
 

@@ -25,7 +25,10 @@ owns the life of its process, one incarnation after another:
   (:data:`SETTLE_S`: a vLLM engine kills itself once its rollout is gone), then SIGTERM, SIGKILL
   after ``run.shutdown_grace_s``, and the supervisor says so
   (:func:`laminar.proc.procfs.end_group`, in a thread: ``/proc`` is polled, never on the event
-  loop). Only processes carrying the run's mark are signalled (see :mod:`laminar.proc.procfs`). Then
+  loop). Only processes carrying the run's mark are signalled (see :mod:`laminar.proc.procfs`).
+  A group that needs SIGKILL loses multiprocessing's resource tracker with it, so what that
+  tracker would have unlinked (vLLM's 160 MiB message queues in ``/dev/shm``) is unlinked here
+  (:func:`laminar.proc.procfs.kill_group`). Then
   the process's pipes are closed, so one that escaped the group still holding them costs no file
   descriptors per restart.
 * **restart**: by the role's ``restart`` policy (``on-failure``: any non-zero exit or a signal,
@@ -64,7 +67,7 @@ from laminar.config import RoleSpec
 from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot
 from laminar.proc.gpus import gpu_env
-from laminar.proc.procfs import INCARNATION_ENV, end_group, signal_group, signal_marked
+from laminar.proc.procfs import INCARNATION_ENV, end_group, kill_group, signal_marked
 from laminar.proc.restart import decide, keep_running
 from laminar.proc.spawn import arm_parent_death, cpu_env, parse_ready_line, pump_lines, start_async
 
@@ -360,7 +363,7 @@ class ChildProcesses:
 
     async def _kill(self, child: Child) -> None:
         if child.process is not None:
-            await asyncio.to_thread(signal_group, child.process.pid, signal.SIGKILL, self.mark)
+            await asyncio.to_thread(kill_group, child.process.pid, self.mark)
 
     def decide(self, child: Child, code: int | None) -> bool:
         """Whether the child is started again, by its restart policy; says which. An unknown
@@ -399,7 +402,7 @@ class ChildProcesses:
                     "killing its processes",
                     "bold red",
                 )
-                await asyncio.to_thread(signal_group, pid, signal.SIGKILL, self.mark)
+                await asyncio.to_thread(kill_group, pid, self.mark)
         watchers = [c.watcher for c in live if c.watcher is not None]
         if watchers:  # they end what the groups still hold (with a grace period of their own)
             await asyncio.wait(watchers, timeout=grace + SETTLE_S + 15.0)
@@ -409,7 +412,7 @@ class ChildProcesses:
         watcher cancelled before its child's group was empty), then whatever else carries the
         run's mark: nothing outlives the run."""
         for gid in sorted(self.groups):
-            left = await asyncio.to_thread(signal_group, gid, signal.SIGKILL, self.mark)
+            left = await asyncio.to_thread(kill_group, gid, self.mark)
             if left:
                 self.say(f"killed {processes(left)} left at the end of the run", "bold red")
         self.groups.clear()

@@ -33,6 +33,7 @@ environment is checked here must therefore be started with :data:`KEEP_ENVIRON`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -207,6 +208,45 @@ def signal_marked(mark: str, sig: int) -> list[int]:
     return sent
 
 
+#: The names Python's ``multiprocessing`` gives what its resource tracker unlinks when its
+#: users are gone: shared memory (``psm_``, vLLM's message queues between its engine core and
+#: its workers: 160 MiB each by default) and named semaphores (``sem.mp-``).
+TRACKED_SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def tracked_shm(pid: int, root: str = "/dev/shm") -> set[str]:
+    """The tracker-owned ``/dev/shm`` files ``pid`` maps (:data:`TRACKED_SHM_PREFIXES`).
+
+    Why: the tracker ignores SIGTERM and unlinks its segments once every process that used them
+    has exited, so a group that ends by itself leaves nothing; a group that needs SIGKILL loses
+    its tracker too, and each of its segments would hold memory until the machine restarts (a
+    rollout that did not stop within its grace period left 160 MiB in ``/dev/shm`` per engine).
+    Only these names: the transport's own segments are shared with other roles, and their owner
+    unlinks them. Read while the process lives (a dead one's maps are gone)."""
+    found = set()
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").partition(" " + root + "/")[2]
+                if path.startswith(TRACKED_SHM_PREFIXES) and not path.endswith("(deleted)"):
+                    found.add(f"{root}/{path}")
+    except OSError:  # gone, or not ours to read
+        pass
+    return found
+
+
+def kill_group(gid: int, mark: str | None = None) -> list[int]:
+    """SIGKILL the group (:func:`signal_group`), and unlink the tracker-owned ``/dev/shm`` files
+    its members map (:func:`tracked_shm`): the tracker dies with them. The pids signalled.
+    Unlinked at once: a name is not needed by a mapping, and only the killed used these."""
+    tracked = {path for pid in group_members(gid, mark) for path in tracked_shm(pid)}
+    killed = signal_group(gid, signal.SIGKILL, mark)
+    for path in sorted(tracked):
+        with contextlib.suppress(OSError):  # gone already: its creator or tracker unlinked it
+            os.unlink(path)
+    return killed
+
+
 class GroupEnd(NamedTuple):
     left: list[int]  # what was there to stop (and got SIGTERM)
     killed: list[int]  # what then needed SIGKILL
@@ -240,7 +280,7 @@ def end_groups(
     busy = _wait_empty(gids, mark, settle, poll) if settle > 0 else set(gids)
     left = {gid: signal_group(gid, signal.SIGTERM, mark) for gid in busy}
     busy = _wait_empty([gid for gid, pids in left.items() if pids], mark, grace, poll)
-    killed = {gid: signal_group(gid, signal.SIGKILL, mark) for gid in busy}
+    killed = {gid: kill_group(gid, mark) for gid in busy}
     stuck = _wait_empty([gid for gid, pids in killed.items() if pids], mark, 10.0, poll)
     return {
         gid: GroupEnd(

@@ -1,0 +1,85 @@
+"""A process group that needs SIGKILL leaves no shared memory behind (``procfs.kill_group``).
+
+vLLM's engine core makes its message queues as ``multiprocessing.shared_memory`` segments
+(``/dev/shm/psm_*``, 160 MiB each), which multiprocessing's resource tracker unlinks once their
+users are gone. The tracker ignores SIGTERM but not SIGKILL, so a role killed with its group (a
+rollout that did not stop within its grace period) lost its tracker too, and each run of
+``laminar run`` that ended so left its engines' segments in ``/dev/shm`` for good. Here: a real
+group that makes a segment the same way and ignores SIGTERM, ended as the supervisor ends one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from laminar.proc import procfs
+
+#: makes a tracked segment, says its name, ignores SIGTERM (as a stuck role) and waits
+CHILD = """
+import signal, sys, time
+from multiprocessing import shared_memory
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+segment = shared_memory.SharedMemory(create=True, size=1 << 20)
+segment.buf[0] = 1
+print(segment.name, flush=True)
+time.sleep(600)
+"""
+
+
+def _start(mark: str) -> tuple[subprocess.Popen[str], Path]:
+    key, _, value = mark.partition("=")
+    env = {**os.environ, **procfs.KEEP_ENVIRON, key: value}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True, env=env,
+        process_group=0,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    name = proc.stdout.readline().strip()
+    path = Path("/dev/shm") / name
+    assert name.startswith("psm_") and path.exists()
+    return proc, path
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this machine")
+def test_a_group_ended_with_sigkill_leaves_no_tracked_segment() -> None:
+    mark = "LAMINAR_TEST_MARK=kill-group-shm"
+    proc, path = _start(mark)
+    try:
+        assert str(path) in procfs.tracked_shm(proc.pid)
+        end = procfs.end_group(proc.pid, grace=0.5, mark=mark)
+        assert proc.pid in end.killed  # SIGTERM was ignored: it took SIGKILL
+        proc.wait(timeout=10)
+        assert not path.exists(), f"{path} outlived its group"
+        assert not procfs.group_members(proc.pid, mark)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this machine")
+def test_kill_group_unlinks_what_its_members_map_and_nothing_else() -> None:
+    mark = "LAMINAR_TEST_MARK=kill-group-shm-2"
+    proc, path = _start(mark)
+    # a tracker-style name nobody in the group maps: not the group's to remove
+    other = Path("/dev/shm") / f"psm_laminar_test_{os.getpid()}"
+    other.write_bytes(b"x")
+    try:
+        killed = procfs.kill_group(proc.pid, mark)
+        assert proc.pid in killed
+        proc.wait(timeout=10)
+        assert not path.exists()
+        assert other.exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        path.unlink(missing_ok=True)
+        other.unlink(missing_ok=True)
