@@ -175,6 +175,7 @@ class VllmEngine(VllmKvMigration, Engine):
         # why migrated sequences were (to be) re-prefilled rather than given their KV, by reason
         self.kv_fallbacks: collections.Counter[str] = collections.Counter()
         self.eos_token_ids: list[int] = []
+        self._shm: set[str] = set()  # the engine's shared-memory queues (see start)
 
     async def start(self) -> None:
         cfg = self.config
@@ -196,12 +197,13 @@ class VllmEngine(VllmKvMigration, Engine):
                 pass
 
         args = engine_args(cfg)
-        from ..proc.procfs import KEEP_ENVIRON
+        from ..proc.procfs import KEEP_ENVIRON, descendants, tracked_shm
         from .vllm_worker import OWNER_ENV, owner_token
 
         # vLLM's setproctitle would wipe its processes' /proc environ, and with it the marks
         # the supervisor finds them by (see laminar.proc.procfs).
         os.environ.update(KEEP_ENVIRON)
+        others = set(descendants(os.getpid()))  # another engine's, in a process that runs two
         # Inherited by vLLM's engine core and workers, whose watch kills them when this process
         # is gone (see vllm_worker): without it a rollout killed with -9 orphans its engine.
         # Only while the engine starts: from_engine_args starts the engine core before it
@@ -209,6 +211,13 @@ class VllmEngine(VllmKvMigration, Engine):
         # should think it belongs to the engine.
         with _environ(OWNER_ENV, owner_token()):
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_KeepLatest])
+        # The engine core and its workers talk through shared-memory queues (``/dev/shm/psm_*``,
+        # 160 MiB each by default) that multiprocessing's tracker unlinks once all their users
+        # have exited. This process is one of the tracker's, so when vLLM's shutdown has to
+        # force-kill its processes and this one is then killed with its group (a stop that
+        # outlives its grace period), the tracker dies before it unlinks: :meth:`close` does it.
+        ours = set(descendants(os.getpid())) - others
+        self._shm = {path for pid in ours for path in tracked_shm(pid)}
         # vLLM's resolved limits (max_model_len may be capped by the model's own)
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
@@ -238,6 +247,15 @@ class VllmEngine(VllmKvMigration, Engine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        for path in sorted(self._shm):  # its processes are gone: nobody else maps these
+            with contextlib.suppress(OSError):  # unlinked already, by vLLM or the tracker
+                os.unlink(path)
+        self._shm = set()
+
+    @property
+    def shm_paths(self) -> frozenset[str]:
+        """The engine's shared-memory queues that :meth:`close` unlinks (found at start)."""
+        return frozenset(self._shm)
 
     def stats(self) -> EngineStats:
         s = self._sched

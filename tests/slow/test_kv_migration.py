@@ -14,6 +14,7 @@ is most of this module's cost. Greedy sampling. Checks:
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -49,8 +50,14 @@ async def engines(vllm_engine, tiny_model):
         )
     )
     await dest.start()
+    # the queues between its engine core and worker, found (and only its own: the session's
+    # engine runs in this process too), and gone once it closes, whoever unlinked them
+    shm = dest.shm_paths
+    assert shm and all(p.startswith("/dev/shm/psm_") for p in shm), shm
+    assert not shm & vllm_engine.shm_paths
     yield vllm_engine, dest
     await dest.close()
+    assert not [p for p in shm if os.path.exists(p)]  # noqa: ASYNC240 - tmpfs, at teardown
 
 
 async def consume(engine, results, *, until=None):
