@@ -18,6 +18,7 @@ from laminar.clock import (
     get_clock,
     run_virtual,
 )
+from tests.support.virtual import run_virtual_recording
 
 
 def test_thousand_tasks_sleep_a_simulated_hour_without_waiting_for_real() -> None:
@@ -26,21 +27,6 @@ def test_thousand_tasks_sleep_a_simulated_hour_without_waiting_for_real() -> Non
     random.Random(0).shuffle(durations)
     assert sum(durations) >= 3600
     woke: list[tuple[float, float]] = []
-    # Every real select the loop makes, with its timeout: "no real waiting" checked by what the
-    # loop asked the OS for, not by a stopwatch (a wall-time bound failed on a loaded machine).
-    real_timeouts: list[float | None] = []
-
-    def factory() -> VirtualTimeLoop:
-        loop = VirtualTimeLoop()
-        real = loop._selector._real  # type: ignore[attr-defined]
-        select = real.select
-
-        def recording(timeout: float | None = None) -> list:  # type: ignore[type-arg]
-            real_timeouts.append(timeout)
-            return select(timeout)
-
-        real.select = recording
-        return loop
 
     async def sleeper(d: float) -> None:
         await asyncio.sleep(d)
@@ -50,8 +36,7 @@ def test_thousand_tasks_sleep_a_simulated_hour_without_waiting_for_real() -> Non
         await asyncio.gather(*(sleeper(d) for d in durations))
         return asyncio.get_running_loop().time()
 
-    with asyncio.Runner(loop_factory=factory) as runner:
-        end = runner.run(main())
+    end, real_timeouts = run_virtual_recording(main())
 
     assert real_timeouts and all(t == 0 for t in real_timeouts), set(real_timeouts)
     assert end == max(durations)

@@ -264,7 +264,9 @@ def test_a_stuck_backend_never_blocks_the_caller() -> None:
     started = time.monotonic()
     for step in range(1000):
         tracker.log(step, {"x": 1.0})
-    assert time.monotonic() - started < 1.0
+    # A blocking log would wait out the backend's 10 s on its first call; the margin is wide so
+    # a loaded machine cannot fail it.
+    assert time.monotonic() - started < 5.0
     assert not tracker.close(timeout=0.2)  # still stuck: close gives up instead of hanging
     assert log.warnings() == ["tracking falls behind; dropping scalars"]
     release.set()
@@ -499,7 +501,7 @@ async def test_run_view_leaves_the_tracker_open_and_closes_it_within_a_bound(
     view.tracker = ThreadedTracker([("hangs", HangsClosing)], Captured())
     started = time.monotonic()
     await view.close_tracking(timeout=0.5)
-    assert time.monotonic() - started < 5.0
+    assert time.monotonic() - started < 30.0  # the backend hangs for 60 s
     release.set()
 
 
