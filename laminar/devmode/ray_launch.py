@@ -5,12 +5,13 @@ second scheduler. Everything but *where the processes run* is the local supervis
 (:class:`laminar.devmode.supervisor.Supervisor`, subclassed here): the run directory, the cluster
 token, the manager first and its ``LAMINAR_READY`` line giving the join address (written to
 ``cluster.json``), the progress view, the tracking, the plots, and stopping on Ctrl-C or SIGTERM
-(members first, the manager last). Each instance's process is the same ``laminar serve`` with the
-same command line and environment (:mod:`laminar.proc.spawn`), run by the same child lifecycle
-(:mod:`laminar.proc.children`) inside its actor (:mod:`laminar.devmode.ray_actor`), and restarted
-by the same policy (:mod:`laminar.proc.restart`), decided here on the driver from the exit status
-the actor reports. An actor that dies (its machine lost) counts as an exit with an unknown status:
-the policy decides, and a new actor takes the instance's place in its bundle.
+(callers first, the data role and then the manager last). Each instance's process is the same
+``laminar serve`` with the same command line and environment (:mod:`laminar.proc.spawn`), run by
+the same child lifecycle (:mod:`laminar.proc.children`) inside its actor
+(:mod:`laminar.devmode.ray_actor`), and restarted by the same policy (:mod:`laminar.proc.restart`),
+decided here on the driver from the exit status the actor reports. An actor that dies (its machine
+lost) counts as an exit with an unknown status: the policy decides, and a new actor takes the
+instance's place in its bundle.
 
 **Placement** (:mod:`laminar.devmode.ray_place`): one placement group per machine, a relay per
 machine that runs rollouts, rollouts packed by GPU count. On more than one machine every role

@@ -14,16 +14,17 @@ its output closing (what the child started inherits its pipes), ends what its gr
 ``max_restarts`` times, with a growing pause; the manager keeps its port across restarts so
 members find it again). A manager given up on ends the run with status 1.
 
-Ctrl-C or SIGTERM stops everything: SIGTERM to each child's own process (members first, the manager
-last), its group ended as above once it exits, and SIGKILL to the whole group of any child still
-there after ``run.shutdown_grace_s``; last, any group not yet seen empty is killed, and anything
-else carrying the run's mark, so no process of the run outlives it. Then the run's tracker is
-closed (TensorBoard, W&B), so stopping the roles never waits on it. Only processes started with the
-run's ``LAMINAR_LAUNCH`` value in their environment are signalled, so a recycled group id never
-hits someone else's; every child gets ``SPT_NOENV=1`` so that vLLM's process titles do not wipe
-that value from ``/proc`` (:mod:`laminar.proc.procfs`). Children die with the supervisor if it is
-killed (``PR_SET_PDEATHSIG``: SIGTERM, and each then stops what it started; a vLLM engine also
-kills itself when its rollout is gone, see :mod:`laminar.engines.vllm_worker`).
+Ctrl-C or SIGTERM stops everything: SIGTERM to each child's own process (callers before what they
+call: rollouts, trainer and relays, then the data role, then the manager), its group ended as above
+once it exits, and SIGKILL to the whole group of any child still there after
+``run.shutdown_grace_s``; last, any group not yet seen empty is killed, and anything else carrying
+the run's mark, so no process of the run outlives it. Then the run's tracker is closed
+(TensorBoard, W&B), so stopping the roles never waits on it. Only processes started with the run's
+``LAMINAR_LAUNCH`` value in their environment are signalled, so a recycled group id never hits
+someone else's; every child gets ``SPT_NOENV=1`` so that vLLM's process titles do not wipe that
+value from ``/proc`` (:mod:`laminar.proc.procfs`). Children die with the supervisor if it is killed
+(``PR_SET_PDEATHSIG``: SIGTERM, and each then stops what it started; a vLLM engine also kills
+itself when its rollout is gone, see :mod:`laminar.engines.vllm_worker`).
 
 **Private files.** The run directory is 0700; the token file, ``cluster.json`` and the logs are
 0600; the supervisor and every child run with umask 077, so what the roles write (the data role's
@@ -55,7 +56,14 @@ from laminar.errors import ConfigError
 from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.cpus import available_cores, plan_cpus
 from laminar.proc.gpus import gpus_wanted, plan_gpus, visible_gpus
-from laminar.proc.spawn import ServeSpec, config_sets, ensure_token, launch_env, serve_command
+from laminar.proc.spawn import (
+    ServeSpec,
+    config_sets,
+    ensure_token,
+    launch_env,
+    serve_command,
+    stop_stages,
+)
 from laminar.roles_registry import load_role
 from laminar.tracking import TrackingPlan, plan_for_run
 
@@ -183,9 +191,11 @@ class Supervisor:
             self.stopping.set()
 
     async def _stop_all(self) -> None:
-        # Members first, so they leave the manager cleanly; the manager last.
-        await self.processes.stop([c for c in self.children if c.role != "manager"])
-        await self.processes.stop([c for c in self.children if c.role == "manager"])
+        # Callers before what they call (stop_stages): rollouts, trainer and relays, then the
+        # data role, then the manager, so each stops while its peers still answer.
+        by_name = {c.name: c for c in self.children}
+        for stage in stop_stages({c.name: c.role for c in self.children}):
+            await self.processes.stop([by_name[name] for name in stage])
 
     # -- the run --
 

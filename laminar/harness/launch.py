@@ -46,6 +46,7 @@ from laminar.proc.spawn import (
     launch_env,
     serve_command,
     start,
+    stop_stages,
 )
 
 __all__ = ["ProcessCluster"]
@@ -195,15 +196,10 @@ class ProcessCluster:
         left in the groups of every role started (killed ones too); last, SIGKILL to anything
         else carrying the cluster's mark.
 
-        The order is the dependency order: a rollout stopping hands its partial trajectories to
-        the data role, and with the data role stopped beside it each rollout spent its stop
-        retrying an unreachable peer (about 5 s of every test cluster's teardown)."""
-        stage = {"data": 1, "manager": 2}
-        groups: list[list[subprocess.Popen[str]]] = [[], [], []]
-        for name, proc in self.procs.items():
-            groups[stage.get(self.roles.get(name, ""), 0)].append(proc)
-        for group in groups:
-            _terminate(group, grace)
+        The order is the dependency order (:func:`laminar.proc.spawn.stop_stages`)."""
+        roles = {name: self.roles.get(name, "") for name in self.procs}
+        for stage in stop_stages(roles):
+            _terminate([self.procs[name] for name in stage], grace)
         self.procs.clear()
         self.roles.clear()
         end_groups(self.groups, grace, self.mark)

@@ -241,10 +241,33 @@ def kill_group(gid: int, mark: str | None = None) -> list[int]:
     Unlinked at once: a name is not needed by a mapping, and only the killed used these."""
     tracked = {path for pid in group_members(gid, mark) for path in tracked_shm(pid)}
     killed = signal_group(gid, signal.SIGKILL, mark)
-    for path in sorted(tracked):
-        with contextlib.suppress(OSError):  # gone already: its creator or tracker unlinked it
-            os.unlink(path)
+    release_tracked_shm(tracked)
     return killed
+
+
+def release_tracked_shm(paths: Iterable[str]) -> None:
+    """Unlink the tracker-owned ``/dev/shm`` files ``paths`` (from :func:`tracked_shm`) once
+    every process that mapped them is dead, and tell this process's resource tracker, if it
+    runs one, to forget them: it would otherwise try to unlink them again at its exit and warn
+    of "leaked shared_memory objects" that nobody leaked. A file gone already (its creator or
+    a tracker unlinked it) is fine."""
+    from multiprocessing import resource_tracker
+
+    # Only a tracker that runs: unregistering through one that does not would start it.
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    running = getattr(tracker, "_fd", None) is not None
+    for path in sorted(set(paths)):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        if not running:
+            continue
+        name = os.path.basename(path)
+        if name.startswith("sem."):  # a named semaphore /mp-X lives in /dev/shm/sem.mp-X
+            kind, name = "semaphore", name.removeprefix("sem.")
+        else:
+            kind = "shared_memory"
+        with contextlib.suppress(OSError, ValueError):
+            resource_tracker.unregister("/" + name, kind)
 
 
 class GroupEnd(NamedTuple):

@@ -72,6 +72,26 @@ except (OSError, AttributeError):  # not Linux
 _PR_SET_PDEATHSIG = 1
 _SIGTERM = int(signal.SIGTERM)
 
+# -- the order roles stop in -----------------------------------------------------------------------
+
+#: Roles that others call, by when they stop: after everything else, the data role (a rollout
+#: stopping hands it its partial trajectories, and the trainer and relays read through it), then
+#: the manager (every member leaves it on the way out).
+_LAST = {"data": 1, "manager": 2}
+
+
+def stop_stages(roles: Mapping[str, str]) -> list[list[str]]:
+    """The instances of ``roles`` (instance name -> role) in the order they stop, as stages
+    that stop together: the callers first, each callee after everything that calls it. With the
+    data role stopped beside them, rollouts spent their stop retrying an unreachable peer and
+    outlived their grace period (about 5 s of every test cluster's teardown, and a SIGKILL to
+    the vLLM engine of each rollout at the end of ``laminar run``). Empty stages are left out."""
+    stages: list[list[str]] = [[] for _ in range(max(_LAST.values()) + 1)]
+    for name, role in roles.items():
+        stages[_LAST.get(role, 0)].append(name)
+    return [stage for stage in stages if stage]
+
+
 # -- the command line ------------------------------------------------------------------------------
 
 

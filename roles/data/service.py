@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sqlite3
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -81,6 +82,8 @@ from .rewards import RewardPool
 from .rounds import RoundGate
 from .sampling import Sampling
 from .store import Store
+
+STORE_CLOSED = "the data store is not open (the data role is starting or stopping)"
 
 __all__ = [
     "HANDOFF_GRACE_S",
@@ -160,8 +163,17 @@ class DataService(Service, DataApi):
         self.watch = RolloutWatch(parts, self.leasing.forget, self.leasing.wake)
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a store call on the store's executor (every store call goes through here)."""
-        return await self._store_executor.run(fn, *args)
+        """Run a store call on the store's executor (every store call goes through here).
+
+        A request that took the store before ``on_stop`` closed it and queued its call after
+        the close gets the same clear error as one that came later (not SQLite's "Cannot
+        operate on a closed database"); its caller retries, as for an unreachable data role."""
+        try:
+            return await self._store_executor.run(fn, *args)
+        except sqlite3.ProgrammingError:
+            if self.store is None:
+                raise RuntimeError(STORE_CLOSED) from None
+            raise
 
     def _cancelled(self, ids: list[str]) -> None:
         if self.episodes is not None:
@@ -170,7 +182,7 @@ class DataService(Service, DataApi):
 
     def _need_store(self) -> Store:
         if self.store is None:
-            raise RuntimeError("the data store is not open (the data role is starting or stopping)")
+            raise RuntimeError(STORE_CLOSED)
         return self.store
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -83,3 +83,48 @@ def test_kill_group_unlinks_what_its_members_map_and_nothing_else() -> None:
             proc.wait()
         path.unlink(missing_ok=True)
         other.unlink(missing_ok=True)
+
+
+#: a segment whose user is "gone" (here: we never close it) handed to release_tracked_shm (or
+#: not), then the process exits and its tracker reports what it had to clean up
+RELEASE = """
+import sys
+from multiprocessing import shared_memory
+from laminar.proc.procfs import release_tracked_shm
+segment = shared_memory.SharedMemory(create=True, size=1 << 16)  # starts this process's tracker
+path = "/dev/shm/" + segment.name.lstrip("/")
+segment.close()
+if sys.argv[1] == "release":
+    release_tracked_shm([path])
+    import os
+    assert not os.path.exists(path)
+"""
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_released_segments_are_unlinked_and_forgotten_by_the_tracker(release: bool) -> None:
+    """Unlinked by the one who knows its users are dead, and unregistered from this process's
+    tracker, which would otherwise unlink it again at exit and warn of a leak (the control case
+    shows the warning the release avoids)."""
+    out = subprocess.run(
+        [sys.executable, "-c", RELEASE, "release" if release else "keep"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    leaked = "leaked shared_memory objects" in out.stderr
+    assert leaked is not release, out.stderr
+
+
+def test_release_without_a_tracker_starts_none(tmp_path: Path) -> None:
+    code = (
+        "from multiprocessing import resource_tracker as rt\n"
+        "from laminar.proc.procfs import release_tracked_shm\n"
+        f"release_tracked_shm([{str(tmp_path / 'psm_x')!r}])\n"
+        "assert rt._resource_tracker._fd is None, 'a tracker was started'\n"
+    )
+    (tmp_path / "psm_x").write_bytes(b"x")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "psm_x").exists()

@@ -40,6 +40,7 @@ from laminar.proc.spawn import (
     parse_ready_line,
     serve_command,
     start,
+    stop_stages,
 )
 from laminar.service import READY_PREFIX
 from tests.support.poll import until
@@ -181,6 +182,24 @@ def test_a_pinned_rollout_binds_its_engine_threads_to_its_cores() -> None:
 
 
 # -- the ready line and the output -----------------------------------------------------------------
+
+
+def test_roles_stop_callers_first_then_the_data_role_then_the_manager() -> None:
+    roles = {
+        "manager": "manager",
+        "data": "data",
+        "rollout-0": "rollout",
+        "trainer": "trainer",
+        "relay-0": "relay",
+        "rollout-1": "rollout",
+    }
+    assert stop_stages(roles) == [
+        ["rollout-0", "trainer", "relay-0", "rollout-1"],
+        ["data"],
+        ["manager"],
+    ]
+    assert stop_stages({"m": "manager", "r": "rollout"}) == [["r"], ["m"]]  # no empty stage
+    assert stop_stages({}) == []
 
 
 def test_the_ready_line_gives_its_info_and_a_bad_one_is_named() -> None:
