@@ -5,9 +5,9 @@ second scheduler. Everything but *where the processes run* is the local supervis
 (:class:`laminar.devmode.supervisor.Supervisor`, subclassed here): the run directory, the cluster
 token, the manager first and its ``LAMINAR_READY`` line giving the join address (written to
 ``cluster.json``), the progress view, the tracking, the plots, and stopping on Ctrl-C or SIGTERM
-(callers first, the data role and then the manager last). Each instance's process is the same
-``laminar serve`` with the same command line and environment (:mod:`laminar.proc.spawn`), run by
-the same child lifecycle (:mod:`laminar.proc.children`) inside its actor
+(callers first, then the data role and relays, the manager last). Each instance's process is the
+same ``laminar serve`` with the same command line and environment (:mod:`laminar.proc.spawn`), run
+by the same child lifecycle (:mod:`laminar.proc.children`) inside its actor
 (:mod:`laminar.devmode.ray_actor`), and restarted by the same policy (:mod:`laminar.proc.restart`),
 decided here on the driver from the exit status the actor reports. An actor that dies (its machine
 lost) counts as an exit with an unknown status: the policy decides, and a new actor takes the

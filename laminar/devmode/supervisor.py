@@ -15,8 +15,8 @@ its output closing (what the child started inherits its pipes), ends what its gr
 members find it again). A manager given up on ends the run with status 1.
 
 Ctrl-C or SIGTERM stops everything: SIGTERM to each child's own process (callers before what they
-call: rollouts, trainer and relays, then the data role, then the manager), its group ended as above
-once it exits, and SIGKILL to the whole group of any child still there after
+call: rollouts and trainer, then the data role and relays, then the manager), its group ended as
+above once it exits, and SIGKILL to the whole group of any child still there after
 ``run.shutdown_grace_s``; last, any group not yet seen empty is killed, and anything else carrying
 the run's mark, so no process of the run outlives it. Then the run's tracker is closed
 (TensorBoard, W&B), so stopping the roles never waits on it. Only processes started with the run's
@@ -191,8 +191,8 @@ class Supervisor:
             self.stopping.set()
 
     async def _stop_all(self) -> None:
-        # Callers before what they call (stop_stages): rollouts, trainer and relays, then the
-        # data role, then the manager, so each stops while its peers still answer.
+        # Callers before what they call (stop_stages): rollouts and trainer, then the data role
+        # and relays, then the manager, so each stops while its peers still answer.
         by_name = {c.name: c for c in self.children}
         for stage in stop_stages({c.name: c.role for c in self.children}):
             await self.processes.stop([by_name[name] for name in stage])

@@ -75,9 +75,10 @@ _SIGTERM = int(signal.SIGTERM)
 # -- the order roles stop in -----------------------------------------------------------------------
 
 #: Roles that others call, by when they stop: after everything else, the data role (a rollout
-#: stopping hands it its partial trajectories, and the trainer and relays read through it), then
-#: the manager (every member leaves it on the way out).
-_LAST = {"data": 1, "manager": 2}
+#: stopping hands it its partial trajectories, the trainer samples from it) and the relays
+#: (rollouts follow their weight streams, the trainer publishes to them), then the manager
+#: (every member leaves it on the way out).
+_LAST = {"data": 1, "relay": 1, "manager": 2}
 
 
 def stop_stages(roles: Mapping[str, str]) -> list[list[str]]:

@@ -184,7 +184,7 @@ def test_a_pinned_rollout_binds_its_engine_threads_to_its_cores() -> None:
 # -- the ready line and the output -----------------------------------------------------------------
 
 
-def test_roles_stop_callers_first_then_the_data_role_then_the_manager() -> None:
+def test_roles_stop_callers_first_then_data_and_relays_then_the_manager() -> None:
     roles = {
         "manager": "manager",
         "data": "data",
@@ -194,8 +194,8 @@ def test_roles_stop_callers_first_then_the_data_role_then_the_manager() -> None:
         "rollout-1": "rollout",
     }
     assert stop_stages(roles) == [
-        ["rollout-0", "trainer", "relay-0", "rollout-1"],
-        ["data"],
+        ["rollout-0", "trainer", "rollout-1"],
+        ["data", "relay-0"],
         ["manager"],
     ]
     assert stop_stages({"m": "manager", "r": "rollout"}) == [["r"], ["m"]]  # no empty stage
