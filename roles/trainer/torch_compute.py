@@ -91,7 +91,9 @@ class TorchCompute:
 
     async def train(self, screened: Screened, version: int) -> StepResult:
         assert self.group is not None
-        return await self._run(self.group.train, packed(screened, self.config))  # type: ignore[no-any-return]
+        group = self.group
+        # packing (torch ops) too goes off the loop: one run was seen blocking it 2 s here
+        return await self._run(lambda: group.train(packed(screened, self.config)))  # type: ignore[no-any-return]
 
     async def checkpoint(self, progress: Progress, saved_at: float) -> None:
         state = TrainingState(progress.version, progress.cursor, progress.history or [])
