@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
 
@@ -100,7 +101,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         for watch in watches:
             watch.close()
-    return 0
+    exit_without_final_collection(0)
+
+
+def exit_without_final_collection(code: int) -> NoReturn:
+    """End this process as the interpreter would, minus its final garbage collection and module
+    teardown: join the non-daemon threads (an executor's running call finishes), run the atexit
+    handlers, flush the standard streams, ``os._exit``.
+
+    Why: a stopped role's work is done, and what is left of its exit is freeing what its imports
+    made. Measured here, the interpreter's exit took 3.8 s after importing the rollout's modules
+    (vLLM) and 2.1 s after the trainer's (torch, transformers), against 0.2 s for the CLI alone:
+    seconds of every ``laminar run`` stop, restart and test teardown, counted against the
+    role's stop grace. Only after a clean stop: a crash takes the interpreter's ordinary path,
+    with its traceback."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx does first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def watch_loop(log: Any, threshold_s: float, stopping: Callable[[], bool]) -> LoopWatch:

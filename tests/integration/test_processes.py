@@ -53,6 +53,50 @@ async def test_server_killed_fails_pending_calls_with_peer_unavailable() -> None
         stop(proc)
 
 
+#: a role whose stop leaves a non-daemon thread running and whose module registered an atexit
+#: handler: what the interpreter's exit would do must still happen, in that order
+EXITING_ROLE = """
+import atexit, sys, threading, time
+from typing import ClassVar
+from laminar.service import Service
+
+atexit.register(lambda: print("atexit ran", flush=True))
+
+
+def _late():
+    time.sleep(0.5)
+    sys.stdout.write("thread done\\n")  # not flushed: the exit flushes it
+
+
+class Exiting(Service):
+    role: ClassVar[str] = "exiting"
+
+    async def on_stop(self) -> None:
+        threading.Thread(target=_late).start()
+"""
+
+
+def test_a_stopped_role_exits_as_the_interpreter_would(tmp_path) -> None:
+    """A role skips the interpreter's final garbage collection at exit (seconds after importing
+    vLLM or torch: ``laminar.cli.exit_without_final_collection``) but keeps the rest: a
+    non-daemon thread finishes, then the atexit handlers run, and buffered output is not lost."""
+    role = tmp_path / "exiting.py"
+    role.write_text(EXITING_ROLE)
+    proc, _ = start(
+        laminar(
+            "serve", "--role", f"{role}:Exiting", "--standalone", "--set", "exiting.metrics=null"
+        )
+    )
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        lines = [line for line in out.splitlines() if line in ("thread done", "atexit ran")]
+        assert lines == ["thread done", "atexit ran"], out
+    finally:
+        stop(proc)
+
+
 def _status(manager: str) -> dict:
     out = run_cli("status", "--join", manager, "--json", "--timeout", "2")
     assert out.returncode == 0, out.stderr
