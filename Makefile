@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/transport.py --json runs/bench/transport.json
 	$(PY) benchmarks/generation.py --json runs/bench/generation.json
 	$(PY) benchmarks/schedules.py --json runs/bench/schedules.json
+	$(PY) benchmarks/stop.py --json runs/bench/stop.json
 	$(PY) benchmarks/learning.py --json runs/bench/learning.json  # 3 seeds x ~17 min
 
 # An example task's data, a model, and its warm start (% = the example's name). `laminar sft`
