@@ -67,6 +67,11 @@ from laminar.proc.spawn import (
 from laminar.roles_registry import load_role
 from laminar.tracking import TrackingPlan, plan_for_run
 
+#: How long the manager may take to say it is ready. A manager that exits is seen at once (its
+#: watcher ends first), so this bounds only one that hangs; 60 s was exceeded by a healthy manager
+#: in CI, started while the suite's other workers were starting vLLM engines on both cores.
+MANAGER_READY_S = 300.0
+
 COLOURS = [
     "cyan",
     "magenta",
@@ -296,7 +301,9 @@ class Supervisor:
 
     async def _wait_ready(self, child: Child, watcher: asyncio.Task[None]) -> bool:
         ready = asyncio.create_task(child.ready.wait())
-        await asyncio.wait({ready, watcher}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {ready, watcher}, timeout=MANAGER_READY_S, return_when=asyncio.FIRST_COMPLETED
+        )
         ready.cancel()
         return child.ready.is_set()
 
