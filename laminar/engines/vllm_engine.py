@@ -48,7 +48,7 @@ from typing import Any
 
 import structlog
 
-from ..proc.procfs import alive, release_tracked_shm, tracked_shm
+from ..proc.procfs import release_tracked_shm
 from ..trajectory import SamplingParams
 from ..weights.manifest import WeightManifest
 from .base import Engine, EngineError, EngineOutput, EngineStats
@@ -177,7 +177,6 @@ class VllmEngine(VllmKvMigration, Engine):
         self.kv_fallbacks: collections.Counter[str] = collections.Counter()
         self.eos_token_ids: list[int] = []
         self._shm: set[str] = set()  # the engine's shared-memory queues (see start)
-        self._procs: list[tuple[int, int]] = []  # its processes, (pid, start time), from start
 
     async def start(self) -> None:
         cfg = self.config
@@ -199,7 +198,7 @@ class VllmEngine(VllmKvMigration, Engine):
                 pass
 
         args = engine_args(cfg)
-        from ..proc.procfs import KEEP_ENVIRON, descendants, stat
+        from ..proc.procfs import KEEP_ENVIRON, descendants, tracked_shm
         from .vllm_worker import OWNER_ENV, owner_token
 
         # vLLM's setproctitle would wipe its processes' /proc environ, and with it the marks
@@ -220,7 +219,6 @@ class VllmEngine(VllmKvMigration, Engine):
         # outlives its grace period), the tracker dies before it unlinks: :meth:`close` does it.
         ours = set(descendants(os.getpid())) - others
         self._shm = {path for pid in ours for path in tracked_shm(pid)}
-        self._procs = [(pid, st.start) for pid in sorted(ours) if (st := stat(pid)) is not None]
         # vLLM's resolved limits (max_model_len may be capped by the model's own)
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
@@ -248,10 +246,6 @@ class VllmEngine(VllmKvMigration, Engine):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._llm is not None:
-            # what its processes map now (a semaphore made after start, too), while they live
-            self._shm |= {
-                path for pid, t in self._procs if alive(pid, t) for path in tracked_shm(pid)
-            }
             # vLLM's shutdown SIGTERMs its engine core and waits up to 5 s (on the event loop)
             # before it SIGKILLs what is left. On CPU it always waited them out: the engine
             # core and its worker each spend about 4 s after their work is done in the
@@ -263,7 +257,7 @@ class VllmEngine(VllmKvMigration, Engine):
             self._llm.shutdown(timeout=0.0 if on_cpu() else None)
             self._llm = None
         release_tracked_shm(self._shm)  # its processes are gone: nobody else maps these
-        self._shm, self._procs = set(), []
+        self._shm = set()
 
     @property
     def shm_paths(self) -> frozenset[str]:
