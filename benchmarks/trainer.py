@@ -86,14 +86,17 @@ def make_model(directory: Path, layers: int, hidden: int, vocab: int) -> Path:
     return directory
 
 
-def batches(count: int, rows: int, length: int, vocab: int, seed: int) -> list[PackedBatch]:
-    """GRPO-shaped global batches: groups of 4 samples, long-tailed response lengths."""
+def batches(
+    count: int, rows: int, length: int, vocab: int, seed: int, prompt_tokens: int = 16
+) -> list[PackedBatch]:
+    """GRPO-shaped global batches: groups of 4 samples, long-tailed response lengths (at most
+    ``length``, a third of it typically)."""
     rng = random.Random(seed)
     out = []
     for b in range(count):
         trajectories = []
         for g in range(rows // 4):
-            prompt = [rng.randrange(3, vocab) for _ in range(16)]
+            prompt = [rng.randrange(3, vocab) for _ in range(prompt_tokens)]
             for s in range(4):
                 n = min(length, max(4, int(rng.lognormvariate(np.log(length / 3), 0.6))))
                 trajectories.append(

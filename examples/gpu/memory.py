@@ -9,8 +9,10 @@ Trainer rank (FSDP2 over W ranks, bf16 autocast, fp32 master weights, activation
   (one decoder layer, or the embedding / LM head, V x h);
 * activations: checkpointing keeps each layer's bf16 input (L x T x h x 2 bytes) and recomputes
   one layer at a time (about T x (16h + 4I) bytes with its gradients, with a fused attention
-  kernel); the logits dominate for a large vocabulary: bf16 logits, their fp32 copy, fp32
-  log-softmax and its gradient, T x V x 14 bytes (laminar/rl/logprobs.py);
+  kernel); the logits dominate for a large vocabulary: with the trainer's default chunked
+  logprobs (laminar/rl/logprobs.py) the bf16 logits and their bf16 gradient, T x V x 4 bytes,
+  plus 1 GiB of float32 work per chunk (``logprobs: full`` keeps T x V x 14 bytes: the logits,
+  their fp32 copy, the fp32 log-softmax and its gradient);
   T = micro_batch_rows x (prompt + response tokens);
 * 1.5 GiB for the CUDA context, NCCL buffers and allocator slack.
 
@@ -70,7 +72,7 @@ def trainer_bytes(m: Shape, world: int, tokens: int) -> dict[str, float]:
         "gathered": 2 * 6 * unit,
         "activations": m.layers * tokens * m.hidden * 2
         + tokens * (16 * m.hidden + 4 * m.intermediate),
-        "logits": tokens * m.vocab * 14,
+        "logits": tokens * m.vocab * 4 + 1 * GiB,
         "overhead": 1.5 * GiB,
     }
     out["total"] = sum(out.values())

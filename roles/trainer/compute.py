@@ -120,7 +120,7 @@ class PolicyTrainer:
         # FSDP2 (``sharding: fsdp``): one rank alone has nothing to shard with. Sharded, each
         # rank reads only its slices, and before the optimizer: it must hold the shards.
         self.sharded = config.sharding == "fsdp" and world > 1
-        self.model = self._load(config.model, config.activation_checkpointing)
+        self.model = self._load(config.model, config.activation_checkpointing, config.compile)
         self.model.train()
         o = config.optim
         self.optimizer: torch.optim.Optimizer
@@ -145,13 +145,17 @@ class PolicyTrainer:
             for p in self.reference.parameters():
                 p.requires_grad_(False)
 
-    def _load(self, path: str, activation_checkpointing: bool = False) -> torch.nn.Module:
+    def _load(
+        self, path: str, activation_checkpointing: bool = False, compile: bool = False
+    ) -> torch.nn.Module:
         if self.sharded:
             return load_sharded_policy(
                 path, self.device, self.rank, self.world,
-                activation_checkpointing=activation_checkpointing,
+                activation_checkpointing=activation_checkpointing, compile=compile,
             )  # fmt: skip
-        return load_policy(path, self.device, activation_checkpointing=activation_checkpointing)
+        return load_policy(
+            path, self.device, activation_checkpointing=activation_checkpointing, compile=compile
+        )
 
     # -- state -------------------------------------------------------------------------------
     # Sharded, each of these is a collective: every rank of the group calls it (:mod:`.dp`).
@@ -290,7 +294,10 @@ class PolicyTrainer:
         model.eval()
         for micro in self._plan(batch, steps):
             part = batch.select(micro if micro is not None else [0]).trimmed()
-            lp, _ = token_logprobs(self._run(model), part, temperature=self.config.temperature)
+            lp, _ = token_logprobs(
+                self._run(model), part,
+                temperature=self.config.temperature, method=self.config.logprobs,
+            )  # fmt: skip
             if micro is not None:
                 out[micro, : lp.shape[1]] = lp
         model.train(was_training)
@@ -326,15 +333,16 @@ class PolicyTrainer:
                 if micro is None:  # sharded: this rank's share ran out, the others' did not
                     lp, _ = token_logprobs(
                         self._run(self.model), self._padding(batch, list(step)),
-                        temperature=cfg.temperature,
+                        temperature=cfg.temperature, method=cfg.logprobs,
                     )  # fmt: skip
                     (lp.sum() * 0.0).backward()
                     continue
                 part = batch.select(micro).trimmed()
                 width = part.input_ids.shape[1]
                 logprobs, entropy = token_logprobs(
-                    self._run(self.model), part, temperature=cfg.temperature, with_entropy=True
-                )
+                    self._run(self.model), part,
+                    temperature=cfg.temperature, with_entropy=True, method=cfg.logprobs,
+                )  # fmt: skip
                 loss, s = policy_loss(
                     logprobs,
                     logprobs.detach() if old is None else old[micro, :width],

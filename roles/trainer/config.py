@@ -104,6 +104,21 @@ class TrainerConfig(ServiceConfig):
         description="Recompute each decoder layer's activations in backward instead of keeping "
         "them (HF gradient checkpointing): less memory for about one more forward pass.",
     )
+    compile: bool = Field(
+        False,
+        description="Compile each decoder layer with torch.compile (dynamic shapes; needs Triton "
+        "on CUDA, a C++ compiler on CPU): fewer, fused kernels, for a compilation of seconds "
+        "to a minute at start.",
+    )
+    logprobs: Literal["chunked", "fused", "full"] = Field(
+        "chunked",
+        description="How token logprobs and entropies are taken from the logits: `chunked` "
+        "works through them a few hundred positions at a time in float32 and keeps only the "
+        "logits for backward; `fused`: the same with its chunk functions compiled by "
+        "torch.compile (needs Triton on CUDA, a C++ compiler on CPU); `full` upcasts and "
+        "log-softmaxes the whole [batch, length, vocab] at once (several float32 copies alive "
+        "until backward). Same numbers (laminar/rl/logprobs.py).",
+    )
     data_parallel: Annotated[int, Field(ge=1, le=64)] = Field(
         1, description="Data-parallel ranks (processes; gloo on CPU, NCCL on GPU)."
     )

@@ -25,19 +25,45 @@ def resolve_device(device: str, rank: int = 0) -> torch.device:
 
 
 def load_policy(
-    path: str, device: torch.device | str = "cpu", *, activation_checkpointing: bool = False
+    path: str,
+    device: torch.device | str = "cpu",
+    *,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
 ) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return for_training(model, activation_checkpointing).to(device)
+    return for_training(model, activation_checkpointing, compile).to(device)
 
 
-def for_training(model: Any, activation_checkpointing: bool) -> Any:
-    """No KV cache (training never decodes), and activation checkpointing if asked for."""
+def layer_classes(model: torch.nn.Module) -> set[str]:
+    """The transformer blocks: what HF marks as never to be split across devices."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} names no `_no_split_modules`: cannot tell its decoder layers"
+        )
+    return names
+
+
+def for_training(model: Any, activation_checkpointing: bool, compile: bool = False) -> Any:
+    """No KV cache (training never decodes), activation checkpointing if asked for, and each
+    decoder layer compiled if asked for.
+
+    Why per layer (as torchtitan does) and in place (``Module.compile``): one layer's graph
+    serves them all, so compiling takes seconds, not minutes; FSDP2 then shards the compiled
+    layers as it would the plain ones; and the parameters keep their names (``torch.compile``
+    on the model would prefix them with ``_orig_mod.``, which every published version and
+    checkpoint would carry). Shapes vary with every micro-batch, so the graphs are dynamic."""
     model.config.use_cache = False
     if activation_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        layers = layer_classes(model)
+        for module in model.modules():
+            if type(module).__name__ in layers:
+                module.compile(dynamic=True)
     return model
 
 

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from laminar.weights.manifest import WeightManifest
 
-from .device import for_training
+from .device import for_training, layer_classes
 
 __all__ = [
     "full",
@@ -66,16 +66,6 @@ __all__ = [
 ]
 
 
-def _layer_classes(model: torch.nn.Module) -> set[str]:
-    """The transformer blocks: what HF marks as never to be split across devices."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    if not names:
-        raise ValueError(
-            f"{type(model).__name__} names no `_no_split_modules`: cannot tell its decoder layers"
-        )
-    return names
-
-
 def load_sharded_policy(
     path: str | Path,
     device: torch.device,
@@ -83,6 +73,7 @@ def load_sharded_policy(
     world: int,
     *,
     activation_checkpointing: bool = False,
+    compile: bool = False,
 ) -> torch.nn.Module:
     """The policy in ``path`` (an HF directory) sharded over ``world`` ranks, each rank reading
     only its own rows of each tensor from the safetensors files (memory-mapped).
@@ -99,7 +90,7 @@ def load_sharded_policy(
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    for_training(model, activation_checkpointing)
+    for_training(model, activation_checkpointing, compile)
     shard_policy(model)
     model.to_empty(device=device)
     with torch.no_grad():
@@ -161,7 +152,7 @@ def shard_policy(model: torch.nn.Module) -> torch.nn.Module:
 
     One unit per layer is the usual FSDP granularity: a layer's parameters are gathered just
     before it runs and freed right after, so at most about one layer is ever whole."""
-    layers = _layer_classes(model)
+    layers = layer_classes(model)
     for module in model.modules():
         if type(module).__name__ in layers:
             fully_shard(module)

@@ -67,3 +67,41 @@ def test_fsdp2_on_nccl_matches_one_rank_and_halves_the_state(tmp_path: Path) -> 
             assert (got[name] - ref[name]).abs().max() < 0.02 * 1e-3, name
     finally:
         group.close()
+
+
+def test_chunked_logprobs_match_the_full_log_softmax_under_bf16_on_cuda(tmp_path: Path) -> None:
+    """The default (chunked) logprobs against the whole log-softmax, on the GPU, in bf16
+    autocast: the same logprobs and the same gradients on the fp32 master weights."""
+    from laminar.rl import token_logprobs
+
+    trainer = PolicyTrainer(config(tiny_qwen2(tmp_path / "qwen2")))
+    part = batch().to(trainer.device)
+    grads = {}
+    for method in ("full", "chunked"):
+        trainer.model.zero_grad()
+        logp, ent = token_logprobs(
+            trainer._run(trainer.model), part, temperature=0.8, with_entropy=True, method=method
+        )
+        assert ent is not None
+        ((logp * part.advantages).sum() + 0.01 * ent.sum()).backward()
+        grads[method] = (
+            logp.detach(),
+            {n: p.grad.clone() for n, p in trainer.model.named_parameters()},
+        )
+    torch.testing.assert_close(grads["chunked"][0], grads["full"][0], atol=1e-4, rtol=1e-4)
+    for name, want in grads["full"][1].items():
+        torch.testing.assert_close(grads["chunked"][1][name], want, atol=1e-4, rtol=1e-2)
+
+
+def test_compiled_layers_and_fused_logprobs_train_like_the_plain_trainer(tmp_path: Path) -> None:
+    """``trainer.compile`` and ``logprobs: fused`` on CUDA: the same parameter names, and one
+    bf16 step lands where the plain trainer's does (to bf16 kernel differences, times lr)."""
+    model = tiny_qwen2(tmp_path / "qwen2")
+    plain = PolicyTrainer(config(model))
+    fused = PolicyTrainer(config(model, compile=True, logprobs="fused"))
+    assert [n for n, _ in plain.named_weights()] == [n for n, _ in fused.named_weights()]
+    a, b = plain.train(batch()), fused.train(batch())
+    assert a.steps == b.steps == 1 and b.skipped_steps == 0
+    for (name, x), (_, y) in zip(plain.named_weights(), fused.named_weights(), strict=True):
+        assert torch.isfinite(y).all(), name
+        assert (x - y).abs().max() < 5e-3, name  # lr 1e-3: at most a few steps' worth apart

@@ -98,3 +98,23 @@ def test_auto_is_the_cpu_here_and_cuda_without_a_gpu_is_a_clear_error() -> None:
     assert resolve_device("auto") == torch.device("cpu")
     with pytest.raises(RuntimeError, match=r"trainer\.device is cuda but torch sees no GPU"):
         resolve_device("cuda")
+
+
+def test_compile_compiles_each_decoder_layer_in_place_and_keeps_the_names(tmp_path: Path) -> None:
+    """``trainer.compile`` (checked without running a compiled step: that takes a minute of
+    this CPU; ``tests/gpu`` runs one): every decoder layer, and nothing else, is compiled in
+    place, so the parameter names (what versions and checkpoints carry) do not change."""
+    model = tiny_qwen2(tmp_path / "qwen2")
+
+    def trainer(compile: bool) -> PolicyTrainer:
+        return PolicyTrainer(
+            TrainerConfig(model=str(model), threads_per_rank=1, metrics_file=None, compile=compile)
+        )
+
+    plain, compiled = trainer(False), trainer(True)
+    assert [n for n, _ in compiled.named_weights()] == [n for n, _ in plain.named_weights()]
+    kinds = {
+        type(m).__name__ for m in compiled.model.modules() if m._compiled_call_impl is not None
+    }
+    assert kinds == {"Qwen2DecoderLayer"}
+    assert all(m._compiled_call_impl is None for m in plain.model.modules())

@@ -1,0 +1,116 @@
+"""The chunked logprob function against autograd through the whole log-softmax.
+
+Both ways must give the same logprobs, entropies and gradients (to float32 rounding), for any
+temperature, whether the entropy carries gradient or not, in float32 and in bfloat16, and however
+the positions fall into chunks (``CHUNK_ELEMENTS`` is made small so a row spans several)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from laminar.rl import logprobs as lp_module
+from laminar.rl.logprobs import ChunkedLogprobs, _full, token_logprobs
+from tests.support.models import tiny_qwen2
+
+from .test_rl import traj
+
+
+def reference(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logp, entropy = _full(logits, targets, temperature, with_entropy=True)
+    assert entropy is not None
+    return logp, entropy
+
+
+@pytest.mark.parametrize("chunk", [1 << 26, 40, 17])  # one chunk a row, several, ragged
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_weight", [0.0, 0.3])
+def test_values_and_gradients_match_the_full_log_softmax(
+    monkeypatch: pytest.MonkeyPatch, chunk: int, temperature: float, entropy_weight: float
+) -> None:
+    monkeypatch.setattr(lp_module, "CHUNK_ELEMENTS", chunk)
+    gen = torch.Generator().manual_seed(int(temperature * 10) + chunk)
+    logits = (3 * torch.randn(3, 9, 11, generator=gen, dtype=torch.float64)).float()
+    targets = torch.randint(0, 11, (3, 8), generator=gen)
+    g_logp = torch.randn(3, 8, generator=gen)
+    g_ent = torch.randn(3, 8, generator=gen)
+    grads = {}
+    for name, fn in (("full", reference), ("chunked", ChunkedLogprobs.apply)):
+        x = logits.clone().requires_grad_(True)
+        logp, entropy = fn(x, targets, temperature)
+        loss = (logp * g_logp).sum()
+        if entropy_weight:
+            loss = loss + entropy_weight * (entropy * g_ent).sum()
+        loss.backward()
+        grads[name] = (logp.detach(), entropy.detach(), x.grad)
+    for got, want in zip(grads["chunked"], grads["full"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (grads["chunked"][2][:, -1] == 0).all()  # the last position predicts nothing
+
+
+def test_bf16_logits_get_a_bf16_gradient_equal_to_the_upcast_path() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = (2 * torch.randn(2, 6, 50, generator=gen)).to(torch.bfloat16)
+    targets = torch.randint(0, 50, (2, 5), generator=gen)
+    out = {}
+    for name, fn in (("full", reference), ("chunked", ChunkedLogprobs.apply)):
+        x = logits.clone().requires_grad_(True)
+        logp, entropy = fn(x, targets, 1.0)
+        (logp.sum() + 0.1 * entropy.sum()).backward()
+        assert x.grad is not None and x.grad.dtype == torch.bfloat16
+        out[name] = (logp.detach(), x.grad.float())
+    torch.testing.assert_close(out["chunked"][0], out["full"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["chunked"][1], out["full"][1], atol=1e-2, rtol=1e-2)
+
+
+def test_the_model_gets_the_same_gradients_either_way(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    import transformers
+
+    from laminar.rl import pack
+
+    monkeypatch.setattr(lp_module, "CHUNK_ELEMENTS", 3 * 64)  # a few positions a chunk
+    path = tiny_qwen2(tmp_path / "m")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rows = [([1, 5, 9], [10, 11, 12, 2]), ([1, 7], [3]), ([1, 4, 4, 4, 8], [20, 21])]
+    batch = pack([traj(p, r) for p, r in rows], [1.0, -1.0, 0.5], pad_id=0)
+    grads = {}
+    for method in ("full", "chunked"):
+        model.zero_grad()
+        logp, ent = token_logprobs(model, batch, temperature=0.9, with_entropy=True, method=method)
+        assert ent is not None
+        ((logp * batch.advantages).sum() + 0.01 * ent.sum()).backward()
+        grads[method] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, want in grads["full"].items():
+        torch.testing.assert_close(grads["chunked"][name], want, atol=1e-6, rtol=1e-4)
+
+
+def test_an_unknown_method_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import transformers
+
+    from laminar.rl import pack
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen2(tmp_path / "m"))
+    with pytest.raises(ValueError, match="'chunked', 'fused' or 'full'"):
+        token_logprobs(model, pack([traj([1], [2])], [1.0]), method="fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow  # torch.compile: about 15 s of one core for the two chunk functions
+def test_fused_kernels_give_the_eager_values_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    from laminar.rl.logprobs import EAGER, fused_kernels
+
+    monkeypatch.setattr(lp_module, "CHUNK_ELEMENTS", 40 * 11)  # chunks of 40 positions
+    gen = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(3, 50, 11, generator=gen)).to(torch.bfloat16)
+    targets = torch.randint(0, 11, (3, 49), generator=gen)
+    out = {}
+    for name, kernels in (("eager", EAGER), ("fused", fused_kernels())):
+        x = logits.clone().requires_grad_(True)
+        logp, entropy = ChunkedLogprobs.apply(x, targets, 0.8, kernels)
+        (logp.sum() + 0.1 * entropy.sum()).backward()
+        out[name] = (logp.detach(), entropy.detach(), x.grad.float())
+    for got, want in zip(out["fused"], out["eager"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32 sums in another order
