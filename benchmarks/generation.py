@@ -26,6 +26,11 @@ the overhead being measured. Two ways to alternate (``--mode``):
   stopped polling (vLLM's engine core and worker spin only about a second after their last
   work). No start-up, no model load and no fresh interpreter sits between the two sides of a
   pair.
+  Each segment also counts CPU seconds per 1,000 tokens (``cpu_s_per_1k_tokens``): of the
+  rollout, data and manager processes over the role segment (each process alone, not the
+  rollout's engine processes), and of this process (bare vLLM's front end) over the bare one.
+  On 2 cores shared with an engine that keeps both busy, that work is the overhead; it moves far
+  less from one hour to the next than tokens/s do.
 * ``fresh``: each run starts its own engine (bare) or cluster (role) and stops it afterwards, the
   protocol of every figure measured before 2026-11-27; pairs a minute apart, each
   behind a start-up, disagreed by 15% and more on this 2-core VM.
@@ -40,7 +45,9 @@ import asyncio
 import contextlib
 import gc
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from laminar.engines.configs import VllmEngineConfig  # noqa: E402
+from laminar.engines.vllm_compat import token_prompt  # noqa: E402
 from laminar.engines.vllm_engine import engine_args, eos_token_ids  # noqa: E402
 from laminar.harness.launch import ProcessCluster  # noqa: E402
 from laminar.roles.data.api import DataApi, SampleRequest  # noqa: E402
@@ -66,6 +74,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pairs  # noqa: E402  (benchmarks/pairs.py)
 
 TASK = ROOT / "examples" / "arith" / "task.py"
+
+#: the role processes whose CPU a segment counts (each process alone, not its engine's children)
+ROLE_PROCESSES = {"rollout": "rollout-0", "data": "data-0", "manager": "manager"}
+
+
+def cpu_per_1k(bares: list[dict[str, Any]], roles: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per process: the CPU seconds per 1,000 tokens of each pair's segment, and their median
+    (``segments`` mode only: ``fresh`` runs count no CPU)."""
+    out: dict[str, Any] = {}
+    for side in (roles, bares):
+        if not side or "cpu_s" not in side[0]:
+            continue
+        for name in side[0]["cpu_s"]:
+            runs = [1000 * r["cpu_s"][name] / r["tokens"] for r in side]
+            out[name] = {"median": statistics.median(runs), "pairs": runs}
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def prepare(args: argparse.Namespace, work: Path, n: int) -> tuple[Path, Path]:
@@ -119,9 +149,12 @@ def engine_config(args: argparse.Namespace, model: Path) -> VllmEngineConfig:
 
 def bare_start(args: argparse.Namespace, model: Path) -> Any:
     """vLLM's ``AsyncLLM`` on the rollout's engine settings (warmed up by :func:`bare_warm`)."""
+    from vllm import envs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    return AsyncLLM.from_engine_args(engine_args(engine_config(args, model)))
+    llm = AsyncLLM.from_engine_args(engine_args(engine_config(args, model)))
+    envs.enable_envs_cache()  # as the rollout's engine does (VllmEngine.start)
+    return llm
 
 
 async def bare_warm(llm: Any, args: argparse.Namespace) -> None:
@@ -131,7 +164,7 @@ async def bare_warm(llm: Any, args: argparse.Namespace) -> None:
     warm = SamplingParams(max_tokens=4, temperature=1.0, logprobs=0, detokenize=False)
 
     async def one(i: int) -> None:
-        async for _ in llm.generate({"prompt_token_ids": [i % 2] * 8}, warm, f"warmup-{i}"):
+        async for _ in llm.generate(token_prompt([i % 2] * 8), warm, f"warmup-{i}"):
             pass
 
     await asyncio.gather(*(one(i) for i in range(min(8, args.concurrency))))
@@ -163,7 +196,7 @@ async def bare_generate(
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        async for out in llm.generate({"prompt_token_ids": ids}, sp, tid):
+        async for out in llm.generate(token_prompt(ids), sp, tid):
             if out.finished:
                 tokens += len(out.outputs[0].token_ids)
 
@@ -248,8 +281,9 @@ async def role_cluster(
         rollout_info = cluster.serve("rollout", "rollout-0", timeout=300)
         data_client = RpcClient(data_info["address"], options)
         rollout_client = RpcClient(rollout_info["address"], options)
+        pids = {role: cluster.procs[name].pid for role, name in ROLE_PROCESSES.items()}
         try:
-            yield remote(DataApi, data_client), remote(RolloutApi, rollout_client)
+            yield remote(DataApi, data_client), remote(RolloutApi, rollout_client), pids
         finally:
             await data_client.close()
             await rollout_client.close()
@@ -264,7 +298,7 @@ async def run_role(
     shutil.rmtree(work / f"role-{run}", ignore_errors=True)
     config = role_config(args, model, prompts, work / f"role-{run}" / "data.sqlite", None)
     total = len(read_records(prompts)) * args.samples
-    async with role_cluster(args, work, config, work / f"role-{run}" / "logs") as (data, _):
+    async with role_cluster(args, work, config, work / f"role-{run}" / "logs") as (data, _, _):
         while not (await data.status.call()).finished:  # noqa: ASYNC110 - another process
             await asyncio.sleep(0.5)
         trajectories = (await data.sample.call(SampleRequest(n=total))).items
@@ -285,10 +319,16 @@ async def run_segments(
         shutil.rmtree(work / "segments", ignore_errors=True)
         # the data role leases one segment's trajectories and no more until they are taken
         config = role_config(args, model, prompts, work / "segments" / "data.sqlite", segment)
-        async with role_cluster(args, work, config, work / "segments" / "logs") as (data, rollout):
+        async with role_cluster(args, work, config, work / "segments" / "logs") as (
+            data,
+            rollout,
+            pids,
+        ):
             for k in range(args.warmup_pairs + args.pairs):
                 if k:
                     await asyncio.sleep(args.settle)
+                before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+                if k:
                     await rollout.resume.call()
                 while (await data.status.call()).scored < (k + 1) * segment:  # noqa: ASYNC110
                     await asyncio.sleep(0.5)
@@ -297,9 +337,12 @@ async def run_segments(
                 if len(items) != segment:
                     raise RuntimeError(f"segment {k}: took {len(items)} of {segment} trajectories")
                 role = role_figures(items)
+                role["cpu_s"] = {r: cpu_seconds(pid) - before[r] for r, pid in pids.items()}
                 await asyncio.sleep(args.settle)
                 jobs = [(t.trajectory_id, t.prompt_token_ids) for t in items]
+                start_cpu = cpu_seconds(os.getpid())
                 bare = await bare_generate(llm, jobs, args, eos)
+                bare["cpu_s"] = {"front_end": cpu_seconds(os.getpid()) - start_cpu}
                 warmup = k < args.warmup_pairs
                 print(
                     f"{'warm-up pair' if warmup else 'pair'} {k}: role "
@@ -392,6 +435,10 @@ def main() -> None:
         "role_runs_tokens_per_s": [round(x, 1) for x in role_runs],
         "bare": bares,
         "role": roles,
+        # segments: CPU seconds per 1,000 tokens of each role process over its segment, and of
+        # this process (bare vLLM's front end and the driver) over its own: the overhead as
+        # work done, which moves far less with the machine's hour than tokens/s
+        "cpu_s_per_1k_tokens": cpu_per_1k(bares, roles),
         "settings": {
             "mode": args.mode,
             "settle_s": args.settle,
@@ -412,6 +459,11 @@ def main() -> None:
             f"{last['seconds']:.1f} s)"
         )
     print(pairs.describe("overhead_ratio (role / bare)", ratio, goal=0.95))
+    if figures["cpu_s_per_1k_tokens"]:
+        print(
+            "CPU s per 1k tokens (median of the pairs): "
+            + ", ".join(f"{k} {v['median']:.4f}" for k, v in figures["cpu_s_per_1k_tokens"].items())
+        )
     print(json.dumps(figures))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,11 @@ internals, which change between vLLM releases without notice:
   for the layers of ``kv_cache_config.kv_cache_groups``), their block count and block size;
 * ``reload_weights(weights_iterator=...)`` and ``get_model()`` for in-place weight loading, and
   the runner's ``device`` (host memory is staged through pinned buffers for a CUDA one);
-* the tensor-parallel rank and size (``vllm.distributed.parallel_state``), naming a KV shard.
+* the tensor-parallel rank and size (``vllm.distributed.parallel_state``), naming a KV shard;
+* on the front end's hot path: a prompt already rendered as token ids (``token_prompt``), which
+  ``AsyncLLM.add_request`` takes without a hop to its input-processing thread; the type test by
+  which vLLM leaves out its own Prometheus stat logger when given one (``VllmEngine``); and
+  ``vllm.envs.enable_envs_cache`` (vLLM's API server calls it once started).
 
 Nothing else in Laminar names one of these attributes. When vLLM moves one, ``missing_internals``
 names it: the engine asks its workers at start and logs a warning (KV export then answers None
@@ -46,6 +50,15 @@ def version_problem(version: str | None) -> str | None:
 
 
 # -- requests ----------------------------------------------------------------------------------
+
+
+def token_prompt(token_ids: list[int]) -> dict[str, Any]:
+    """A prompt of token ids in vLLM's rendered form (``vllm.inputs.engine.TokensInput``).
+
+    ``AsyncLLM.add_request`` processes a rendered input in place; a bare ``{"prompt_token_ids":
+    ...}`` is a raw prompt, which it sends through a thread pool (it may need tokenizing) and
+    back: one thread hop per request, 10% of a rollout's front-end CPU in a profile."""
+    return {"type": "token", "prompt_token_ids": token_ids}
 
 
 def internal_ids(runner: Any) -> dict[str, str]:

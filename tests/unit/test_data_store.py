@@ -437,3 +437,50 @@ def test_async_ratio_stops_new_starts_on_stale_weights_but_not_resumes(tmp_path)
     assert stale[0].resume_token_ids == [4]
     fresh = store.lease("r3", 5, 3, set(), PARAMS, start_new=may_start(5, 3, 2))
     assert len(fresh) == 5 and a.trajectory_id not in {f.trajectory_id for f in fresh}
+
+
+def scanned_totals(store):  # what the triggers' totals must equal: the scan they replace
+    row = store.db.execute(
+        "SELECT COUNT(*), COALESCE(SUM(scored), 0), COALESCE(SUM(consumed), 0), "
+        "COALESCE(SUM(evicted), 0), COALESCE(SUM(reward_error IS NOT NULL), 0), "
+        "COALESCE(SUM(n_tokens), 0), AVG(reward) FROM trajectories"
+    ).fetchone()
+    keys = ("trajectories", "scored", "consumed", "evicted", "reward_errors", "tokens")
+    return dict(zip(keys, row[:6], strict=True)), row[6]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_trigger_kept_totals_equal_a_scan_after_any_writes_and_on_reopen(tmp_path, seed):
+    import random
+
+    rng = random.Random(seed)
+    store = make_store(tmp_path, n=12)
+    store.refill(12, samples=2, seed=seed, epochs=1)
+    assert store.buffer_counts() == scanned_totals(store)[0] and store.mean_reward() is None
+    leased = [a.trajectory_id for a in store.lease("r", 24, 0, set(), PARAMS)]
+    done: list[str] = []
+    for step in range(40):
+        op = rng.choice(["complete", "score", "consume", "evict"])
+        if op == "complete" and len(done) < len(leased):
+            batch = leased[len(done) : len(done) + rng.randint(1, 4)]
+            store.complete("r", [traj(t, n=rng.randint(1, 9)) for t in batch])
+            done += batch
+        elif op == "score" and done:
+            picked = rng.sample(done, min(len(done), 3))
+            store.set_rewards(
+                [(t, rng.choice([0.0, 0.25, 1.0]), None) if rng.random() < 0.8
+                 else (t, None, "reward raised") for t in picked]
+            )  # fmt: skip
+        elif op == "consume" and done:
+            store.consume(rng.sample(done, min(len(done), 2)))
+        elif op == "evict" and done:
+            store.evict(rng.sample(done, 1))
+        counts, mean = scanned_totals(store)
+        assert store.buffer_counts() == counts, (step, op)
+        assert store.mean_reward() == pytest.approx(mean), (step, op)
+    # a store whose totals row went wrong (or one from before the triggers) is recounted on open
+    store.db.execute("UPDATE trajectory_totals SET trajectories = 999, reward_sum = -5")
+    store.close()
+    store = Store(tmp_path / "s.sqlite")
+    assert store.buffer_counts() == scanned_totals(store)[0]
+    assert store.mean_reward() == pytest.approx(scanned_totals(store)[1])

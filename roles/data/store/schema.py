@@ -83,6 +83,55 @@ CREATE INDEX IF NOT EXISTS samples_queue ON samples (state, seq);
 CREATE INDEX IF NOT EXISTS samples_rollout ON samples (rollout, state);
 """
 
+# The buffer's totals, kept by triggers so that the role's status (read every heartbeat, and by
+# whoever polls it) is one row instead of a scan of every trajectory ever stored: the scans grew
+# with the store and were the data role's largest CPU cost in a long generation run (py-spy,
+# docs/benchmarks.md). Every write to ``trajectories`` goes through a trigger, whichever code
+# makes it; ``connect`` recounts the row from the table on every open, so a store written before
+# the triggers (or by anything that bypassed them) opens with exact totals.
+TOTALS = """
+CREATE TABLE IF NOT EXISTS trajectory_totals (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    trajectories INTEGER NOT NULL, scored INTEGER NOT NULL, consumed INTEGER NOT NULL,
+    evicted INTEGER NOT NULL, reward_errors INTEGER NOT NULL, tokens INTEGER NOT NULL,
+    rewards INTEGER NOT NULL, reward_sum REAL NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS trajectory_totals_insert AFTER INSERT ON trajectories BEGIN
+    UPDATE trajectory_totals SET trajectories = trajectories + 1,
+        scored = scored + NEW.scored, consumed = consumed + NEW.consumed,
+        evicted = evicted + NEW.evicted,
+        reward_errors = reward_errors + (NEW.reward_error IS NOT NULL),
+        tokens = tokens + NEW.n_tokens, rewards = rewards + (NEW.reward IS NOT NULL),
+        reward_sum = reward_sum + COALESCE(NEW.reward, 0.0);
+END;
+CREATE TRIGGER IF NOT EXISTS trajectory_totals_delete AFTER DELETE ON trajectories BEGIN
+    UPDATE trajectory_totals SET trajectories = trajectories - 1,
+        scored = scored - OLD.scored, consumed = consumed - OLD.consumed,
+        evicted = evicted - OLD.evicted,
+        reward_errors = reward_errors - (OLD.reward_error IS NOT NULL),
+        tokens = tokens - OLD.n_tokens, rewards = rewards - (OLD.reward IS NOT NULL),
+        reward_sum = reward_sum - COALESCE(OLD.reward, 0.0);
+END;
+CREATE TRIGGER IF NOT EXISTS trajectory_totals_update AFTER UPDATE ON trajectories BEGIN
+    UPDATE trajectory_totals SET
+        scored = scored - OLD.scored + NEW.scored,
+        consumed = consumed - OLD.consumed + NEW.consumed,
+        evicted = evicted - OLD.evicted + NEW.evicted,
+        reward_errors = reward_errors
+            - (OLD.reward_error IS NOT NULL) + (NEW.reward_error IS NOT NULL),
+        tokens = tokens - OLD.n_tokens + NEW.n_tokens,
+        rewards = rewards - (OLD.reward IS NOT NULL) + (NEW.reward IS NOT NULL),
+        reward_sum = reward_sum - COALESCE(OLD.reward, 0.0) + COALESCE(NEW.reward, 0.0);
+END;
+"""
+RECOUNT_TOTALS = """
+INSERT OR REPLACE INTO trajectory_totals
+SELECT 0, COUNT(*), COALESCE(SUM(scored), 0), COALESCE(SUM(consumed), 0),
+    COALESCE(SUM(evicted), 0), COALESCE(SUM(reward_error IS NOT NULL), 0),
+    COALESCE(SUM(n_tokens), 0), COUNT(reward), COALESCE(SUM(reward), 0.0)
+FROM trajectories
+"""
+
 # Columns added after the first release: (table, column, declaration) for ALTER TABLE ADD COLUMN.
 MIGRATIONS = (
     ("trajectories", "consume_seq", "INTEGER"),
@@ -121,6 +170,7 @@ def connect(path: Path, synchronous: str) -> sqlite3.Connection:
     _allow_parked(db)
     _park_pseudo_leases(db)
     db.executescript(INDEXES)
+    db.executescript(f"BEGIN IMMEDIATE; {TOTALS} {RECOUNT_TOTALS}; COMMIT;")
     return db
 
 

@@ -251,10 +251,11 @@ class Trajectories(StoreBase):
     # -- summaries ---------------------------------------------------------------------------
 
     def mean_reward(self) -> float | None:
-        (mean,) = self.db.execute(
-            "SELECT AVG(reward) FROM trajectories WHERE reward IS NOT NULL"
+        """The mean of every reward stored (from the trigger-kept totals: no scan)."""
+        n, total = self.db.execute(
+            "SELECT rewards, reward_sum FROM trajectory_totals WHERE id = 0"
         ).fetchone()
-        return mean
+        return total / n if n else None
 
     def completed_ids(self) -> list[str]:
         return [
@@ -262,11 +263,11 @@ class Trajectories(StoreBase):
         ]
 
     def buffer_counts(self) -> dict[str, int]:
-        """Trajectories stored, scored, consumed, evicted, without a reward, and their tokens."""
+        """Trajectories stored, scored, consumed, evicted, without a reward, and their tokens
+        (from the totals the schema's triggers keep: one row, not a scan of the table)."""
         row = self.db.execute(
-            "SELECT COUNT(*), COALESCE(SUM(scored), 0), COALESCE(SUM(consumed), 0), "
-            "COALESCE(SUM(evicted), 0), COALESCE(SUM(reward_error IS NOT NULL), 0), "
-            "COALESCE(SUM(n_tokens), 0) FROM trajectories"
+            "SELECT trajectories, scored, consumed, evicted, reward_errors, tokens "
+            "FROM trajectory_totals WHERE id = 0"
         ).fetchone()
         return dict(
             trajectories=row[0],
