@@ -10,7 +10,9 @@ model's dtype.
 
 Three ways to the same numbers (``method``):
 
-* ``chunked`` (the default): :class:`ChunkedLogprobs`, a hand-written autograd function over the
+* ``chunked`` (the default here, and the trainer's on CUDA: ``trainer.logprobs: auto``; on a
+  CPU the trainer uses ``full``, which measured faster there): :class:`ChunkedLogprobs`, a
+  hand-written autograd function over the
   model's logits that works through them a few hundred positions at a time, in float32, and
   keeps only the logits themselves (in the model's dtype) for the backward pass. The plain way
   keeps five or six float32 copies of ``[B, T, vocab]`` alive until backward (the upcast, the

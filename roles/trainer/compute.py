@@ -249,6 +249,16 @@ class PolicyTrainer:
 
     # -- the update --------------------------------------------------------------------------
 
+    def logprobs_method(self) -> str:
+        """``trainer.logprobs``, with ``auto`` resolved for this rank's device: ``chunked`` on
+        CUDA (memory is what limits a GPU's micro-batches), ``full`` on CPU (where it measured
+        faster: docs/benchmarks.md, *The trainer on a GPU*). Read at every call, so a changed
+        config applies at the next step."""
+        method = self.config.logprobs
+        if method == "auto":
+            return "chunked" if self.device.type == "cuda" else "full"
+        return method
+
     def _run(self, model: torch.nn.Module) -> Any:
         return Precision(model, self.device, self.config.precision)
 
@@ -296,7 +306,7 @@ class PolicyTrainer:
             part = batch.select(micro if micro is not None else [0]).trimmed()
             lp, _ = token_logprobs(
                 self._run(model), part,
-                temperature=self.config.temperature, method=self.config.logprobs,
+                temperature=self.config.temperature, method=self.logprobs_method(),
             )  # fmt: skip
             if micro is not None:
                 out[micro, : lp.shape[1]] = lp
@@ -333,7 +343,7 @@ class PolicyTrainer:
                 if micro is None:  # sharded: this rank's share ran out, the others' did not
                     lp, _ = token_logprobs(
                         self._run(self.model), self._padding(batch, list(step)),
-                        temperature=cfg.temperature, method=cfg.logprobs,
+                        temperature=cfg.temperature, method=self.logprobs_method(),
                     )  # fmt: skip
                     (lp.sum() * 0.0).backward()
                     continue
@@ -341,7 +351,7 @@ class PolicyTrainer:
                 width = part.input_ids.shape[1]
                 logprobs, entropy = token_logprobs(
                     self._run(self.model), part,
-                    temperature=cfg.temperature, with_entropy=True, method=cfg.logprobs,
+                    temperature=cfg.temperature, with_entropy=True, method=self.logprobs_method(),
                 )  # fmt: skip
                 loss, s = policy_loss(
                     logprobs,

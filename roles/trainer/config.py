@@ -110,14 +110,15 @@ class TrainerConfig(ServiceConfig):
         "on CUDA, a C++ compiler on CPU): fewer, fused kernels, for a compilation of seconds "
         "to a minute at start.",
     )
-    logprobs: Literal["chunked", "fused", "full"] = Field(
-        "chunked",
+    logprobs: Literal["auto", "chunked", "fused", "full"] = Field(
+        "auto",
         description="How token logprobs and entropies are taken from the logits: `chunked` "
         "works through them a few hundred positions at a time in float32 and keeps only the "
-        "logits for backward; `fused`: the same with its chunk functions compiled by "
-        "torch.compile (needs Triton on CUDA, a C++ compiler on CPU); `full` upcasts and "
-        "log-softmaxes the whole [batch, length, vocab] at once (several float32 copies alive "
-        "until backward). Same numbers (laminar/rl/logprobs.py).",
+        "logits for backward (on a GPU: about half the peak memory); `fused`: the same with its "
+        "chunk functions compiled by torch.compile (needs Triton on CUDA, a C++ compiler on "
+        "CPU); `full` upcasts and log-softmaxes the whole [batch, length, vocab] at once "
+        "(several float32 copies alive until backward; on a CPU the fastest); `auto`: chunked "
+        "on CUDA, full on CPU. Same numbers (laminar/rl/logprobs.py).",
     )
     data_parallel: Annotated[int, Field(ge=1, le=64)] = Field(
         1, description="Data-parallel ranks (processes; gloo on CPU, NCCL on GPU)."

@@ -118,3 +118,14 @@ def test_compile_compiles_each_decoder_layer_in_place_and_keeps_the_names(tmp_pa
     }
     assert kinds == {"Qwen2DecoderLayer"}
     assert all(m._compiled_call_impl is None for m in plain.model.modules())
+
+
+def test_auto_logprobs_are_full_on_cpu_and_an_explicit_method_is_kept(tmp_path: Path) -> None:
+    model = tiny_qwen2(tmp_path / "qwen2")
+
+    def method(**extra) -> str:  # type: ignore[no-untyped-def]
+        config = TrainerConfig(model=str(model), threads_per_rank=1, metrics_file=None, **extra)
+        return PolicyTrainer(config).logprobs_method()
+
+    assert method() == "full"  # auto, on this CPU (chunked on CUDA: tests/gpu)
+    assert method(logprobs="chunked") == "chunked" and method(logprobs="fused") == "fused"
