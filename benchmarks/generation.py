@@ -65,6 +65,7 @@ from laminar.engines.configs import VllmEngineConfig  # noqa: E402
 from laminar.engines.vllm_compat import token_prompt  # noqa: E402
 from laminar.engines.vllm_engine import engine_args, eos_token_ids  # noqa: E402
 from laminar.harness.launch import ProcessCluster  # noqa: E402
+from laminar.proc.procfs import stat  # noqa: E402
 from laminar.roles.data.api import DataApi, SampleRequest  # noqa: E402
 from laminar.roles.data.prompts import load_tokenizer, read_records  # noqa: E402
 from laminar.roles.data.service import trajectory_seed  # noqa: E402
@@ -93,9 +94,11 @@ def cpu_per_1k(bares: list[dict[str, Any]], roles: list[dict[str, Any]]) -> dict
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of process ``pid`` (all its threads)."""
+    st = stat(pid)
+    if st is None:
+        raise RuntimeError(f"process {pid} is gone: its CPU time cannot be read")
+    return st.cpu / os.sysconf("SC_CLK_TCK")
 
 
 def prepare(args: argparse.Namespace, work: Path, n: int) -> tuple[Path, Path]:

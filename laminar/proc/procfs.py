@@ -55,13 +55,14 @@ KEEP_ENVIRON = {"SPT_NOENV": "1"}
 
 
 class Stat(NamedTuple):
-    """Fields 3, 4, 5, 6 and 22 of ``/proc/<pid>/stat`` (proc(5))."""
+    """Fields 3, 4, 5, 6, 14 + 15 and 22 of ``/proc/<pid>/stat`` (proc(5))."""
 
     state: str  # "Z": a zombie (exited, not yet reaped)
     ppid: int
     pgrp: int
     sid: int  # the session
     start: int  # clock ticks since boot
+    cpu: int  # user + system clock ticks of all its threads (utime + stime)
 
 
 def stat(pid: int) -> Stat | None:
@@ -72,7 +73,10 @@ def stat(pid: int) -> Stat | None:
     except OSError:
         return None
     fields = text[text.rindex(b")") + 2 :].split()  # the name may hold spaces and parentheses
-    return Stat(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
+    return Stat(
+        fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]),
+        int(fields[11]) + int(fields[12]),
+    )  # fmt: skip
 
 
 def alive(pid: int, start: int | None = None) -> bool:

@@ -138,7 +138,6 @@ class Kernels:
     needs inductor's backend for the device: Triton on CUDA, a C++ compiler on CPU."""
 
     def __init__(self, compiled: bool) -> None:
-        self.compiled = compiled
         if compiled:
             self.forward = torch.compile(chunk_forward, dynamic=True, fullgraph=True)
             self.backward = torch.compile(chunk_backward, dynamic=True, fullgraph=True)
