@@ -16,12 +16,15 @@ internals, which change between vLLM releases without notice:
 * the tensor-parallel rank and size (``vllm.distributed.parallel_state``), naming a KV shard;
 * on the front end's hot path: a prompt already rendered as token ids (``token_prompt``), which
   ``AsyncLLM.add_request`` takes without a hop to its input-processing thread; the type test by
-  which vLLM leaves out its own Prometheus stat logger when given one (``VllmEngine``); and
-  ``vllm.envs.enable_envs_cache`` (vLLM's API server calls it once started).
+  which vLLM leaves out its own Prometheus stat logger when given one (``VllmEngine``);
+  ``vllm.envs.enable_envs_cache`` (vLLM's API server calls it once started); and the front end's
+  ``log_stats`` flags, cleared so that only the scheduler's stats are kept
+  (``scheduler_stats_only``).
 
 Nothing else in Laminar names one of these attributes. When vLLM moves one, ``missing_internals``
-names it: the engine asks its workers at start and logs a warning (KV export then answers None
-and migration falls back to re-prefill; a weight load fails loudly), and
+names it (``scheduler_stats_only`` for the front end's): the engine asks its workers at start and
+logs a warning (KV export then answers None and migration falls back to re-prefill; a weight load
+fails loudly; the front end keeps its stats), and
 ``tests/slow/test_vllm_engine.py`` fails on it, so an upgrade breaks one module and one test.
 
 This module imports no vLLM and no torch: the accessors take the runner vLLM hands the worker.
@@ -29,6 +32,8 @@ This module imports no vLLM and no torch: the accessors take the runner vLLM han
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -86,6 +91,40 @@ def computed_blocks(state: Any) -> tuple[int, list[list[int]]]:
 
     ``num_computed_tokens`` is the value at the start of the last step."""
     return int(state.num_computed_tokens), [list(g) for g in state.block_ids]
+
+
+async def scheduler_stats_only(llm: Any) -> str | None:
+    """Keep the scheduler's stats flowing to the stat loggers, without the front end's
+    per-request and per-iteration stats; None when done, else the internal that is missing.
+
+    vLLM's engine core sends its scheduler stats (KV-cache use, running, waiting: what the
+    repack planner reads) only to a front end that logs stats, and such a front end also keeps
+    timing stats of every request and every step (``IterationStats``, ``RequestStateStats``):
+    11% of a rollout's CPU in a profile, for figures Laminar never reads. Both follow
+    ``AsyncLLM.log_stats``, fixed when the engine core starts; the output handler reads it once,
+    when it starts (eagerly, in ``AsyncLLM.__init__`` on a running loop). So, before the first
+    request: stop the handler, clear the flag on the front end and its output processor (the
+    engine core keeps its own), and start the handler again. Its loop still hands every step's
+    scheduler stats to the loggers."""
+    processor = getattr(llm, "output_processor", None)
+    for owner, name in (
+        (llm, "log_stats"),
+        (llm, "output_handler"),
+        (llm, "_run_output_handler"),
+        (processor, "log_stats"),
+    ):
+        if not hasattr(owner, name):
+            return f"AsyncLLM {name}"
+    handler = llm.output_handler
+    if handler is not None:
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await handler
+        llm.output_handler = None
+    llm.log_stats = False
+    processor.log_stats = False
+    llm._run_output_handler()
+    return None
 
 
 # -- the KV cache ------------------------------------------------------------------------------

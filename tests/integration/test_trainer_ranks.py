@@ -33,8 +33,14 @@ def ranks_config(tmp: Path, max_versions: int) -> Path:
     config = yaml.safe_load(path.read_text())
     config["trainer"].update(data_parallel=2, sharding="fsdp", ranks="serve")
     config["trainer_rank"] = {"metrics": None, "seat_wait_s": 2.0}
-    # no backpressure: the rollout must be free to go on generating while the trainer waits
+    # no backpressure: the rollout must be free to go on generating while the trainer waits;
+    # at a tenth of SIM's speed (25 trajectories/s, not 250: the data role stored ~17,000 in
+    # this test and spent 27 s of CPU on them, the most of any process in it)
     config["data"]["max_ahead"] = None
+    config["rollout"]["engine"]["cost"] = {
+        "batch_points": [[1, 0.04], [256, 0.06]],
+        "prefill_s_per_token": 0,
+    }
     path.write_text(yaml.safe_dump(config))
     return path
 
