@@ -40,7 +40,9 @@ run-tool:
 
 # Three workers on two cores: a quarter of the suite's time is spent waiting (on processes it
 # started, on real-time windows), and a third worker fills it; measured on 2 cores, the same suite
-# took 576 s with -n 2 and 516 s with -n 3 (tests/conftest.py orders the longest first).
+# took 576 s with -n 2 and 516 s with -n 3 (tests/conftest.py orders the longest first). A fourth
+# does not pay: 861 s against 773-791 s with -n 3 (2026-11-28), the vLLM fleet's set-up (one
+# worker's chain) taking 392 s instead of 218 when four workers share the cores.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
