@@ -44,6 +44,7 @@ import gc
 import multiprocessing as mp
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 import structlog
@@ -80,7 +81,7 @@ log = structlog.get_logger("trainer")
 MAX_REFORMS = 3
 
 
-def rank_processes() -> Any:
+def rank_processes() -> BaseContext:
     """How rank 0 starts ranks 1..W-1 on its own host: ``forkserver``, its server having
     imported the ranks' code.
 
