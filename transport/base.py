@@ -323,9 +323,14 @@ async def client_handshake(conn: Connection, options: TransportOptions) -> None:
 async def connect(address: str, options: TransportOptions) -> Connection:
     """Dial ``address`` and authenticate; returns a connection ready for session frames."""
     transport, rest = get_transport(address)
-    conn = await asyncio.wait_for(transport.connect(rest, options), options.connect_timeout)
+    # ``asyncio.timeout``, never ``asyncio.wait_for``: on Python 3.11 ``wait_for`` loses a
+    # cancellation that arrives as its inner awaitable finishes (cpython gh-86296), and a refused
+    # connect finishes at once, so a loop retrying connects could not be cancelled.
+    async with asyncio.timeout(options.connect_timeout):
+        conn = await transport.connect(rest, options)
     try:
-        await asyncio.wait_for(client_handshake(conn, options), options.handshake_timeout)
+        async with asyncio.timeout(options.handshake_timeout):
+            await client_handshake(conn, options)
     except BaseException as exc:
         conn.close(f"handshake failed: {exc!r}")
         if isinstance(exc, TimeoutError):
@@ -353,7 +358,8 @@ async def listen(address: str, options: TransportOptions, handler: Handler) -> L
     async def on_connection(conn: Connection) -> None:
         gate.admit(conn)
         try:
-            await asyncio.wait_for(server_handshake(conn, options), options.handshake_timeout)
+            async with asyncio.timeout(options.handshake_timeout):
+                await server_handshake(conn, options)
         except (TransportError, FrameError, TimeoutError) as exc:
             conn.close(f"handshake failed: {exc}")
             return

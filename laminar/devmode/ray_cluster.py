@@ -94,7 +94,8 @@ class RayCluster:
             self.groups.append(group)
         for plan, group in zip(plans, self.groups, strict=True):
             try:
-                await asyncio.wait_for(result(group.ready()), PLACEMENT_TIMEOUT_S)
+                async with asyncio.timeout(PLACEMENT_TIMEOUT_S):
+                    await result(group.ready())
             except TimeoutError:
                 raise ConfigError(
                     f"--launcher ray: Ray could not reserve {plan.bundles()} on {plan.machine.ip} "

@@ -191,7 +191,8 @@ class RayProcesses:
         try:
             if actor is None:
                 raise LookupError(child.name)
-            await asyncio.wait_for(result(actor.kill.remote()), 15.0)
+            async with asyncio.timeout(15.0):
+                await result(actor.kill.remote())
         except (LookupError, TimeoutError, self.ray.exceptions.RayError):
             await self._kill_here(child.name)
 
@@ -231,7 +232,8 @@ class RayProcesses:
         """Each actor kills what is left in the groups it started; then the actors go."""
         for name, actor in list(self.actors.items()):
             try:
-                notes = await asyncio.wait_for(result(actor.sweep.remote()), 30.0)
+                async with asyncio.timeout(30.0):
+                    notes = await result(actor.sweep.remote())
             except (TimeoutError, self.ray.exceptions.RayError):
                 notes = []
                 await self._kill_here(name)

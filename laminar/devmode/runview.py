@@ -130,7 +130,8 @@ class RunView:
                 if deadline is not None and loop.time() >= deadline:
                     break
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stopping.wait(), self.interval_s)
+                    async with asyncio.timeout(self.interval_s):
+                        await stopping.wait()
         finally:
             if self.live is not None:
                 self.live.stop()

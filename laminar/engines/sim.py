@@ -256,7 +256,8 @@ class SimEngine(Engine):
                     await self._wake.wait()
                     continue
                 with contextlib.suppress(TimeoutError):  # until a tool call returns
-                    await asyncio.wait_for(self._wake.wait(), self._paused[0][0] - clock.time())
+                    async with asyncio.timeout(self._paused[0][0] - clock.time()):
+                        await self._wake.wait()
                 continue
             batch = list(self._running.values())
             prefill = 0

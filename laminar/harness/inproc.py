@@ -160,7 +160,8 @@ class InprocCluster:
         """A graceful stop: ``on_stop``, leave, close."""
         member = self.members[name]
         member.host.stop()
-        await asyncio.wait_for(asyncio.shield(member.task), timeout)
+        async with asyncio.timeout(timeout):
+            await asyncio.shield(member.task)
 
     async def close(self) -> None:
         """Stop every member (gracefully; killed if it hangs). A member that crashed while the

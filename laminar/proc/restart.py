@@ -82,7 +82,8 @@ async def keep_running(
     try:
         while await life(child):
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), restart_pause(child.restarts))
+                async with asyncio.timeout(restart_pause(child.restarts)):
+                    await stopping.wait()
             if stopping.is_set():
                 return
     except asyncio.CancelledError:

@@ -295,7 +295,8 @@ async def _stop(call: JailCall) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         call.signal(sig)
         with contextlib.suppress(TimeoutError, JailServerGone):
-            await asyncio.wait_for(asyncio.shield(call.status), 5.0)
+            async with asyncio.timeout(5.0):
+                await asyncio.shield(call.status)
             return
 
 

@@ -214,7 +214,8 @@ def _control(kind: str, **body: Any) -> Frame:
 
 
 async def _expect(conn: Connection, kind: str, timeout: float) -> dict[str, Any]:
-    frame = await asyncio.wait_for(conn.recv(), timeout)
+    async with asyncio.timeout(timeout):
+        frame = await conn.recv()
     if frame.meta.get("k") != kind:
         raise TransferError(f"expected {kind!r} from {conn.peer}, got {frame.meta.get('k')!r}")
     body = decode_payload(frame.payload, frame.buffers)

@@ -83,7 +83,8 @@ class Leasing:
             if out or remaining <= 0:
                 return Assignments(items=out)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._work.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._work.wait()
 
     def _in_handoff(self, rollout: str, holding: list[str]) -> set[str]:
         """Moved leases ``rollout`` does not hold yet but whose handoff may still arrive."""

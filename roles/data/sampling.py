@@ -75,7 +75,8 @@ class Sampling:
                     scored_reward_sum=reward_sum,
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), max(deadline - clock.time(), 0.0))
+                async with asyncio.timeout(max(deadline - clock.time(), 0.0)):
+                    await self._ready.wait()
 
     @staticmethod
     def _sample_batch(buffer: ExperienceBuffer, req: SampleRequest, final: bool) -> Batch | None:

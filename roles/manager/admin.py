@@ -326,7 +326,8 @@ class AdminServer:
             while not self._closing.is_set():
                 timeout = max(0.0, SSE_HEARTBEAT_S - (clock.time() - last_write))
                 try:
-                    event = await asyncio.wait_for(queue.get(), timeout)
+                    async with asyncio.timeout(timeout):
+                        event = await queue.get()
                 except TimeoutError:
                     await resp.write(b": keepalive\n\n")
                     last_write = clock.time()

@@ -118,7 +118,8 @@ async def cluster_status(m: ManagerView) -> AdminStatus:
 
     async def ask(name: str, coro: Awaitable[Any]) -> Any:
         try:
-            return await asyncio.wait_for(coro, STATUS_TIMEOUT_S * 1.5)
+            async with asyncio.timeout(STATUS_TIMEOUT_S * 1.5):
+                return await coro
         except (PeerUnavailable, CallTimeout, RemoteError, TimeoutError, OSError) as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
             return None
@@ -253,6 +254,7 @@ async def _none() -> None:
 
 async def _quiet(coro: Awaitable[Any]) -> Any:
     try:
-        return await asyncio.wait_for(coro, STATUS_TIMEOUT_S * 1.5)
+        async with asyncio.timeout(STATUS_TIMEOUT_S * 1.5):
+            return await coro
     except (PeerUnavailable, CallTimeout, RemoteError, TimeoutError, OSError):
         return None

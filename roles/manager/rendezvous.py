@@ -14,6 +14,7 @@ process killed with -9 has its sockets closed by the kernel).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 
 from laminar.clock import Clock
@@ -79,8 +80,7 @@ class GroupBoard:
             left = deadline - self._clock.time()
             if left <= 0:
                 return Seat()
-            try:  # an offer wakes us; a death does not need to (polled, cheaply)
-                await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):  # an offer wakes us; a death is polled
+                async with asyncio.timeout(min(left, 0.5)):
+                    await self._changed.wait()
         return seat

@@ -217,7 +217,8 @@ class RepackController:
         while True:
             self._policy_changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._policy_changed.wait(), self.policy.period_s)
+                async with asyncio.timeout(self.policy.period_s):
+                    await self._policy_changed.wait()
                 continue  # the policy changed: wait again with the new period
             if self.policy.enabled:
                 await self.repack("period")

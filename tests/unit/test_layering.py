@@ -1,6 +1,7 @@
 """The package layering, read from the source: no import cycles, imports point one way, the
-contracts import no torch, and role code reads time only through its clock and runs blocking work
-only through its context's executors.
+contracts import no torch, role code reads time only through its clock and runs blocking work
+only through its context's executors, and no code of the project times out with
+``asyncio.wait_for``.
 
 Why: an import cycle works until the day the import order changes (a new entry point, a lazy
 import moved), and then fails far from its cause; a stray ``import torch`` costs the manager
@@ -312,6 +313,41 @@ def own_threads_uses(path: Path) -> list[RawTime]:
     return sorted(found, key=lambda r: r.line)
 
 
+# -- timeouts that swallow a cancellation ------------------------------------------------------
+
+
+def wait_for_uses(path: Path) -> list[RawTime]:
+    """Every use of ``asyncio.wait_for`` in one file, under whatever name it was imported.
+
+    Why it is banned: on Python 3.11 ``wait_for`` loses a cancellation that arrives while its
+    inner awaitable finishes (cpython gh-86296: it returns the inner result, or raises its error,
+    instead of ``CancelledError``). A loop that retries, or waits on an event with a timeout,
+    then never ends: a relay's forwarder retrying refused connects outlived its stop by 60 s.
+    ``async with asyncio.timeout(...)`` runs the awaitable in the task itself and loses nothing.
+    (``asyncio.Condition.wait_for`` is another function and is not matched.)
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    modules: set[str] = set()
+    functions: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {a.asname or a.name for a in node.names if a.name == "asyncio"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "asyncio" and node.level == 0:
+            functions |= {a.asname or a.name for a in node.names if a.name == "wait_for"}
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "wait_for"
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+        ):
+            found.append(RawTime(path, node.lineno, f"{node.value.id}.wait_for"))
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in functions:
+            found.append(RawTime(path, node.lineno, f"{node.id} (asyncio.wait_for)"))
+    return sorted(found, key=lambda r: r.line)
+
+
 # -- torch-free imports ------------------------------------------------------------------------
 
 
@@ -458,6 +494,24 @@ def test_own_threads_check_sees_every_spelling(tmp_path: Path) -> None:
     ]
 
 
+def test_wait_for_check_sees_every_spelling(tmp_path: Path) -> None:
+    path = tmp_path / "role.py"
+    path.write_text(
+        "import asyncio as aio\n"
+        "from asyncio import wait_for as wf\n"
+        "async def f(cond, ev):\n"
+        "    await aio.wait_for(ev.wait(), 1)\n"
+        "    await wf(ev.wait(), 1)\n"
+        "    await cond.wait_for(lambda: True)  # asyncio.Condition's: not matched\n"
+        "    async with aio.timeout(1):\n"
+        "        await ev.wait()\n"
+    )
+    assert [(u.line, u.what) for u in wait_for_uses(path)] == [
+        (4, "aio.wait_for"),
+        (5, "wf (asyncio.wait_for)"),
+    ]
+
+
 def test_torch_probe_blames_the_module_that_loads_torch() -> None:
     pytest.importorskip("torch")
     found = heavy_imports(["laminar.weights.shared", "laminar.weights.tensors", "no.such.module"])
@@ -530,6 +584,12 @@ def test_roles_run_blocking_work_through_their_executors() -> None:
     found = [u for root in EXECUTOR_USERS for path in sorted(root.rglob("*.py"))
              for u in own_threads_uses(path)]  # fmt: skip
     assert not found, "use ctx.executor(name):\n" + "\n".join(map(str, found))
+
+
+def test_no_wait_for_in_the_project() -> None:
+    found = [u for root in ROOTS.values() for path in sorted(root.rglob("*.py"))
+             for u in wait_for_uses(path)]  # fmt: skip
+    assert not found, "use `async with asyncio.timeout(...)`:\n" + "\n".join(map(str, found))
 
 
 def test_every_package_is_listed_for_the_wheel() -> None:
