@@ -49,8 +49,9 @@ from laminar.harness.netns import NetLab, probe  # noqa: E402
 from laminar.roles.relay import RelayApi  # noqa: E402
 from laminar.rpc_client import RpcClient, remote  # noqa: E402
 from laminar.service import transport_options  # noqa: E402
+from laminar.weights.config import PublishConfig  # noqa: E402
 from laminar.weights.manifest import chain_time, optimal_chunks  # noqa: E402
-from laminar.weights.publisher import PublishConfig, WeightPublisher  # noqa: E402
+from laminar.weights.publisher import WeightPublisher  # noqa: E402
 from laminar.weights.transfer import VersionStore, push_version, receive_versions  # noqa: E402
 
 TOKEN = "relay-benchmark-token-0123456789"

@@ -29,7 +29,8 @@ from laminar.config import ClusterConfig  # noqa: E402
 from laminar.harness.launch import ProcessCluster  # noqa: E402
 from laminar.rpc_client import RpcClient  # noqa: E402
 from laminar.service import transport_options  # noqa: E402
-from laminar.weights.publisher import PublishConfig, WeightPublisher  # noqa: E402
+from laminar.weights.config import PublishConfig  # noqa: E402
+from laminar.weights.publisher import WeightPublisher  # noqa: E402
 
 TOKEN = "relay-memory-bench-token-0123456789"
 RELAYS = ("relay-0", "relay-1")

@@ -56,7 +56,8 @@ from laminar.roles.data.api import DataApi, SampleRequest  # noqa: E402
 from laminar.rpc_client import RpcClient, remote  # noqa: E402
 from laminar.service import transport_options  # noqa: E402
 from laminar.stats import RolloutStats  # noqa: E402
-from laminar.weights.publisher import PublishConfig, WeightPublisher  # noqa: E402
+from laminar.weights.config import PublishConfig  # noqa: E402
+from laminar.weights.publisher import WeightPublisher  # noqa: E402
 
 TOKEN = "repack-bench-token"
 

@@ -275,14 +275,14 @@ def _list_item_model(members: list[Any]) -> type[BaseModel] | None:
 def sections() -> list[tuple[str, type[BaseModel], str]]:
     """(section, model, where it comes from) for ``cluster``, ``run`` and every built-in role."""
     from .config import ClusterConfig, RunConfig
-    from .roles_registry import builtin_roles, load_role
+    from .roles_registry import builtin_roles, load_role_config
 
     out: list[tuple[str, type[BaseModel], str]] = [
         ("cluster", ClusterConfig, "`laminar.config.ClusterConfig`: read by every process"),
         ("run", RunConfig, "`laminar.config.RunConfig`: read by `laminar run` only"),
     ]
     for name in builtin_roles():
-        model = load_role(name).config_model
+        _, model = load_role_config(name)
         out.append((name, model, f"`{model.__module__}.{model.__name__}`: the {name} role"))
     return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .config import ServiceConfig
 from .errors import ConfigError
 from .plugins import load_object
 from .service import Service
@@ -22,6 +23,22 @@ BUILTIN: dict[str, str] = {
     "trainer": "laminar.roles.trainer.service:TrainerService",
     "trainer_rank": "laminar.roles.trainer.rank:TrainerRankService",  # trainer.ranks: serve
     "sim_trainer": "laminar.roles.trainer.sim:SimTrainerService",  # emulated (sleeps)
+}
+
+
+# Role names -> (the role, ``module:ConfigModel``): what checking a config needs, from modules that
+# import neither torch nor vLLM, so ``laminar run`` and ``laminar doctor`` validate every role
+# before anything starts without the trainer's imports (11 s to reject a typo, measured, when
+# they loaded the service classes). tests/unit/test_roles_registry.py keeps each equal to its
+# service class's ``role`` and ``config_model``.
+BUILTIN_CONFIGS: dict[str, tuple[str, str]] = {
+    "manager": ("manager", "laminar.roles.manager.service:ManagerConfig"),
+    "data": ("data", "laminar.roles.data.config:DataConfig"),
+    "relay": ("relay", "laminar.roles.relay:RelayConfig"),
+    "rollout": ("rollout", "laminar.roles.rollout.service:RolloutConfig"),
+    "trainer": ("trainer", "laminar.roles.trainer.config:TrainerConfig"),
+    "trainer_rank": ("trainer_rank", "laminar.roles.trainer.config:TrainerRankConfig"),
+    "sim_trainer": ("sim_trainer", "laminar.roles.trainer.config:SimTrainerConfig"),
 }
 
 
@@ -40,3 +57,17 @@ def load_role(spec: str, base_dir: str | Path | None = None) -> type[Service]:
     if not (isinstance(cls, type) and issubclass(cls, Service)):
         raise ConfigError(f"role {spec!r}: {cls!r} is not a laminar.service.Service subclass")
     return cls
+
+
+def load_role_config(
+    spec: str, base_dir: str | Path | None = None
+) -> tuple[str, type[ServiceConfig]]:
+    """A role's name and config model: a built-in role's from its light module (its service is not
+    imported), any other role's from its class (``module:Class``, ``file.py:Class``)."""
+    if spec in BUILTIN_CONFIGS:
+        role, where = BUILTIN_CONFIGS[spec]
+        model = load_object(where, what="config model")
+        assert isinstance(model, type) and issubclass(model, ServiceConfig), where
+        return role, model
+    cls = load_role(spec, base_dir)
+    return cls.role, cls.config_model

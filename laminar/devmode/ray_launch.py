@@ -49,7 +49,7 @@ from laminar.devmode.supervisor import COLOURS, Supervisor
 from laminar.proc.children import SETTLE_S, Child, processes
 from laminar.proc.procfs import kill_group
 from laminar.proc.restart import decide, keep_running
-from laminar.roles_registry import load_role
+from laminar.roles_registry import load_role_config
 
 
 @dataclass(frozen=True)
@@ -303,11 +303,8 @@ class RaySupervisor(Supervisor):
         relays: list[Demand] = []
         relay_children: list[Child] = []
         for child in self.children:
-            role_cls = load_role(child.spec.role, base)
-            section_config = self.config.role_config(
-                child.section, role_cls.config_model, child.spec.config
-            )
-            kind = role_cls.role
+            kind, model = load_role_config(child.spec.role, base)
+            section_config = self.config.role_config(child.section, model, child.spec.config)
             d = Demand(child.name, kind, cpus_wanted(kind), gpus_wanted(kind, section_config,
                                                                         has_gpus))  # fmt: skip
             if kind == "relay":

@@ -64,7 +64,7 @@ from laminar.proc.spawn import (
     serve_command,
     stop_stages,
 )
-from laminar.roles_registry import load_role
+from laminar.roles_registry import load_role_config
 from laminar.tracking import TrackingPlan, plan_for_run
 
 #: How long the manager may take to say it is ready. A manager that exits is seen at once (its
@@ -108,9 +108,9 @@ class Supervisor:
         base = Path(config.source).parent
         index = 0
         for spec in config.run.roles:
-            role_cls = load_role(spec.role, base)  # fail before starting anything
-            section = spec.section or role_cls.role
-            config.role_config(section, role_cls.config_model, spec.config)  # validate early
+            role, model = load_role_config(spec.role, base)  # fail before starting anything
+            section = spec.section or role
+            config.role_config(section, model, spec.config)  # validate early
             for i in range(spec.count):
                 self.children.append(
                     Child(f"{section}-{i}", spec.role, section, spec, COLOURS[index % len(COLOURS)])
@@ -154,9 +154,9 @@ class Supervisor:
         base = Path(config.source).parent
         wants = []
         for child in self.children:
-            role_cls = load_role(child.spec.role, base)
-            section = config.role_config(child.section, role_cls.config_model, child.spec.config)
-            wants.append((child.name, gpus_wanted(role_cls.role, section, True)))
+            role, model = load_role_config(child.spec.role, base)
+            section = config.role_config(child.section, model, child.spec.config)
+            wants.append((child.name, gpus_wanted(role, section, True)))
         plan = plan_gpus(gpus, wants)
         for child in self.children:
             child.gpus = plan[child.name]

@@ -2,8 +2,9 @@
 function of it.
 
 Roles and sections are resolved and validated the way the supervisor resolves ``run.roles``
-(``load_role`` + ``role_config``), so doctor judges the run that would start, not a reading of
-the YAML; KV-cache sizes come from :mod:`laminar.engines.kvcache`, the engine's own arithmetic."""
+(``load_role_config`` + ``role_config``), so doctor judges the run that would start, not a
+reading of the YAML; KV-cache sizes come from :mod:`laminar.engines.kvcache`, the engine's own
+arithmetic."""
 
 from __future__ import annotations
 
@@ -21,10 +22,6 @@ from .findings import Mode
 OPTIMIZER_COPIES = {"adamw": 2, "sgd": 0}
 #: where disk is checked when the config names no path: the working directory
 DISK_CWD = ((".", 0, "the working directory"),)
-#: built-in roles whose service module is slow to import (the trainer's loads transformers):
-#: role name -> (the service's ``role``, its ``config_model``), so doctor validates their section
-#: without importing the service (tests/unit/test_doctor.py keeps this equal to ``load_role``'s)
-LIGHT_CONFIG_MODELS = {"trainer": ("trainer", "laminar.roles.trainer.config:TrainerConfig")}
 
 
 @dataclass(frozen=True)
@@ -136,8 +133,7 @@ def needs_from_config(
     ``laminar serve --role R`` would start (mode ``serve``). An invalid config raises
     ConfigError, as the supervisor would."""
     from ..engines.configs import VllmEngineConfig
-    from ..plugins import load_object
-    from ..roles_registry import load_role
+    from ..roles_registry import load_role_config
 
     base = Path(config.source).parent if config.source else None
     specs = [RoleSpec(role=r) for r in serve_roles] if mode == "serve" else config.run.roles
@@ -158,12 +154,7 @@ def needs_from_config(
         model_refs[path] = (keys, had or weights)
 
     for spec in specs:
-        if spec.role in LIGHT_CONFIG_MODELS:
-            role, where = LIGHT_CONFIG_MODELS[spec.role]
-            config_model = load_object(where, what="config model")
-        else:
-            role_cls = load_role(spec.role, base)
-            role, config_model = role_cls.role, role_cls.config_model
+        role, config_model = load_role_config(spec.role, base)
         section = spec.section or role
         cfg = config.role_config(section, config_model, spec.config)
         names = [f"{section}-{i}" for i in range(spec.count)]

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from laminar.trajectory import Trajectory
 
-ExcludeScope = Literal["trajectory", "group"]
+from .config import ExcludeScope
 
 # Why a trajectory was excluded (metric labels and history keys; keep them stable).
 REWARD_FAILED = "reward_failed"

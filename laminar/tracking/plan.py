@@ -85,11 +85,11 @@ def plan_for_run(
     """``laminar run``'s plan: the trainer's (``roles``: each process's role, config section
     and overrides; ``config`` the :class:`~laminar.config.LaminarConfig`), which the cluster's
     scalars share; under ``run_dir`` when no trainer writes a metrics file."""
-    from ..roles_registry import load_role  # the trainer's model, for its defaults
+    from ..roles_registry import load_role_config  # the trainer's model, for its defaults
 
     for role, section, overrides in roles:
         if role in TRAINER_ROLES:
-            model = load_role(role).config_model
+            _, model = load_role_config(role)
             cfg = config.role_config(section, model, dict(overrides))
             metrics = getattr(cfg, "metrics_file", None)
             return TrackingPlan.of(cfg.tracking, Path(metrics).parent if metrics else run_dir)

@@ -32,50 +32,22 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
 import torch
-from pydantic import Field
 
 from laminar import transport
 from laminar.clock import Clock, get_clock
-from laminar.config import Strict
 from laminar.executor import LOOP_DEFAULT, Executor
 from laminar.rpc_client import RpcClient
 from laminar.transport.shm import SharedBuffer
 
 from .chain import ChainView, follow_chain
+from .config import PublishConfig
 from .manifest import WeightManifest, chunk_bounds, optimal_chunks, with_checksums
 from .tensors import copy_into, plan_specs, plan_tensors
 from .transfer import TransferError, VersionBuffer, VersionConflict, push_version
-
-
-class PublishConfig(Strict):
-    chunks: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="Chunks per version; unset: the paper's k* for the current chain."
-    )
-    link_gbps: Annotated[float, Field(gt=0)] = Field(
-        10.0,
-        description="Relay link rate assumed by k* (T_byte = 8 / (link_gbps * 1e9)).",
-    )
-    chunk_start_us: Annotated[float, Field(gt=0)] = Field(
-        200.0,
-        description="Per-chunk start cost assumed by k* (a Python frame on TCP).",
-    )
-    max_chunk_mib: Annotated[int, Field(ge=1, le=1024)] = Field(
-        64, description="Upper bound on one chunk's size."
-    )
-    master: str | None = Field(
-        None,
-        description="Fixed master weights address (default: follow the manager's chain).",
-    )
-    transfer_timeout_s: Annotated[float, Field(gt=0)] = Field(
-        120.0, description="Timeout of one version's push to the master relay."
-    )
-    retry_s: Annotated[float, Field(gt=0)] = Field(
-        0.2, description="Pause before retrying a failed push or chain watch."
-    )
 
 
 class WeightPublisher:

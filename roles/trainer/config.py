@@ -1,4 +1,9 @@
-"""The trainer's settings: validated once, at startup, with the reason in every error."""
+"""The trainer's settings (the torch trainer's, the emulated one's, a rank's): validated once, at
+startup, with the reason in every error.
+
+No torch here, nor anything that imports it: ``laminar run`` and ``laminar doctor`` validate every
+role's config before starting anything (``laminar.roles_registry.load_role_config``), and a typo
+should be answered in a second, not after a torch import."""
 
 from __future__ import annotations
 
@@ -7,9 +12,11 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from laminar.config import ServiceConfig, Strict
-from laminar.rl import ExcludeScope, PolicyLossConfig
+from laminar.engines.costmodel import TrainCostModel
+from laminar.rendezvous import MAX_SEAT_WAIT_S
+from laminar.rl.config import ExcludeScope, PolicyLossConfig
 from laminar.tracking import TrackingConfig
-from laminar.weights.publisher import PublishConfig
+from laminar.weights.config import PublishConfig
 
 
 class BatchConfig(Strict):
@@ -157,4 +164,39 @@ class TrainerConfig(ServiceConfig):
     tracking: TrackingConfig = Field(
         default_factory=TrackingConfig,
         description="The metrics file's lines as TensorBoard/W&B scalars (docs/training.md).",
+    )
+
+
+class SimTrainerConfig(ServiceConfig):
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    cost: TrainCostModel = Field(default_factory=TrainCostModel)
+    weight_bytes: Annotated[int, Field(ge=1024, le=64 << 30)] = Field(
+        64 << 20, description="Bytes published per version (one bf16 tensor of this size)."
+    )
+    publish: PublishConfig = Field(default_factory=PublishConfig)
+    max_versions: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Stop after this version (unset: run until stopped)."
+    )
+    sample_wait_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        2.0, description="How long one batch request waits at the data role for trajectories."
+    )
+    data: str | None = Field(None, description="The data role's address (default: ask manager).")
+    metrics_file: str | None = Field(
+        None, description="One JSON line per version (unset: none; `status` has them too)."
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="The metrics file's lines as TensorBoard/W&B scalars (docs/training.md).",
+    )
+    state_file: str | None = Field(
+        None,
+        description="Where the version and data cursor are kept across restarts, as a real "
+        "checkpoint keeps them (unset: a restart trains on everything again from version 0).",
+    )
+
+
+class TrainerRankConfig(ServiceConfig):
+    group: str = Field("trainer", description="The trainer group to serve in (one per trainer).")
+    seat_wait_s: Annotated[float, Field(gt=0, le=MAX_SEAT_WAIT_S)] = Field(
+        5.0, description="How long one seat request waits at the manager before asking again."
     )

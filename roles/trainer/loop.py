@@ -44,7 +44,8 @@ from laminar.rl.screen import ExcludeScope, screen_batch
 from laminar.schedules import may_publish
 from laminar.service import ServiceContext
 from laminar.tracking import TrackingConfig, TrainerTracking
-from laminar.weights.publisher import PublishConfig, WeightPublisher
+from laminar.weights.config import PublishConfig
+from laminar.weights.publisher import WeightPublisher
 
 from .batches import BatchSource
 from .integrity import IntegrityMonitor

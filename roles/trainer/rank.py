@@ -25,27 +25,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Annotated, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch.distributed as dist
 from prometheus_client import Gauge
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint
 from laminar.errors import ConfigError, RemoteError
 from laminar.peers import PEER_ERRORS, Outage
-from laminar.rendezvous import MAX_SEAT_WAIT_S, RendezvousApi, Seat, SeatRequest
+from laminar.rendezvous import RendezvousApi, Seat, SeatRequest
 from laminar.service import Service, ServiceContext
 
+from .config import TrainerRankConfig
 from .worker import serve_rank
-
-
-class TrainerRankConfig(ServiceConfig):
-    group: str = Field("trainer", description="The trainer group to serve in (one per trainer).")
-    seat_wait_s: Annotated[float, Field(gt=0, le=MAX_SEAT_WAIT_S)] = Field(
-        5.0, description="How long one seat request waits at the manager before asking again."
-    )
 
 
 class RankStatus(BaseModel):

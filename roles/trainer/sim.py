@@ -30,50 +30,19 @@ restarting them mid-run is not supported either way.)
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from laminar.config import ServiceConfig
 from laminar.endpoint import endpoint
-from laminar.engines.costmodel import TrainCostModel
 from laminar.service import Service, ServiceContext
-from laminar.tracking import TrackingConfig
-from laminar.weights.publisher import PublishConfig
 
-from .config import BatchConfig
+from .config import SimTrainerConfig
 from .loop import LoopSettings, TrainLoop
 from .sim_compute import SimCompute, SimTrainerState
 
 __all__ = ["SimTrainerConfig", "SimTrainerService", "SimTrainerState", "SimTrainerStatus"]
-
-
-class SimTrainerConfig(ServiceConfig):
-    batch: BatchConfig = Field(default_factory=BatchConfig)
-    cost: TrainCostModel = Field(default_factory=TrainCostModel)
-    weight_bytes: Annotated[int, Field(ge=1024, le=64 << 30)] = Field(
-        64 << 20, description="Bytes published per version (one bf16 tensor of this size)."
-    )
-    publish: PublishConfig = Field(default_factory=PublishConfig)
-    max_versions: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="Stop after this version (unset: run until stopped)."
-    )
-    sample_wait_s: Annotated[float, Field(gt=0, le=600)] = Field(
-        2.0, description="How long one batch request waits at the data role for trajectories."
-    )
-    data: str | None = Field(None, description="The data role's address (default: ask manager).")
-    metrics_file: str | None = Field(
-        None, description="One JSON line per version (unset: none; `status` has them too)."
-    )
-    tracking: TrackingConfig = Field(
-        default_factory=TrackingConfig,
-        description="The metrics file's lines as TensorBoard/W&B scalars (docs/training.md).",
-    )
-    state_file: str | None = Field(
-        None,
-        description="Where the version and data cursor are kept across restarts, as a real "
-        "checkpoint keeps them (unset: a restart trains on everything again from version 0).",
-    )
 
 
 class SimTrainerStatus(BaseModel):

@@ -20,8 +20,9 @@ from laminar.roles.relay import LatestRequest, RelayApi, RelayStatus
 from laminar.rpc_client import RpcClient, remote
 from laminar.transport.shm import map_segment
 from laminar.weights.chain import ChainView, RelayChainApi
+from laminar.weights.config import PublishConfig
 from laminar.weights.manifest import WeightManifest
-from laminar.weights.publisher import PublishConfig, WeightPublisher
+from laminar.weights.publisher import WeightPublisher
 
 from ..support.poll import until
 from .test_relay_chain import verified, weights

@@ -23,7 +23,8 @@ from laminar.roles.manager import ManagerConfig, ManagerService
 from laminar.roles.relay import LatestRequest, RelayApi, RelayConfig, RelayService
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import ServiceContext, ServiceHost
-from laminar.weights.publisher import PublishConfig, WeightPublisher
+from laminar.weights.config import PublishConfig
+from laminar.weights.publisher import WeightPublisher
 from tests.support.poll import STOP_S, until
 from tests.support.task import write_prompts, write_tokenizer
 

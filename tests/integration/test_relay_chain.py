@@ -15,8 +15,9 @@ from laminar.roles.relay import LatestRequest, RelayApi, RelayStatus, VersionSta
 from laminar.rpc_client import remote
 from laminar.transport.shm import map_segment, sweep_dead_segments
 from laminar.weights.chain import ChainView, RelayChainApi
+from laminar.weights.config import PublishConfig
 from laminar.weights.manifest import WeightManifest
-from laminar.weights.publisher import PublishConfig, WeightPublisher
+from laminar.weights.publisher import WeightPublisher
 
 from ..support.clients import ClusterClients
 from ..support.poll import until

@@ -43,7 +43,6 @@ from laminar.doctor.facts import (
 )
 from laminar.doctor.findings import Finding, summary
 from laminar.doctor.needs import (
-    LIGHT_CONFIG_MODELS,
     ModelDir,
     RolloutNeed,
     RunNeeds,
@@ -456,15 +455,6 @@ def test_import_probe_asks_a_fresh_interpreter_every_time(
     assert broken.installed and broken.error is not None and "libnuma" in broken.error
     # a module that cannot be found is known without starting an interpreter
     assert ImportProbe(["no_such_module_laminar"]).process is None
-
-
-def test_light_config_models_are_the_roles_own() -> None:
-    from laminar.plugins import load_object
-    from laminar.roles_registry import load_role
-
-    for name, (role, where) in LIGHT_CONFIG_MODELS.items():
-        cls = load_role(name)
-        assert cls.role == role and cls.config_model is load_object(where)
 
 
 def test_the_shared_arith_process_list_is_the_examples() -> None:

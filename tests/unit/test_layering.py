@@ -55,6 +55,7 @@ TORCH_FREE_ROLES = [
     "laminar.roles.data.service",
     "laminar.roles.rollout.api",
     "laminar.roles.relay",
+    "laminar.roles.trainer.config",  # what `laminar run` validates before it starts anything
 ]
 
 #: time sources role code must take from its clock (``ServiceContext.clock``) instead.

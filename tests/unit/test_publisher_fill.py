@@ -14,8 +14,9 @@ import torch
 
 from laminar.transport.shm import SHM_DIR, map_writable
 from laminar.transport.tcp import TransportOptions
+from laminar.weights.config import PublishConfig
 from laminar.weights.manifest import WeightManifest
-from laminar.weights.publisher import PublishConfig, WeightPublisher
+from laminar.weights.publisher import WeightPublisher
 from laminar.weights.tensors import plan_tensors, tensors_from
 
 

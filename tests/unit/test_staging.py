@@ -25,8 +25,9 @@ from laminar.roles.trainer.compute import PolicyTrainer
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.staging import Fence, copy_plan, whole_tensors
 from laminar.transport.tcp import TransportOptions
+from laminar.weights.config import PublishConfig
 from laminar.weights.manifest import WeightManifest
-from laminar.weights.publisher import PublishConfig, WeightPublisher
+from laminar.weights.publisher import WeightPublisher
 from laminar.weights.tensors import plan_specs, plan_tensors, tensors_from
 
 from ..support.models import tiny_qwen2
