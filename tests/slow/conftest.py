@@ -29,12 +29,13 @@ import pytest_asyncio
 from tests.support.models import tiny_qwen2
 
 #: the shared engine's settings: what both of its users need (32-token blocks, so a migrated
-#: sequence of test_kv_migration spans several; a small fixed KV cache)
+#: sequence of test_kv_migration spans several; a small fixed KV cache; a small step budget)
 ENGINE = {
     "max_model_len": 256,
     "max_num_seqs": 8,
     "kv_cache_bytes": "32MiB",
-    "extra": {"block_size": 32},
+    # one step prefills at most 256 tokens (= max_model_len), so several prompts at once cross it
+    "extra": {"block_size": 32, "max_num_batched_tokens": 256},
 }
 
 

@@ -96,6 +96,19 @@ def hf_model(model_dir):
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+async def test_seeded_prompts_over_one_steps_token_budget_all_finish(engine):
+    """Prompts admitted together that exceed one step's token budget (the session engine's is
+    256) with seeds, as the data role sends every trajectory: on CPU a chunked prefill of a seeded
+    request killed vLLM's worker ("CPU Generator does not use offset"; engines/vllm_engine.py
+    ``platform_args``). Each finishes, with the tokens a request of its own would sample."""
+    prompts = [[3 + (i + j) % 37 for j in range(120)] for i in range(6)]  # 720 prompt tokens
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    together = await generate(engine, prompts, params, prefix="budget")
+    assert [len(t) for t, _, _ in together.values()] == [8] * len(prompts)
+    alone = await generate(engine, prompts[:1], params, prefix="budget-alone")
+    assert alone["budget-alone0"][0] == together["budget0"][0]
+
+
 async def test_every_vllm_internal_laminar_reads_is_there(engine):
     """Fails loudly when a vLLM upgrade moves an internal Laminar reads (laminar.engines.vllm_compat):
     the one test to fix then, rather than a KV migration that silently re-prefills."""

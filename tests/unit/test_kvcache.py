@@ -13,7 +13,7 @@ from laminar.engines.kvcache import (
     needed_kv_bytes,
     rollout_kv_bytes,
 )
-from laminar.engines.vllm_engine import memory_args
+from laminar.engines.vllm_engine import memory_args, platform_args
 from laminar.errors import ConfigError
 
 QWEN2_TINY = {
@@ -78,3 +78,9 @@ def test_cpu_always_asks_for_bytes_gpu_only_when_set(tmp_path):
         "gpu_memory_utilization": 0.9,  # vLLM checks this share is free, whatever else is set
         "kv_cache_memory_bytes": 1 << 30,
     }
+
+
+def test_cpu_prefills_whole_prompts():
+    # seeded requests chunked on CPU kill vLLM's worker (engines/vllm_engine.platform_args)
+    assert platform_args(cpu=True) == {"enable_chunked_prefill": False}
+    assert platform_args(cpu=False) == {}
