@@ -33,7 +33,6 @@ This module imports no vLLM and no torch: the accessors take the runner vLLM han
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -118,8 +117,9 @@ async def scheduler_stats_only(llm: Any) -> str | None:
     handler = llm.output_handler
     if handler is not None:
         handler.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await handler
+        # wait, not `await handler`: that raises the handler's CancelledError, and suppressing
+        # it would swallow a cancellation of the engine's start arriving meanwhile
+        await asyncio.wait([handler])
         llm.output_handler = None
     llm.log_stats = False
     processor.log_stats = False

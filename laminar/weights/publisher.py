@@ -28,7 +28,6 @@ checkpoint) refuses it before any chunk moves. The version is dropped, not retri
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -286,8 +285,12 @@ class WeightPublisher:
             finally:
                 for task in (push, changed):
                     task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
+                # wait, not await: awaiting a task we cancelled raises its CancelledError, and
+                # suppressing that swallowed a cancellation of this loop arriving meanwhile
+                # (the loop retried on after its owner stopped: tests/unit/test_staging.py)
+                await asyncio.wait({push, changed})
+                if not push.cancelled() and (error := push.exception()) is not None:
+                    self._note("push to the master failed", master=master, error=repr(error))
             if vb.version > self.acked:
                 await self.clock.sleep(self.config.retry_s)
 

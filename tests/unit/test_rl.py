@@ -376,3 +376,18 @@ def test_objectives_take_the_off_policy_weight_and_refuse_unknowns() -> None:
     assert grad[0].item() == pytest.approx(-2.0)
     with pytest.raises(ValidationError, match="ppo"):
         PolicyLossConfig(objective="grpo")
+
+
+def test_the_package_names_load_from_their_modules() -> None:
+    """``laminar.rl`` loads its names lazily (its config module must not cost a torch import):
+    every exported name resolves to its defining module's object, and nothing else does."""
+    import importlib
+
+    import laminar.rl as rl
+
+    assert sorted(rl.__all__) == sorted(rl._HOMES)
+    for name, home in rl._HOMES.items():
+        module = importlib.import_module(f"laminar.rl.{home}")
+        assert getattr(rl, name) is getattr(module, name), name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        rl.nope  # noqa: B018

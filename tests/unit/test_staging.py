@@ -13,6 +13,7 @@ version and nothing else; and no buffer of a version still being copied is ever 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -192,3 +193,27 @@ def test_an_abandoned_fence_ends_its_thread_after_the_copy_under_way() -> None:
             break
         threading.Event().wait(0.01)
     assert not any(t.name == "abandoned-copy" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+async def test_a_publisher_retrying_a_dead_master_ends_when_cancelled(seed: int) -> None:
+    """The push loop retries a master that refuses it until its owner stops, which cancels it
+    once. Its end-of-try clean-up awaited the tasks it had cancelled with every exception
+    suppressed, so a cancellation arriving then was swallowed and the loop retried on; the
+    cancel is sent after a seeded number of loop turns, so it lands at every point of a try."""
+    rng = random.Random(seed)
+    for i in range(100):
+        publisher = _publisher()
+        await publisher.hand_off(publisher.stage(0, _weights(0)))
+        runner = asyncio.create_task(publisher.run())
+        for _ in range(rng.randrange(1, 60)):
+            await asyncio.sleep(0)
+        runner.cancel()
+        done, _ = await asyncio.wait([runner], timeout=2.0)
+        if not done:
+            for _ in range(1000):  # end it before failing; a cancel is often lost again
+                runner.cancel()
+                await asyncio.wait([runner], timeout=0.01)
+                if runner.done():
+                    break
+            raise AssertionError(f"cancel {i} (seed {seed}) was lost: the push loop went on")
