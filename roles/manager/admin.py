@@ -340,8 +340,9 @@ class AdminServer:
             pass
         finally:
             feeder.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await feeder
+            await asyncio.wait([feeder])  # not `await feeder` under a suppressed CancelledError
+            if not feeder.cancelled():
+                feeder.exception()  # retrieved: the stream ends either way
             if me is not None:
                 self._streams.discard(me)
         return resp

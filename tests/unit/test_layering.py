@@ -1,7 +1,7 @@
 """The package layering, read from the source: no import cycles, imports point one way, the
 contracts import no torch, role code reads time only through its clock and runs blocking work
 only through its context's executors, and no code of the project times out with
-``asyncio.wait_for``.
+``asyncio.wait_for`` or suppresses a ``CancelledError`` (both lose cancellations).
 
 Why: an import cycle works until the day the import order changes (a new entry point, a lazy
 import moved), and then fails far from its cause; a stray ``import torch`` costs the manager
@@ -349,6 +349,31 @@ def wait_for_uses(path: Path) -> list[RawTime]:
     return sorted(found, key=lambda r: r.line)
 
 
+def swallowed_cancel_uses(path: Path) -> list[RawTime]:
+    """Every ``contextlib.suppress(...)`` naming ``CancelledError`` or ``BaseException``.
+
+    Why: it is how a task awaits one it cancelled (``task.cancel()``, then ``await task`` with the
+    error suppressed), and it swallows a cancellation of the waiter arriving meanwhile: the
+    weight publisher's push loop went on retrying after its owner stopped. Wait for the task
+    with ``asyncio.wait([task])`` instead, which raises neither the task's error nor swallows
+    the waiter's cancellation.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name != "suppress":
+            continue
+        for arg in node.args:
+            caught = arg.attr if isinstance(arg, ast.Attribute) else getattr(arg, "id", None)
+            if caught in ("CancelledError", "BaseException"):
+                found.append(RawTime(path, node.lineno, f"suppress({caught})"))
+    return sorted(found, key=lambda r: r.line)
+
+
 # -- torch-free imports ------------------------------------------------------------------------
 
 
@@ -513,6 +538,29 @@ def test_wait_for_check_sees_every_spelling(tmp_path: Path) -> None:
     ]
 
 
+def test_swallowed_cancel_check_sees_every_spelling(tmp_path: Path) -> None:
+    path = tmp_path / "role.py"
+    path.write_text(
+        "import asyncio, contextlib\n"
+        "from contextlib import suppress\n"
+        "from asyncio import CancelledError\n"
+        "async def f(task):\n"
+        "    with contextlib.suppress(asyncio.CancelledError):\n"
+        "        await task\n"
+        "    with suppress(KeyError, CancelledError):\n"
+        "        await task\n"
+        "    with suppress(BaseException):\n"
+        "        await task\n"
+        "    with suppress(KeyError):  # not a cancellation: fine\n"
+        "        await task\n"
+    )
+    assert [(u.line, u.what) for u in swallowed_cancel_uses(path)] == [
+        (5, "suppress(CancelledError)"),
+        (7, "suppress(CancelledError)"),
+        (9, "suppress(BaseException)"),
+    ]
+
+
 def test_torch_probe_blames_the_module_that_loads_torch() -> None:
     pytest.importorskip("torch")
     found = heavy_imports(["laminar.weights.shared", "laminar.weights.tensors", "no.such.module"])
@@ -591,6 +639,12 @@ def test_no_wait_for_in_the_project() -> None:
     found = [u for root in ROOTS.values() for path in sorted(root.rglob("*.py"))
              for u in wait_for_uses(path)]  # fmt: skip
     assert not found, "use `async with asyncio.timeout(...)`:\n" + "\n".join(map(str, found))
+
+
+def test_no_suppressed_cancellation_in_the_project() -> None:
+    found = [u for root in ROOTS.values() for path in sorted(root.rglob("*.py"))
+             for u in swallowed_cancel_uses(path)]  # fmt: skip
+    assert not found, "wait for a cancelled task with asyncio.wait:\n" + "\n".join(map(str, found))
 
 
 def test_every_package_is_listed_for_the_wheel() -> None:
