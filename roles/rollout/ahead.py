@@ -18,7 +18,7 @@ No I/O here: the service decides when to take, start and give back (``tests/unit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from laminar.trajectory import Assignment
 
@@ -31,8 +31,12 @@ def is_fresh(a: Assignment) -> bool:
 class LeasesAhead:
     """Fresh leases in the order they were taken; ids are unique."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] = lambda: None) -> None:
         self._items: dict[str, Assignment] = {}
+        # Called when leases leave: the room to take more grew, and a puller waiting for room
+        # must look again (without it, 88 stale leases given back at a version switch left both
+        # rollouts of a run waiting for a wake-up that never came).
+        self._on_change = on_change
 
     def __len__(self) -> int:
         return len(self._items)
@@ -55,6 +59,8 @@ class LeasesAhead:
         ]
         for tid in ids:
             del self._items[tid]
+        if ids:
+            self._on_change()
         return ids
 
     def pop(self, count: int) -> list[Assignment]:
@@ -62,12 +68,16 @@ class LeasesAhead:
         out = []
         for tid in list(self._items)[: max(0, count)]:
             out.append(self._items.pop(tid))
+        if out:
+            self._on_change()
         return out
 
     def clear(self) -> list[str]:
         """Remove and return every lease held."""
         ids = list(self._items)
         self._items.clear()
+        if ids:
+            self._on_change()
         return ids
 
 

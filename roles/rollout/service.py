@@ -121,7 +121,7 @@ class RolloutService(Service, RolloutApi):
         super().__init__(ctx)
         self.engine: Engine = create_engine(self.config.engine, clock=ctx.clock)
         self.engine.executor = ctx.executor("engine-weights")
-        self.changes = Changes()  # every phase change and every flight leaving wakes waiters
+        self.changes = Changes()  # a phase change, a flight or a lease leaving wakes waiters
         self.phases = RolloutPhases(on_change=self.changes.notify)
         self.flights = FlightTable(on_change=self.changes.notify)
         self.data = ctx.peer("data", DataApi, address=self.config.data)
@@ -131,7 +131,7 @@ class RolloutService(Service, RolloutApi):
         self.failures = 0  # trajectories that failed here (since start)
         self.completed = 0
         cfg = self.config
-        self.ahead = LeasesAhead()
+        self.ahead = LeasesAhead(on_change=self.changes.notify)  # leases leaving make room
         self.lease_ahead, self.min_take = sizes(cfg.concurrency, cfg.lease_ahead, cfg.min_take)
         self._take_lock = asyncio.Lock()  # held while leasing and starting; a load waits for it
         self._fill_lock = asyncio.Lock()

@@ -58,3 +58,21 @@ def test_defaults_scale_with_the_engine(concurrency: int, ahead: int, min_take: 
 def test_what_the_config_sets_wins() -> None:
     assert sizes(32, 0, None) == (0, 1)  # lease only as slots free, one at a time
     assert sizes(32, None, 3) == (16, 3) and sizes(8, 5, 2) == (5, 2)
+
+
+def test_leases_leaving_wake_whoever_waits_for_room() -> None:
+    """A rollout's puller waits for room (``Changes.until``); leases given back at a version
+    switch make room, and without a wake-up both rollouts of a run once waited for good (88
+    stale leases given back, nothing in flight, no newer version coming)."""
+    woken: list[int] = []
+    ahead = LeasesAhead(on_change=lambda: woken.append(len(ahead)))
+    for i in range(4):
+        ahead.add(lease(f"t{i}", version=3))
+    assert woken == []  # taking leases leaves less room: nobody to wake
+    assert ahead.stale(4) == ["t0", "t1", "t2", "t3"] and woken == [0]
+    assert ahead.stale(4) == [] and woken == [0]  # nothing left: no wake-up
+    ahead.add(lease("u0", version=4))
+    ahead.add(lease("u1", version=4))
+    assert [a.trajectory_id for a in ahead.pop(1)] == ["u0"] and woken == [0, 1]
+    assert ahead.clear() == ["u1"] and woken == [0, 1, 0]
+    assert ahead.pop(3) == [] and ahead.clear() == [] and woken == [0, 1, 0]
