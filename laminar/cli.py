@@ -256,7 +256,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     models = tuple(args.models.split(","))
     systems = tuple(args.systems.split(","))
-    result = sweep(models, systems, seed=args.seed, measured=args.measured)
+    only = tuple(int(g) for g in args.gpus.split(",")) if args.gpus else None
+    result = sweep(
+        models, systems, seed=args.seed, warmup=args.warmup, measured=args.measured, gpus_only=only
+    )
     for line in describe(result):
         print(line)
     print(f"{result['wall_s']:.0f} s")
@@ -521,6 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--plot", help="draw the Fig. 11-style figure here (PNG)")
     sweep.add_argument("--models", default="7B,32B,72B")
     sweep.add_argument("--systems", default="verl,one_step,stream,areal,rollpacker,laminar")
+    sweep.add_argument(
+        "--gpus", help="only these of each model's Table 2 scales, comma-separated (e.g. 16,256)"
+    )
+    sweep.add_argument("--warmup", type=int, default=2, help="updates run before measuring")
     sweep.add_argument("--measured", type=int, default=4, help="updates averaged per cell")
     sweep.add_argument("--seed", type=int, default=0)
     cell = simulate_sub.add_parser("cell", help="one system, model and GPU count")

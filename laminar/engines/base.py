@@ -279,13 +279,17 @@ class Engine(abc.ABC):
 
     async def _load_shared(self, segment: str, manifest: WeightManifest) -> None:
         """Default: map here, verify, and load the tensor views (no copy before the engine's)."""
-        try:
-            view = await self.executor.run(map_verified, segment, manifest)
-        except (SegmentGone, CorruptVersion) as exc:
-            raise EngineError(str(exc)) from exc
+        view = await self._map_verified(segment, manifest)
         from ..weights.tensors import tensors_from  # torch: only where tensors are loaded
 
         await self._load_weights(tensors_from(manifest, view))
+
+    async def _map_verified(self, segment: str, manifest: WeightManifest) -> memoryview:
+        """The segment mapped here, every tensor's bytes checked against the manifest."""
+        try:
+            return await self.executor.run(map_verified, segment, manifest)
+        except (SegmentGone, CorruptVersion) as exc:
+            raise EngineError(str(exc)) from exc
 
     # -- stats -------------------------------------------------------------------------------
 

@@ -75,6 +75,7 @@ import structlog
 
 from ..clock import Clock, get_clock
 from ..trajectory import FinishReason, SamplingParams
+from ..weights.manifest import WeightManifest
 from .base import Engine, EngineError, EngineOutput, EngineStats
 from .configs import SimEngineConfig
 
@@ -223,6 +224,12 @@ class SimEngine(Engine):
                 self._paused.pop(i)
                 heapq.heapify(self._paused)
                 return
+
+    async def _load_shared(self, segment: str, manifest: WeightManifest) -> None:
+        """Mapped and verified as by every backend; with no model to hand tensors to, no tensors
+        are made (a sim rollout never loads torch: 3-4 CPU-s at its first version)."""
+        await self._map_verified(segment, manifest)
+        await self._load_weights(())
 
     async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         for _ in weights:  # drain: a streaming producer (the relay) sees its weights consumed

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from laminar.trajectory import Trajectory
 
@@ -59,7 +59,8 @@ class Screened:
 def finite32(values: Sequence[float]) -> bool:
     """Finite once stored as float32, as the trainer stores them (1e300 is finite as a Python
     float and ``inf`` in the packed batch)."""
-    return bool(torch.isfinite(torch.tensor(values, dtype=torch.float32)).all())
+    with np.errstate(over="ignore"):  # the overflow to inf is what this looks for
+        return bool(np.isfinite(np.asarray(values, dtype=np.float32)).all())
 
 
 def exclusion_reason(t: Trajectory) -> str | None:

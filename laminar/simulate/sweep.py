@@ -18,6 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from laminar.errors import ConfigError
+
 from .cells import run_cell
 from .workload import SCALES, SYSTEMS
 
@@ -45,12 +47,14 @@ def sweep(
     warmup: int = 2,
     measured: int = 4,
     log: Any = print,
+    gpus_only: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
+    """Every system at every Table 2 scale of each model (``gpus_only``: at those of them)."""
     start = time.perf_counter()
     cells: dict[str, dict[str, dict[str, Any]]] = {}
     for model in models:
         cells[model] = {}
-        for gpus in SCALES[model]:
+        for gpus in scales_of(model, gpus_only):
             row = {}
             for system in systems:
                 cell = run_cell(system, model, gpus, seed=seed, warmup=warmup, measured=measured)
@@ -65,6 +69,19 @@ def sweep(
         result.update(_speedups(cells, models, [s for s in systems if s != "laminar"]))
     result["wall_s"] = time.perf_counter() - start
     return result
+
+
+def scales_of(model: str, only: tuple[int, ...] | None = None) -> list[int]:
+    """``model``'s Table 2 GPU counts, or those of ``only`` (each must be one of them)."""
+    if model not in SCALES:
+        raise ConfigError(f"no Table 2 scales for model {model!r}; models: {', '.join(SCALES)}")
+    if only is None:
+        return list(SCALES[model])
+    unknown = sorted(set(only) - set(SCALES[model]))
+    if unknown:
+        known = ", ".join(map(str, SCALES[model]))
+        raise ConfigError(f"{model} has no Table 2 scale of {unknown} GPUs; its scales: {known}")
+    return [g for g in SCALES[model] if g in only]
 
 
 def _speedups(
@@ -140,8 +157,11 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
                 linewidth=2.5 if system == "laminar" else 1.2,
             )
         paper = PAPER["laminar_tokens_per_s_1e5"].get(model)
-        if paper:
-            ax.plot([int(g) for g in scales], paper, "k--", label="laminar (paper)")
+        if paper:  # the paper's figure at the scales run (its points follow Table 2's)
+            at = [SCALES[model].index(int(g)) for g in scales]
+            ax.plot(
+                [int(g) for g in scales], [paper[i] for i in at], "k--", label="laminar (paper)"
+            )
         ax.set_xscale("log", base=2)
         ax.set_title(f"Qwen2.5-{model}")
         ax.set_xlabel("GPUs")

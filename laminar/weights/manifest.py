@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -73,6 +73,28 @@ def layout(tensors: Iterable[tuple[str, str, Sequence[int], int]], version: int)
         )
         offset += nbytes
     return WeightManifest(version=version, total_bytes=offset, tensors=entries)
+
+
+#: bytes per element of the dtypes a spec may name as text (torch's names, ``torch.`` left off)
+ITEMSIZE = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+}  # fmt: skip
+
+
+def plan_specs(specs: Iterable[tuple[str, Any, Sequence[int]]], version: int) -> WeightManifest:
+    """The layout for tensors described by (name, dtype, shape), none of them needed yet.
+    ``dtype`` is a ``torch.dtype`` or its name (``"bfloat16"``): planning needs no torch, so the
+    emulated trainer publishes without importing it."""
+
+    def entry(name: str, dtype: Any, shape: Sequence[int]) -> tuple[str, str, list[int], int]:
+        named = str(dtype).removeprefix("torch.")
+        if isinstance(dtype, str) and named not in ITEMSIZE:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}; known: {sorted(ITEMSIZE)}")
+        itemsize = ITEMSIZE[named] if isinstance(dtype, str) else dtype.itemsize
+        return name, named, list(shape), math.prod(shape) * itemsize
+
+    return layout((entry(*spec) for spec in specs), version)
 
 
 def crc_of(buffer: memoryview, entry: TensorEntry) -> int:

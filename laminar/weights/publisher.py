@@ -31,10 +31,9 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from laminar import transport
 from laminar.clock import Clock, get_clock
@@ -44,9 +43,11 @@ from laminar.transport.shm import SharedBuffer
 
 from .chain import ChainView, follow_chain
 from .config import PublishConfig
-from .manifest import WeightManifest, chunk_bounds, optimal_chunks, with_checksums
-from .tensors import copy_into, plan_specs, plan_tensors
+from .manifest import WeightManifest, chunk_bounds, optimal_chunks, plan_specs, with_checksums
 from .transfer import TransferError, VersionBuffer, VersionConflict, push_version
+
+if TYPE_CHECKING:
+    import torch
 
 
 class WeightPublisher:
@@ -96,7 +97,7 @@ class WeightPublisher:
         self,
         version: int,
         named: Iterable[tuple[str, torch.Tensor]] = (),
-        specs: Sequence[tuple[str, torch.dtype, Sequence[int]]] | None = None,
+        specs: Sequence[tuple[str, torch.dtype | str, Sequence[int]]] | None = None,
         fill: Callable[[WeightManifest, str | None, memoryview], Future[Any] | None] | None = None,
         *,
         shared: bool | None = None,
@@ -116,6 +117,8 @@ class WeightPublisher:
         version goes out once that is done (:meth:`hand_off`)."""
         start = self.clock.time()
         if specs is None:
+            from .tensors import plan_tensors  # torch: only for a caller that hands over tensors
+
             named = list(named)
             manifest = plan_tensors(named, version)
         else:
@@ -131,6 +134,8 @@ class WeightPublisher:
             segment = self._segments[id(array)].name if shared else None
             copying = fill(manifest, segment, view)
         else:
+            from .tensors import copy_into
+
             copy_into(named, manifest, view)
         bounds = chunk_bounds(
             manifest.total_bytes,

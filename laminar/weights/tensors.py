@@ -7,13 +7,12 @@ segment check lives in :mod:`.shared`).
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 
 import torch
 
-from .manifest import WeightManifest, layout
+from .manifest import WeightManifest, layout, plan_specs
 from .shared import CorruptVersion, map_verified
 
 __all__ = [
@@ -35,20 +34,6 @@ def plan_tensors(named: Iterable[tuple[str, torch.Tensor]], version: int) -> Wei
         ),
         version,
     )
-
-
-def plan_specs(
-    specs: Iterable[tuple[str, torch.dtype, Sequence[int]]], version: int
-) -> WeightManifest:
-    """The layout for tensors described by (name, dtype, shape), none of them needed yet."""
-    return layout(
-        (
-            (name, str(dtype).removeprefix("torch."), list(shape),
-             math.prod(shape) * dtype.itemsize)
-            for name, dtype, shape in specs
-        ),
-        version,
-    )  # fmt: skip
 
 
 def copy_into(

@@ -3,8 +3,9 @@
 ``train`` sleeps ``cost.train_time(tokens)`` (:class:`laminar.engines.costmodel.TrainCostModel`;
 tokens = prompt + response tokens of the trajectories kept for training) on the service's clock,
 so under a virtual clock a long run costs nothing. ``stage`` lays out ``weight_bytes`` of tensor
-data (one bf16 tensor of zeros) like real weights, so the relays and rollouts move and map real
-bytes and the trainer's stall is a real host copy.
+data (one bf16 tensor of zeros, described to the publisher and written into its buffer, so this
+role loads no torch) like real weights, so the relays and rollouts move and map real bytes and the
+trainer's stall is a real write of that many bytes.
 
 There is no model state to keep, but what a real checkpoint records about the data is kept:
 with ``state_file`` set, the version, the cursor and the batch count are written atomically
@@ -19,6 +20,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from pydantic import BaseModel
 
 from laminar.clock import Clock
@@ -75,12 +77,10 @@ class SimCompute:
         self.executor = executor  # the state file's fsyncs and the staging copy
         self.weight_bytes = weight_bytes
         self.state_file = Path(state_file) if state_file is not None else None
-        self._tensors: list[tuple[str, Any]] = []
+        # one bf16 tensor of ``weight_bytes``, described, never made: no torch in this role
+        self._specs = [("weights", "bfloat16", (weight_bytes // 2,))]
 
     async def resume(self) -> Resumed:
-        import torch  # the publisher lays out torch tensors
-
-        self._tensors = [("weights", torch.zeros(self.weight_bytes // 2, dtype=torch.bfloat16))]
         if self.state_file is None:
             return Resumed()
         state = SimTrainerState.load(self.state_file)
@@ -104,10 +104,19 @@ class SimCompute:
         await self.executor.run(state.save, self.state_file)
 
     async def stage(self, publisher: WeightPublisher, version: int) -> VersionBuffer:
-        return await self.executor.run(publisher.stage, version, self._tensors)
+        return await self.executor.run(_stage_zeros, publisher, version, self._specs)
 
     async def evaluate(self, version: int) -> dict[str, Any] | None:
         return None  # nothing to measure: the weights are zeros
 
     async def close(self) -> None:
         pass
+
+
+def _stage_zeros(publisher: WeightPublisher, version: int, specs: list[Any]) -> VersionBuffer:
+    """Stage ``specs`` as zeros, in the publisher's own (private) buffer."""
+    return publisher.stage(version, specs=specs, fill=_zero_fill, shared=False)
+
+
+def _zero_fill(manifest: Any, segment: str | None, view: memoryview) -> None:
+    np.frombuffer(view, dtype=np.uint8).fill(0)

@@ -17,9 +17,9 @@ import socket
 import pytest
 
 from laminar.transport import TransportOptions, connect
+from tests.support.cancel import cancel_after
 
 CANCELS = 100
-END_BOUND_S = 2.0  # a lost cancel never ends; a kept one ends within a loop turn
 
 
 def _refused_port() -> int:
@@ -44,17 +44,7 @@ async def _cancel_retry_loops(address: str, seed: int) -> None:
                 conn.close("unexpected success")
 
         task = asyncio.create_task(retry())
-        for _ in range(rng.randrange(1, 40)):
-            await asyncio.sleep(0)
-        task.cancel()
-        done, _ = await asyncio.wait([task], timeout=END_BOUND_S)
-        if not done:
-            for _ in range(1000):  # end it before failing; a cancel is often lost again
-                task.cancel()
-                await asyncio.wait([task], timeout=0.01)
-                if task.done():
-                    break
-            raise AssertionError(f"cancel {i} (seed {seed}) was lost: the retry loop went on")
+        await cancel_after(task, rng.randrange(1, 40), f"cancel {i} of a retry loop (seed {seed})")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -76,3 +66,23 @@ async def test_a_loop_retrying_a_failing_handshake_ends_when_cancelled(seed: int
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_the_check_catches_a_swallowed_cancellation() -> None:
+    """The helper these tests stand on fails on a task that swallows its first cancellation, and
+    ends that task before failing."""
+
+    async def swallows_once() -> None:
+        swallowed = False
+        while True:
+            try:
+                await asyncio.sleep(0.001)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed = True
+
+    task = asyncio.create_task(swallows_once())
+    with pytest.raises(AssertionError, match="the task went on after its cancellation"):
+        await cancel_after(task, 3, "a swallowed cancel")
+    assert task.cancelled()

@@ -56,6 +56,7 @@ TORCH_FREE_ROLES = [
     "laminar.roles.rollout.api",
     "laminar.roles.relay",
     "laminar.roles.trainer.config",  # what `laminar run` validates before it starts anything
+    "laminar.roles.trainer.sim",  # the emulated trainer publishes real bytes without a model
 ]
 
 #: time sources role code must take from its clock (``ServiceContext.clock``) instead.

@@ -30,6 +30,7 @@ from laminar.weights.config import PublishConfig
 from laminar.weights.manifest import WeightManifest
 from laminar.weights.publisher import WeightPublisher
 from laminar.weights.tensors import plan_specs, plan_tensors, tensors_from
+from tests.support.cancel import cancel_after
 
 from ..support.models import tiny_qwen2
 from .test_trainer_device import batch
@@ -206,14 +207,17 @@ async def test_a_publisher_retrying_a_dead_master_ends_when_cancelled(seed: int)
         publisher = _publisher()
         await publisher.hand_off(publisher.stage(0, _weights(0)))
         runner = asyncio.create_task(publisher.run())
-        for _ in range(rng.randrange(1, 60)):
-            await asyncio.sleep(0)
-        runner.cancel()
-        done, _ = await asyncio.wait([runner], timeout=2.0)
-        if not done:
-            for _ in range(1000):  # end it before failing; a cancel is often lost again
-                runner.cancel()
-                await asyncio.wait([runner], timeout=0.01)
-                if runner.done():
-                    break
-            raise AssertionError(f"cancel {i} (seed {seed}) was lost: the push loop went on")
+        await cancel_after(runner, rng.randrange(1, 60), f"cancel {i} of a push loop (seed {seed})")
+
+
+def test_specs_plan_the_same_layout_from_a_dtype_or_its_name() -> None:
+    """The emulated trainer describes its bytes by dtype name (it loads no torch); the layout is
+    the one a real trainer's torch dtypes give, and a name nobody knows is refused by name."""
+    shapes = [("embed", (80, 64)), ("norm", (64,)), ("head", (3, 5, 7))]
+    dtypes = [torch.bfloat16, torch.float32, torch.int64, torch.float16, torch.uint8, torch.bool]
+    for dtype in dtypes:
+        by_torch = plan_specs([(n, dtype, s) for n, s in shapes], 3)
+        by_name = plan_specs([(n, str(dtype).removeprefix("torch."), s) for n, s in shapes], 3)
+        assert by_name == by_torch, dtype
+    with pytest.raises(ValueError, match="tensor 'w': unknown dtype 'bf16'"):
+        plan_specs([("w", "bf16", (2,))], 1)
