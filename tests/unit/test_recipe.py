@@ -270,11 +270,19 @@ def test_sft_reduces_loss_and_saves_a_loadable_model(tiny_model, tmp_path: Path)
     assert not list(tmp_path.glob(".sft.*"))
 
 
-def test_eval_reports_buckets(tiny_model, capsys) -> None:  # type: ignore[no-untyped-def]
-    assert main(["eval", "--task", ARITH, "--model", str(tiny_model), "--n", "6", "--json"]) == 0
+def test_eval_reports_buckets(tiny_model, task, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # Short chains of two lengths (``--data``): an untrained model writes to its budget, twice the
+    # longest demonstration, and this keeps that budget small.
+    short = [r for r in task.test_records(200, 0) if r["steps"] <= 2][:6]
+    assert {r["steps"] for r in short} == {1, 2}
+    data = tmp_path / "short.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in short))
+    argv = ["eval", "--task", ARITH, "--model", str(tiny_model), "--data", str(data), "--n", "6"]
+    assert main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["n"] == 6
     assert 0.0 <= result["accuracy"] <= 1.0
+    assert set(result["buckets"]) == {"1", "2"}
     assert sum(b["n"] for b in result["buckets"].values()) == 6
     assert result["demo_length"]["max"] >= result["demo_length"]["median"]
 
