@@ -47,8 +47,9 @@ run-tool:
 # Bytecode is cached for the suite even where the environment says not to (PYTHONDONTWRITEBYTECODE,
 # set on this project's machines): the suite starts ~470 interpreters, each of which otherwise
 # compiles Laminar's modules from source, and every xdist worker rewrites and compiles every test
-# module again. Measured here (2026-11-28): collecting the suite took 25.1 CPU-s without the cache
-# and 16.6 with it (each of the 3 workers collects), a role's imports 1.3-1.5 against 1.2-1.3.
+# module again. `python benchmarks/bytecode.py` (2026-11-28, 3 alternating pairs): collecting the
+# suite (each of the 3 workers does) 24.5 CPU-s without the cache against 19.8 with it (1.31x), a
+# role's imports 1.90 against 1.58 (1.20x).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -45,7 +45,7 @@ from laminar.config import ClusterConfig, RoleSpec, load_config
 from laminar.devmode.status import fetch_status
 from laminar.harness.launch import ProcessCluster
 from laminar.proc import procfs
-from laminar.proc.children import SETTLE_S, Child, ChildProcesses
+from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_group, group_members
 from tests.support.devrun import kill_session, run_manager, spawn, start_run, write_run_config
 from tests.support.procs import ROOT, TOKEN, env
@@ -59,6 +59,11 @@ TAG = "LAMINAR_TEST_ORPHANS"
 #: (2026-11-25) was not up within 30 s there, and one (2026-11-27, a fresh clone) not within 90 s.
 #: Not a bound this file tests.
 STARTUP_S = 180
+#: how long a killed role may take to be noticed, its group ended and the role restarted and
+#: heartbeating again: a bound on a hang, not a timing check. Alone, a few seconds; a fresh-clone
+#: suite run (2026-11-28) missed the 23 s it had (settle + grace + 20) while the vLLM engines of
+#: other tests started beside it.
+RESTART_S = 90.0
 
 
 def tagged(tag: str) -> dict[int, int]:
@@ -119,6 +124,9 @@ def spawner_run(
     try:
         manager = run_manager(tmp_path / "run", sup, timeout=STARTUP_S)
         yield sup, tag, manager, spawner_heartbeating(manager)
+    except AssertionError as exc:  # what the supervisor said is how to tell why
+        said = kill_session(sup)
+        raise AssertionError(f"{exc}\nthe supervisor's output ends:\n{said[-4000:]}") from exc
     finally:
         kill_session(sup)
         for pid in tagged(tag):
@@ -167,7 +175,7 @@ def test_killed_role_takes_its_processes_along_restarts_and_nothing_outlives_the
                 and "child_pid" in m.stats
                 and m
             ),
-            SETTLE_S + grace + 20,
+            RESTART_S,
             "spawner-0 restarted",
         )
         took = time.monotonic() - killed
@@ -212,7 +220,7 @@ def test_a_process_that_left_its_roles_group_dies_with_its_role(tmp_path: Path) 
         role, child = first.pid, int(first.stats["child_pid"])
         assert tagged(tag).get(child) == child  # leads its own group
         os.kill(role, signal.SIGKILL)
-        until(lambda: not procfs.alive(child), SETTLE_S + 10, f"the escaped child {child} killed")
+        until(lambda: not procfs.alive(child), RESTART_S, f"the escaped child {child} killed")
         again = until(
             lambda: (
                 (m := members(manager).get("spawner-0"))
@@ -220,7 +228,7 @@ def test_a_process_that_left_its_roles_group_dies_with_its_role(tmp_path: Path) 
                 and "child_pid" in m.stats
                 and m
             ),
-            30,
+            RESTART_S,
             "spawner-0 restarted",
         )
         assert procfs.alive(int(again.stats["child_pid"]))

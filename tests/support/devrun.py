@@ -77,8 +77,11 @@ def run_manager(run_dir: Path, launcher: subprocess.Popen[str], timeout: float =
     return str(json.loads(cluster_file.read_text())["manager"])
 
 
-def kill_session(proc: subprocess.Popen[str]) -> None:
-    """If ``proc`` (started by :func:`spawn`) still runs, SIGKILL its process group; reap it."""
+def kill_session(proc: subprocess.Popen[str]) -> str:
+    """If ``proc`` (started by :func:`spawn`) still runs, SIGKILL its process group and reap it;
+    what it wrote that nobody had read yet ("" if it had already ended)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=10)
+        output, _ = proc.communicate(timeout=10)
+        return output or ""
+    return ""
