@@ -242,6 +242,18 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def counts(text: str) -> list[int]:
+    """An argparse type: comma-separated positive counts (``2,4``); anything else is a usage
+    error naming the value, not a traceback."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated whole numbers: {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"counts must be at least 1: {text!r}")
+    return values
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from .simulate.cells import run_cell
     from .simulate.sweep import describe, plot, sweep
@@ -256,7 +268,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     models = tuple(args.models.split(","))
     systems = tuple(args.systems.split(","))
-    only = tuple(int(g) for g in args.gpus.split(",")) if args.gpus else None
+    only = tuple(args.gpus) if args.gpus else None
     result = sweep(
         models, systems, seed=args.seed, warmup=args.warmup, measured=args.measured, gpus_only=only
     )
@@ -281,7 +293,7 @@ def _simulate_run(args: argparse.Namespace) -> int:
     duration = args.duration or config.run.duration_s or 120.0
     rows = plan(
         config,
-        rollouts=[int(n) for n in args.rollouts.split(",")] if args.rollouts else None,
+        rollouts=args.rollouts,
         schedules=args.schedules.split(",") if args.schedules else None,
         duration_s=duration,
         warmup_s=args.warmup,
@@ -525,7 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--models", default="7B,32B,72B")
     sweep.add_argument("--systems", default="verl,one_step,stream,areal,rollpacker,laminar")
     sweep.add_argument(
-        "--gpus", help="only these of each model's Table 2 scales, comma-separated (e.g. 16,256)"
+        "--gpus",
+        type=counts,
+        help="only these of each model's Table 2 scales, comma-separated (e.g. 16,256)",
     )
     sweep.add_argument("--warmup", type=int, default=2, help="updates run before measuring")
     sweep.add_argument("--measured", type=int, default=4, help="updates averaged per cell")
@@ -552,7 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--config", required=True, help="a cluster YAML (as for laminar run)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    run.add_argument("--rollouts", help="comma-separated rollout counts (default: the config's)")
+    run.add_argument(
+        "--rollouts", type=counts, help="comma-separated rollout counts (default: the config's)"
+    )
     run.add_argument("--schedules", help="comma-separated cluster.schedule.kind values")
     run.add_argument(
         "--duration", type=float, help="virtual seconds measured (default: run.duration_s, or 120)"

@@ -89,9 +89,12 @@ def plan_specs(specs: Iterable[tuple[str, Any, Sequence[int]]], version: int) ->
 
     def entry(name: str, dtype: Any, shape: Sequence[int]) -> tuple[str, str, list[int], int]:
         named = str(dtype).removeprefix("torch.")
-        if isinstance(dtype, str) and named not in ITEMSIZE:
+        if not isinstance(dtype, str):
+            itemsize = dtype.itemsize
+        elif named in ITEMSIZE:
+            itemsize = ITEMSIZE[named]
+        else:
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}; known: {sorted(ITEMSIZE)}")
-        itemsize = ITEMSIZE[named] if isinstance(dtype, str) else dtype.itemsize
         return name, named, list(shape), math.prod(shape) * itemsize
 
     return layout((entry(*spec) for spec in specs), version)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from laminar.cli import main
 from laminar.simulate.workload import SCALES
 
@@ -47,3 +49,13 @@ def test_a_scale_not_in_table_2_is_a_clear_error(capsys) -> None:  # type: ignor
     assert main(["simulate", "sweep", "--models", "7B", "--gpus", "16,48"]) == 2
     err = capsys.readouterr().err
     assert "7B has no Table 2 scale of [48] GPUs; its scales: 16, 32, 64, 128, 256" in err, err
+
+
+def test_counts_that_are_not_whole_numbers_are_a_usage_error(capsys) -> None:  # type: ignore[no-untyped-def]
+    for argv in (["sweep", "--gpus", "16,x"], ["run", "--config", "c.yaml", "--rollouts", "0,2"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["simulate", *argv])
+        assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "not comma-separated whole numbers: '16,x'" in err, err
+    assert "counts must be at least 1: '0,2'" in err, err
