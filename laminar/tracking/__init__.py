@@ -35,13 +35,10 @@ the other backend waits for its disk or network. A backend that raises, or does 
 a deadline, is logged once and dropped for the rest of the process; a backend that falls behind
 drops scalars rather than memory.
 
-**Libraries.** Event files are written with tensorboardX (a small base dependency: the file
-format, not the viewer; ``pip install tensorboard`` for that, the ``dev`` extra has it). Note that
-importing tensorboardX imports torch where torch is installed; it happens on the backend's
-thread, in processes that have torch loaded anyway (the trainer; the supervisor, which loads the
-role classes to validate their configs). ``wandb`` is imported only when configured (``pip
-install 'laminar-rl[wandb]'``); ``mode: offline`` needs no account or network, and ``wandb
-sync`` uploads the run later.
+**Libraries.** Event files are written with the ``tensorboard`` package's writer (its event
+protobufs and TFRecord framing, without TensorFlow or torch; the same package is the viewer).
+``wandb`` is imported only when configured (``pip install 'laminar-rl[wandb]'``); ``mode:
+offline`` needs no account or network, and ``wandb sync`` uploads the run later.
 
 **Modules.** :mod:`.config` (the ``tracking`` section, what the trainers' configs import),
 :mod:`.plan` (where a run writes, what ``laminar run`` prints), :mod:`.backends` (TensorBoard,

@@ -6,6 +6,7 @@ its constructor may import, touch the disk or the network, and take its time."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,21 +29,31 @@ class Tracker(Protocol):
 
 
 class TensorBoardTracker:
-    """TensorBoard event files in ``logdir`` (one TensorBoard run), written with tensorboardX's
-    synchronous writer: the caller (its lane's thread) is the writing thread, so an I/O error
-    reaches it instead of dying in a writer thread of its own."""
+    """TensorBoard event files in ``logdir`` (one TensorBoard run): the ``tensorboard`` package's
+    event protobufs in its TFRecord framing (``RecordWriter``, the writer torch's own
+    ``SummaryWriter`` uses), written synchronously: the caller (its lane's thread) is the writing
+    thread, so an I/O error reaches it instead of dying in a writer thread of its own.
+
+    Not tensorboardX (which wrote these files until 2026-11-28): importing it imports torch
+    wherever torch is installed, 3.6 CPU-s here, in the supervisor of every ``laminar run`` and
+    in the sim trainer, which have no other use for torch; this writer imports in 0.6."""
 
     name = "tensorboard"
 
     def __init__(self, logdir: str | Path, flush_s: float | None = None) -> None:
-        from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.record_writer import RecordWriter
 
         self._event, self._summary = Event, Summary
         Path(logdir).mkdir(parents=True, exist_ok=True)
-        # the pid in the name: a process restarted within the same second gets its own file
-        self.writer = EventsWriter(str(Path(logdir) / "events"), f".{os.getpid()}")
+        # TensorBoard's file name; the pid at the end: a process restarted within the same second
+        # gets its own file
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self.writer = RecordWriter(open(Path(logdir) / name, "wb"))  # closed in close()
+        self.writer.write(
+            Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()
+        )
         self.flush_s = FLUSH_S if flush_s is None else flush_s
         self._flushed = time.monotonic()
         self._dirty = False
@@ -50,13 +61,12 @@ class TensorBoardTracker:
 
     def log(self, step: int, scalars: Mapping[str, float], wall_time: float | None = None) -> None:
         values = [self._summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
-        self.writer.write_event(
-            self._event(
-                wall_time=time.time() if wall_time is None else wall_time,
-                step=step,
-                summary=self._summary(value=values),
-            )
+        event = self._event(
+            wall_time=time.time() if wall_time is None else wall_time,
+            step=step,
+            summary=self._summary(value=values),
         )
+        self.writer.write(event.SerializeToString())
         self._dirty = True
 
     def idle(self) -> None:

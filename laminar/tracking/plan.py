@@ -107,7 +107,7 @@ def _short(path: Path) -> str:
 
 def _tensorboard_command() -> str | None:
     """``tensorboard`` when it is on PATH, else the one installed beside this Python (a venv
-    not activated), else None (not installed: tensorboardX writes the files, not the viewer)."""
+    not activated), else None (a dependency of Laminar, but installed without its scripts)."""
     if shutil.which("tensorboard"):
         return "tensorboard"
     beside = Path(sys.executable).parent / "tensorboard"

@@ -29,7 +29,7 @@ from .plan import TrackingPlan
 
 MAX_PENDING = 10_000  # rows queued for a backend before a stuck one starts dropping
 #: a backend that has not opened by then is dropped (its rows so far with it); generous, as a
-#: loaded machine may take many seconds to import tensorboardX (and torch) or start wandb-core
+#: loaded machine may take many seconds to import TensorBoard's writer or start wandb-core
 OPEN_TIMEOUT_S = 60.0
 
 Opener = tuple[str, Callable[[], Any]]  # (backend name, makes the backend: runs on its lane)

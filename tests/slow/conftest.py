@@ -6,9 +6,9 @@ executor), about 25 s of one core each time, while the work most tests then ask 
 few seconds. So:
 
 * one in-process engine serves every module that drives an engine directly
-  (``test_vllm_engine``, and ``test_kv_migration`` as its source engine): ``vllm_engine`` hands
-  it to each module as a fresh engine would be (idle, no output left over from another module,
-  the tiny model's own weights as version 0);
+  (``test_vllm_engine``, and ``test_kv_migration`` as both ends of its moves): ``vllm_engine``
+  hands it to each module as a fresh engine would be (idle, no output left over from another
+  module, the tiny model's own weights as version 0);
 * one process cluster with two vLLM rollouts serves every scenario that needs ``laminar serve``
   rollouts (repack, a data role killed, the weight path, a rollout killed): the module fixture of
   ``test_vllm_cluster``.
@@ -29,11 +29,13 @@ import pytest_asyncio
 from tests.support.models import tiny_qwen2
 
 #: the shared engine's settings: what both of its users need (32-token blocks, so a migrated
-#: sequence of test_kv_migration spans several; a small fixed KV cache; a small step budget)
+#: sequence of test_kv_migration spans several; Laminar's KV connector, so that module's moves
+#: can import KV state into it; a small fixed KV cache; a small step budget)
 ENGINE = {
     "max_model_len": 256,
     "max_num_seqs": 8,
     "kv_cache_bytes": "32MiB",
+    "kv_migration": True,
     # one step prefills at most 256 tokens (= max_model_len), so several prompts at once cross it
     "extra": {"block_size": 32, "max_num_batched_tokens": 256},
 }

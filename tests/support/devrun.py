@@ -17,8 +17,10 @@ from .procs import ROOT, env, laminar
 
 
 def write_run_config(tmp_path: Path, roles: list[dict[str, Any]], **run: Any) -> Path:
-    """A ``laminar run`` config: fast heartbeats, the manager on a free port, ``roles`` after it;
-    ``run`` keys override (``run_dir`` is ``tmp_path/run``)."""
+    """A ``laminar run`` config: fast heartbeats, the manager on a free port, ``roles`` after it,
+    no plots (drawing them is ~2.7 CPU-s of matplotlib at each run's end; the test of a restart
+    in tests/integration/test_processes.py asks for them and checks them); ``run`` keys override
+    (``run_dir`` is ``tmp_path/run``)."""
     config = {
         "cluster": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0},
         # every port a free one: the admin API's default (7421) is one port for the whole
@@ -28,6 +30,7 @@ def write_run_config(tmp_path: Path, roles: list[dict[str, Any]], **run: Any) ->
         "run": {
             "run_dir": str(tmp_path / "run"),
             "view_interval_s": 0.2,
+            "plots": False,
             **run,
             "roles": [{"role": "manager"}, *roles],
         },

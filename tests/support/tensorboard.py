@@ -1,4 +1,6 @@
-"""Reading TensorBoard event files back in tests, without the tensorboard package."""
+"""Reading TensorBoard event files back in tests: the framing by hand, the events with the
+tensorboard package's protobufs (tests/unit/test_tracking.py also reads them with TensorBoard's own
+reader)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,8 @@ from pathlib import Path
 
 
 def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in ``logdir``'s event files, parsed from the TFRecord framing with
-    tensorboardX's protobufs (so this works without the tensorboard package)."""
-    from tensorboardX.proto.event_pb2 import Event
+    """Every scalar in ``logdir``'s event files, parsed from the TFRecord framing."""
+    from tensorboard.compat.proto.event_pb2 import Event
 
     out: dict[str, list[tuple[int, float]]] = {}
     files = sorted(logdir.glob("events.out.tfevents.*"))

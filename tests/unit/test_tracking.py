@@ -8,6 +8,8 @@ import importlib.util
 import io
 import json
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -92,6 +94,28 @@ def test_tensorboard_itself_reads_the_files(tmp_path: Path) -> None:
     acc.Reload()
     events = acc.Scalars("cluster/generated_tokens_per_s")
     assert [(e.step, e.value) for e in events] == [(0, 1500.0), (7, 2500.0)]
+
+
+def test_tensorboard_files_are_written_without_torch(tmp_path: Path) -> None:
+    """The supervisor of every ``laminar run`` and the sim trainer write event files and have no
+    other use for torch: the writer must not load it (tensorboardX did, 3.6 CPU-s each time)."""
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from laminar.tracking import TrackingConfig, TrackingPlan, open_tracker\n"
+        "tracker = open_tracker(TrackingPlan.of(TrackingConfig(), Path(sys.argv[1])), 'cluster')\n"
+        "tracker.log(3, {'cluster/generated_tokens_per_s': 42.0})\n"
+        "tracker.close()\n"
+        "print('torch loaded:', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "torch loaded: False", out.stdout + out.stderr
+    assert read_scalars(tmp_path / "tensorboard" / "cluster") == {
+        "cluster/generated_tokens_per_s": [(3, 42.0)]
+    }
 
 
 def test_tensorboard_flushes_while_the_run_goes_on(tmp_path: Path, monkeypatch) -> None:
