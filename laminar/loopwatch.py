@@ -15,7 +15,9 @@ where it is, once per stall, while the stall goes on, then once more, with its w
 when the loop turns again. The thread only reads; it never touches the loop. When the innermost
 frames are the loop's own (:func:`loop_machinery`), no Python code of the role holds it: the
 process waited for a CPU, or a callback without Python frames ran; the stall says so (``idle``)
-rather than name the loop as the culprit.
+rather than name the loop as the culprit, and the thread keeps looking while it lasts: code of
+the role found holding the loop later in the same stall is said then (a starved process that
+goes on into a blocking call, seen on a loaded machine, was reported as idle only).
 
 Started by ``laminar serve`` once the role is ready (starting an engine may block the loop on
 purpose), with ``cluster.loop_stall_s``.
@@ -104,6 +106,15 @@ class LoopWatch:
                 # to within one interval.
                 self._say(Stall(stamp - since, True, stalled.where, stalled.stack, stalled.idle))
                 stalled = None
+            elif stalled is not None and stalled.idle:
+                # Said as idle (the process waiting for a CPU, or a call without Python frames)
+                # and not over: look again. Code of the role that holds the loop now, in the
+                # same stall (a starved process that then runs a blocking call, as on a loaded
+                # machine), is said once found, and the end names it.
+                where, stack, idle = self._where()
+                if not idle and where:
+                    stalled = Stall(time.monotonic() - since, False, where, stack, False)
+                    self._say(stalled)
 
     def _say(self, stall: Stall) -> None:
         try:

@@ -247,8 +247,11 @@ def test_a_role_whose_loop_is_blocked_says_where(tmp_path: Path) -> None:
         log = tmp_path / "run" / "logs" / "spawner-0.log"
         until(lambda: "event loop turns again" in log.read_text(), 30, "the stall's end logged")
         out = stop_run(sup)
-    (blocked,) = [line for line in log.read_text().splitlines() if "event loop blocked" in line]
-    assert "spawner.py:" in blocked and "in block_once" in blocked, blocked
+    # one stall, said naming the blocking code (after a reading as idle, where the role was
+    # starved of CPU right before: a fresh-clone CI run on 2026-11-28)
+    blocked = [line for line in log.read_text().splitlines() if "event loop blocked" in line]
+    named = [line for line in blocked if "spawner.py:" in line and "in block_once" in line]
+    assert len(named) == 1 and len(blocked) <= 2, blocked
     assert "event loop blocked" in out, out
 
 

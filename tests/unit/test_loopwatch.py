@@ -120,3 +120,32 @@ def test_a_loop_held_without_python_frames_is_told_apart(loop_kind: str) -> None
     starts = [s for s in said if not s.ended]
     assert [s.idle for s in starts] == [True, False], said
     assert starts[1].where.endswith("in hold_the_loop")
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_stall_said_idle_names_the_code_that_holds_the_loop_next(loop_kind: str) -> None:
+    """One stall, held first without Python frames (a process waiting for a CPU looks the same)
+    and then by a Python function, in the same turn of the loop: said as idle, then again naming
+    that function, and its end names it too (a suite run on a loaded machine saw a role starved
+    right before its blocking call reported as idle only)."""
+    import uvloop
+
+    said: list[Stall] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        watch = LoopWatch(loop, 0.25, said.append)
+        watch.start()
+        try:
+            await asyncio.sleep(0.1)
+            loop.call_soon(time.sleep, 1.0)
+            loop.call_soon(hold_the_loop, 1.0)
+            await asyncio.sleep(0.01)  # the two run here, in one turn of the loop
+            await asyncio.sleep(0.6)  # the watch sees the loop turn again
+        finally:
+            watch.close()
+
+    (uvloop.run if loop_kind == "uvloop" else asyncio.run)(main())
+    assert [(s.ended, s.idle) for s in said] == [(False, True), (False, False), (True, False)], said
+    assert said[1].where.endswith("in hold_the_loop") and said[2].where == said[1].where
+    assert said[2].seconds >= 1.75, said[2]
