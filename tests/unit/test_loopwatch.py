@@ -130,9 +130,7 @@ def test_a_stall_said_idle_names_the_code_that_holds_the_loop_next(loop_kind: st
     right before its blocking call reported as idle only)."""
     import uvloop
 
-    said: list[Stall] = []
-
-    async def main() -> None:
+    async def main(said: list[Stall]) -> None:
         loop = asyncio.get_running_loop()
         watch = LoopWatch(loop, 0.25, said.append)
         watch.start()
@@ -145,7 +143,13 @@ def test_a_stall_said_idle_names_the_code_that_holds_the_loop_next(loop_kind: st
         finally:
             watch.close()
 
-    (uvloop.run if loop_kind == "uvloop" else asyncio.run)(main())
+    # The watch's first reading falls in the idle second unless its thread gets no CPU for all
+    # of it (a loaded machine): then that reading is of the function, and this is tried again.
+    for _ in range(3):
+        said: list[Stall] = []
+        (uvloop.run if loop_kind == "uvloop" else asyncio.run)(main(said))
+        if said and said[0].idle:
+            break
     assert [(s.ended, s.idle) for s in said] == [(False, True), (False, False), (True, False)], said
     assert said[1].where.endswith("in hold_the_loop") and said[2].where == said[1].where
     assert said[2].seconds >= 1.75, said[2]
