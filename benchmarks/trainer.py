@@ -62,7 +62,8 @@ from laminar.roles.trainer.config import TrainerConfig  # noqa: E402
 from laminar.roles.trainer.dp import DataParallelGroup  # noqa: E402
 from laminar.trajectory import Trajectory  # noqa: E402
 from laminar.transport.shm import SharedBuffer  # noqa: E402
-from laminar.weights.tensors import copy_into, plan_specs  # noqa: E402
+from laminar.weights.manifest import plan_specs  # noqa: E402
+from laminar.weights.tensors import copy_into  # noqa: E402
 
 MIB = 1 << 20
 

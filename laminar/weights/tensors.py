@@ -12,14 +12,13 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .manifest import WeightManifest, layout, plan_specs
+from .manifest import WeightManifest, layout
 from .shared import CorruptVersion, map_verified
 
 __all__ = [
     "CorruptVersion",
     "copy_into",
     "map_verified",
-    "plan_specs",
     "plan_tensors",
     "tensors_from",
 ]

@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 
 from laminar.transport.shm import map_writable
-from laminar.weights.manifest import WeightManifest
-from laminar.weights.tensors import plan_specs
+from laminar.weights.manifest import WeightManifest, plan_specs
 
 from .compute import PolicyTrainer
 from .config import TrainerConfig

@@ -22,7 +22,8 @@ from laminar.roles.trainer.compute import PolicyTrainer
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.dp import DataParallelGroup
 from laminar.transport.shm import SharedBuffer
-from laminar.weights.tensors import copy_into, plan_specs, plan_tensors, tensors_from
+from laminar.weights.manifest import plan_specs
+from laminar.weights.tensors import copy_into, plan_tensors, tensors_from
 
 from ..support.models import tiny_llama
 from .test_trainer_dp import batch

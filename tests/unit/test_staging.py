@@ -27,9 +27,9 @@ from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.staging import Fence, copy_plan, whole_tensors
 from laminar.transport.tcp import TransportOptions
 from laminar.weights.config import PublishConfig
-from laminar.weights.manifest import WeightManifest
+from laminar.weights.manifest import WeightManifest, plan_specs
 from laminar.weights.publisher import WeightPublisher
-from laminar.weights.tensors import plan_specs, plan_tensors, tensors_from
+from laminar.weights.tensors import plan_tensors, tensors_from
 from tests.support.cancel import cancel_after
 
 from ..support.models import tiny_qwen2
