@@ -84,8 +84,13 @@ def test_the_model_gets_the_same_gradients_either_way(
         assert ent is not None
         ((logp * batch.advantages).sum() + 0.01 * ent.sum()).backward()
         grads[method] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # float32 rounding, which the two ways accumulate in different orders: an element's error
+    # scales with the terms summed into it, so with its tensor's largest element, not with its own
+    # value (a suite run read 2.3e-6 on an element of 3.4e-3 in a gradient reaching ~3; both ways
+    # were the same model, and alone with 1, 2 or 3 threads the worst error was 7e-7 of the scale)
     for name, want in grads["full"].items():
-        torch.testing.assert_close(grads["chunked"][name], want, atol=1e-6, rtol=1e-4)
+        scale = want.abs().max().item()
+        torch.testing.assert_close(grads["chunked"][name], want, atol=1e-5 * scale, rtol=1e-4)
 
 
 def test_an_unknown_method_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]

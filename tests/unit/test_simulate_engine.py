@@ -137,7 +137,7 @@ def test_running_until_a_time_stops_within_one_step_of_it() -> None:
     engine = SimEngine(toy(1_000_000))
     engine.add(sequences([10_000] * 4), at=0.0)
     assert engine.run_until(1.0) == []
-    step = engine.roofline.decode_step(4, engine._context())
+    step = engine.roofline.decode_step(4, engine.kv_tokens)
     assert 1.0 - step <= engine.now <= 1.0
     assert engine.next_finish() > 1.0
 
