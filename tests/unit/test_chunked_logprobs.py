@@ -105,9 +105,17 @@ def test_an_unknown_method_is_refused(tmp_path) -> None:  # type: ignore[no-unty
 
 @pytest.mark.slow  # torch.compile: about 15 s of one core for the two chunk functions
 def test_fused_kernels_give_the_eager_values_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._inductor.config as inductor_config
+
     from laminar.rl.logprobs import EAGER, fused_kernels
 
     monkeypatch.setattr(lp_module, "CHUNK_ELEMENTS", 40 * 11)  # chunks of 40 positions
+    # Inductor's CPU backend takes the vector ISAs /proc/cpuinfo lists, but first proves each by
+    # compiling and loading a probe against ATen's vector headers (once per process and cache
+    # directory: in every fresh clone's run). Here that is half of the test's cost (2026-11-28:
+    # 33 CPU-s with the probes, 17 without; 13 compilations against 9). The kernels below are
+    # compiled with the same flags either way, so a vector ISA this compiler lacks still fails.
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", True)
     gen = torch.Generator().manual_seed(5)
     logits = (3 * torch.randn(3, 50, 11, generator=gen)).to(torch.bfloat16)
     targets = torch.randint(0, 11, (3, 49), generator=gen)
