@@ -279,7 +279,7 @@ class ServiceHost:
         if self.handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._stopping.set)
-        metrics_runner = None
+        metrics_server = None
         try:
             async with asyncio.TaskGroup() as group, contextlib.AsyncExitStack() as stack:
                 ctx._group = group
@@ -299,10 +299,10 @@ class ServiceHost:
                 metrics_address = None
                 if ctx.config.metrics:
                     host, _, port = ctx.config.metrics.rpartition(":")
-                    metrics_runner, metrics_address = await start_metrics_server(
+                    metrics_server = start_metrics_server(
                         ctx.registry, host or "127.0.0.1", int(port or 0)
                     )
-                    self.metrics_address = metrics_address
+                    metrics_address = self.metrics_address = metrics_server.address
                 await service.on_start()
                 # From here on_stop runs however the service ends: stopped, one of its tasks
                 # crashed (the group then cancels this body), or run() itself cancelled; what
@@ -332,8 +332,8 @@ class ServiceHost:
                 await self.server.close()
             await ctx.close_clients()
             ctx.close_executors()
-            if metrics_runner is not None:
-                await metrics_runner.cleanup()
+            if metrics_server is not None:
+                metrics_server.close()
             if self.handle_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)

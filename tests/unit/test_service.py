@@ -35,6 +35,31 @@ async def test_metrics_endpoint_counts_rpc_calls(serve, options) -> None:  # typ
     assert 'outcome="ok"' in line and line.endswith(" 3.0")
 
 
+async def test_healthz_says_whether_the_event_loop_runs(serve) -> None:  # type: ignore[no-untyped-def]
+    """The metrics server answers on a thread of its own; ``/healthz`` asks the service's event
+    loop to run a callback. Asked from a thread, the loop runs it: 200. Asked synchronously from
+    the loop itself (so the loop is blocked until the answer comes): 503, after the wait."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    host, _ = await serve(Calculator, config=Calculator.config_model(metrics="127.0.0.1:0"))
+    url = f"http://{host.metrics_address}/healthz"
+
+    def get() -> tuple[int, dict[str, object]]:
+        try:
+            with urllib.request.urlopen(url, timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    assert await asyncio.to_thread(get) == (200, {"ok": True})
+    code, body = get()  # on the loop's own thread: the loop cannot answer
+    assert code == 503 and body["ok"] is False, body
+    assert "event loop" in str(body["error"])
+    assert await asyncio.to_thread(get) == (200, {"ok": True})  # and it answers again
+
+
 class Lifecycle(Service):
     role: ClassVar[str] = "lifecycle"
     events: ClassVar[list[str]] = []
