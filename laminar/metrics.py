@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -79,7 +80,12 @@ class MetricsServer:
     ) -> None:
         self._loop = loop
         self._metrics = make_wsgi_app(registry)
-        self._httpd = make_server(host, port, self._app, ThreadingWSGIServer, handler_class=_Quiet)
+        host = host.strip("[]")  # "[::1]" as written in a host:port
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self._httpd = make_server(host, port, self._app, Server, handler_class=_Quiet)
         self._httpd.daemon_threads = True
         bound = self._httpd.server_address
         self.address = f"{bound[0]}:{bound[1]}"
