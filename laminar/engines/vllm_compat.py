@@ -17,7 +17,8 @@ internals, which change between vLLM releases without notice:
 * on the front end's hot path: a prompt already rendered as token ids (``token_prompt``), which
   ``AsyncLLM.add_request`` takes without a hop to its input-processing thread; the type test by
   which vLLM leaves out its own Prometheus stat logger when given one (``VllmEngine``);
-  ``vllm.envs.enable_envs_cache`` (vLLM's API server calls it once started); and the front end's
+  ``vllm.envs.enable_envs_cache`` (vLLM's API server calls it once started) and its
+  ``disable_envs_cache`` around a second engine's start (``envs_uncached``); and the front end's
   ``log_stats`` flags, cleared so that only the scheduler's stats are kept
   (``scheduler_stats_only``).
 
@@ -33,6 +34,7 @@ This module imports no vLLM and no torch: the accessors take the runner vLLM han
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -51,6 +53,24 @@ def version_problem(version: str | None) -> str | None:
             f"{TESTED_MINOR}.x; see laminar/engines/vllm_compat.py)"
         )
     return None
+
+
+@contextlib.contextmanager
+def envs_uncached(envs: Any) -> Iterator[None]:
+    """``vllm.envs`` read from ``os.environ`` for the duration, cached again after if it was.
+
+    The engine caches vLLM's environment once started (``enable_envs_cache``), and a cached
+    ``VLLM_RPC_BASE_PATH`` would put a second engine's socket files (in a process that starts
+    two, as the tests' does) where the first one's went, not in its own directory."""
+    # how vLLM itself tells (``envs._is_envs_cache_enabled``): a functools.cache wrapper
+    cached = hasattr(getattr(envs, "__getattr__", None), "cache_clear")
+    if cached and hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if cached:
+            envs.enable_envs_cache()
 
 
 # -- requests ----------------------------------------------------------------------------------

@@ -33,7 +33,11 @@ The other way round, the engine's processes die with the rollout however it ends
 included: :meth:`VllmEngine.start` names the rollout in ``LAMINAR_ENGINE_OWNER`` while the engine
 starts and a watch in :mod:`laminar.engines.vllm_worker` (loaded in vLLM's processes) kills them
 when it exits. It also sets ``SPT_NOENV``, so vLLM's process titles leave the environment marks
-that ``laminar run`` finds a role's processes by in place (:mod:`laminar.proc.procfs`).
+that ``laminar run`` finds a role's processes by in place (:mod:`laminar.proc.procfs`), and
+gives the engine a directory of its own for vLLM's ``ipc://`` socket files
+(``VLLM_RPC_BASE_PATH``), removed at close, by the watch, or by the next start on the host
+(:mod:`laminar.proc.owned_dirs`): vLLM's killed processes cannot unlink them, and every engine
+start used to leave 7 of them in ``/tmp``.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from ..trajectory import SamplingParams
 from ..weights.manifest import WeightManifest
 from .base import Engine, EngineError, EngineOutput, EngineStats
 from .configs import VllmEngineConfig
-from .vllm_compat import scheduler_stats_only, token_prompt
+from .vllm_compat import envs_uncached, scheduler_stats_only, token_prompt
 from .vllm_migration import VllmKvMigration
 
 log = structlog.get_logger("laminar.engines.vllm")
@@ -199,6 +203,7 @@ class VllmEngine(VllmKvMigration, Engine):
         self.eos_token_ids: list[int] = []
         self._shm: set[str] = set()  # the engine's shared-memory queues (see start)
         self._front_end_problem: str | None = None  # see vllm_compat.scheduler_stats_only
+        self._ipc: Path | None = None  # vLLM's socket files (see start)
 
     async def start(self) -> None:
         cfg = self.config
@@ -232,8 +237,9 @@ class VllmEngine(VllmKvMigration, Engine):
                 pass
 
         args = engine_args(cfg)
+        from ..proc import owned_dirs
         from ..proc.procfs import KEEP_ENVIRON, descendants, tracked_shm
-        from .vllm_worker import OWNER_ENV, owner_token
+        from .vllm_worker import IPC_ENV, OWNER_ENV, owner_token
 
         # vLLM's setproctitle would wipe its processes' /proc environ, and with it the marks
         # the supervisor finds them by (see laminar.proc.procfs).
@@ -244,8 +250,22 @@ class VllmEngine(VllmKvMigration, Engine):
         # Only while the engine starts: from_engine_args starts the engine core before it
         # returns, and the workers are the core's children; nothing this process starts later
         # should think it belongs to the engine.
-        with _environ(OWNER_ENV, owner_token()):
-            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_KeepLatest])
+        # vLLM binds its ipc:// endpoints as files in VLLM_RPC_BASE_PATH, and a killed process
+        # leaves its files behind: this engine's go in a directory of its own, which close() (or
+        # the watch, or the next start here, once this process is gone) removes with them.
+        self._ipc, swept = owned_dirs.make()
+        if swept:
+            log.info("removed the socket directories of vLLM engines gone", count=len(swept))
+        try:
+            with (
+                _environ(OWNER_ENV, owner_token()),
+                _environ(IPC_ENV, str(self._ipc)),
+                envs_uncached(envs),  # a second engine in this process reads the new value
+            ):
+                self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_KeepLatest])
+        except BaseException:
+            owned_dirs.remove(self._ipc)
+            raise
         # vLLM reads its environment variables through ``vllm.envs``, one ``os.getenv`` per read
         # until this is called (its API server calls it once started): the front end reads one
         # per sequence per step for its iteration stats, 8% of the rollout's CPU in a profile.
@@ -299,6 +319,16 @@ class VllmEngine(VllmKvMigration, Engine):
             self._llm = None
         release_tracked_shm(self._shm)  # its processes are gone: nobody else maps these
         self._shm = set()
+        if self._ipc is not None:
+            from ..proc import owned_dirs
+
+            owned_dirs.remove(self._ipc)
+            self._ipc = None
+
+    @property
+    def ipc_dir(self) -> Path | None:
+        """The directory of vLLM's socket files while the engine runs (see start)."""
+        return self._ipc
 
     @property
     def shm_paths(self) -> frozenset[str]:

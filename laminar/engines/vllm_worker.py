@@ -35,7 +35,9 @@ before it loads the model), so the watch lives here:
   SIGKILL, not SIGTERM: the engine has lost its only client, so there is no work to save, and the
   engine core's graceful shutdown would first terminate this very worker, taking the escalation
   with it. The GPU driver frees device memory and multiprocessing's resource tracker (which
-  outlives them) unlinks their shared-memory queues.
+  outlives them) unlinks their shared-memory queues. The engine's directory of socket files
+  (``VLLM_RPC_BASE_PATH``, made by the rollout: :mod:`laminar.proc.owned_dirs`) is removed
+  first, if it names the rollout watched.
 
 The engine's processes are found by parent pids, never by reading ``/proc/<pid>/environ``: vLLM
 calls ``setproctitle``, which overwrites that memory unless ``SPT_NOENV`` is set (the rollout sets
@@ -44,7 +46,8 @@ is named by pid *and* start time, and the pidfd is opened before the start time 
 recycled pid reads as "gone" only if the rollout really is; each victim's start time is checked
 again right before its kill. A process whose own environment lacks the value (the rollout itself,
 any unrelated import) watches nothing. The module imports only the standard library and
-:mod:`laminar.proc.procfs` for the watch (``torch`` is vLLM's own import anyway).
+:mod:`laminar.proc` (``procfs``, ``owned_dirs``) for the watch (``torch`` is vLLM's own import
+anyway).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ import torch
 
 import laminar.engines.vllm_compat as vllm_compat  # not via the package: it leads back here
 
-from ..proc import procfs
+from ..proc import owned_dirs, procfs
 
 
 class LaminarWorkerExtension:
@@ -284,6 +287,8 @@ def unpack_tensor(dtype: str, shape: list[int], raw: bytes) -> torch.Tensor:
 # -- dying with the rollout (see the module docstring) --------------------------------------------
 
 OWNER_ENV = "LAMINAR_ENGINE_OWNER"
+#: where vLLM binds its ipc:// socket files; the rollout sets it to a directory of the engine's own
+IPC_ENV = "VLLM_RPC_BASE_PATH"
 #: Seconds between the rollout's exit and the kill: an engine closed by its rollout is gone by then.
 GRACE_S = 1.0
 
@@ -355,6 +360,9 @@ def _die_with_owner(
             file=sys.stderr,
             flush=True,
         )
+    ipc = os.environ.get(IPC_ENV, "")
+    if owned_dirs.owner(ipc) == (owner, start):  # the rollout's directory for this engine
+        owned_dirs.remove(ipc)
     for pid, pid_start in left:  # the engine core first: this process kills itself last
         if pid == os.getpid():
             os.kill(pid, signal.SIGKILL)

@@ -10,7 +10,8 @@ says so; after SIGTERM to the supervisor, no process of the run is left.
 
 Then a vLLM rollout's process tree without vLLM or a supervisor (``laminar serve`` on a cluster
 node): the engine's processes kill themselves when the rollout is killed with -9
-(``laminar.engines.vllm_worker``), even when their titles wiped their environments, leave a live
+(``laminar.engines.vllm_worker``), after removing the engine's directory of socket files
+(:mod:`laminar.proc.owned_dirs`), even when their titles wiped their environments, leave a live
 rollout's engine alone, and say nothing when the rollout closed its engine before it exited.
 ``tests/slow/test_vllm_cluster.py`` (scenario 4) does the same with the real engine.
 
@@ -29,6 +30,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -44,7 +46,7 @@ import uvloop
 from laminar.config import ClusterConfig, RoleSpec, load_config
 from laminar.devmode.status import fetch_status
 from laminar.harness.launch import ProcessCluster
-from laminar.proc import procfs
+from laminar.proc import owned_dirs, procfs
 from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_group, group_members
 from tests.support.devrun import kill_session, run_manager, spawn, start_run, write_run_config
@@ -265,11 +267,16 @@ def test_a_role_whose_loop_is_blocked_says_where(tmp_path: Path) -> None:
 # The shape of a vLLM rollout, without vLLM: the owner (the rollout) names itself and starts an
 # "engine core" that runs none of our code, which starts a "worker" that imports our worker
 # extension module, as vLLM's worker does. Both set their process titles first, as vLLM's do.
+# The owner gives them a directory of theirs for socket files, as VllmEngine does.
 OWNER = """
 import os, subprocess, sys
 from laminar.engines import vllm_worker
+from laminar.proc import owned_dirs
 assert vllm_worker.WATCHDOG is None  # the rollout never watches itself
 os.environ[vllm_worker.OWNER_ENV] = vllm_worker.owner_token()
+ipc, _ = owned_dirs.make()
+(ipc / "socket").touch()  # where vLLM binds its endpoints
+os.environ[vllm_worker.IPC_ENV] = str(ipc)
 subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
 import time; time.sleep(3600)
 """
@@ -322,7 +329,9 @@ def test_engine_processes_die_with_their_rollout_killed_with_minus_9(
     tag = uuid.uuid4().hex
     owner, core, worker = start_engine(tag, keep_environ)
     born = {pid: procfs.stat(pid).start for pid in (core, worker)}  # type: ignore[union-attr]
+    ipc = socket_dir(owner.pid)
     try:
+        assert (ipc / "socket").exists()
         # What the supervisor sees of them by their environment, as in vLLM.
         assert procfs.has_env(core, f"{TAG}={tag}") == keep_environ
         assert procfs.has_env(worker, f"{TAG}={tag}") == keep_environ
@@ -337,9 +346,17 @@ def test_engine_processes_die_with_their_rollout_killed_with_minus_9(
         assert f"the rollout (pid {owner.pid}) is gone; killing its vLLM engine" in err, err
         assert f"pids {core}, {worker}" in err, err
         assert not tagged(tag)
+        assert not ipc.exists()  # the watch removed the engine's socket files first
     finally:
         kill_all(born)
         kill_session(owner)
+        owned_dirs.remove(ipc)
+
+
+def socket_dir(owner: int) -> Path:
+    """The engine's directory of socket files, which its owner made (``owned_dirs.make``)."""
+    (path,) = Path(tempfile.gettempdir()).glob(f"{owned_dirs.PREFIX}-{owner}-*")
+    return path
 
 
 def test_an_engine_closed_by_its_rollout_ends_quietly() -> None:
@@ -348,6 +365,7 @@ def test_an_engine_closed_by_its_rollout_ends_quietly() -> None:
     tag = uuid.uuid4().hex
     owner, core, worker = start_engine(tag, keep_environ=True)
     born = {pid: procfs.stat(pid).start for pid in (core, worker)}  # type: ignore[union-attr]
+    ipc = socket_dir(owner.pid)
     try:
         os.kill(worker, signal.SIGTERM)  # what vLLM's shutdown does (the worker takes 0.1 s)
         os.kill(core, signal.SIGTERM)
@@ -357,9 +375,11 @@ def test_an_engine_closed_by_its_rollout_ends_quietly() -> None:
         assert until(gone, 10, "engine processes gone")
         _, err = owner.communicate(timeout=10)
         assert "is gone; killing its vLLM engine" not in err, err
+        assert ipc.is_dir()  # nor removes anything: the rollout's close does (VllmEngine.close)
     finally:
         kill_all(born)
         kill_session(owner)
+        owned_dirs.remove(ipc)
 
 
 def no_pidfds(monkeypatch: pytest.MonkeyPatch) -> None:

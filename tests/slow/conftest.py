@@ -83,7 +83,11 @@ class SessionEngine:
     async def close(self) -> None:
         if self.engine is not None:
             engine, self.engine = self.engine, None
+            ipc = engine.ipc_dir
             await engine.close()
+            # vLLM's socket files went with it, in their own directory (laminar.proc.owned_dirs):
+            # a killed engine process cannot unlink its own, so they used to stay in /tmp
+            assert ipc is not None and not ipc.exists(), ipc
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

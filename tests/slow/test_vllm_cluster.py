@@ -41,6 +41,7 @@ import contextlib
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -52,9 +53,10 @@ from typing import Any
 import pytest
 import yaml
 
+from laminar.engines.vllm_worker import IPC_ENV
 from laminar.errors import CallTimeout
 from laminar.harness.launch import ProcessCluster
-from laminar.proc import procfs
+from laminar.proc import owned_dirs, procfs
 from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.rollout import MigrateReport, MigrateRequest, RolloutApi
 from laminar.roles.rollout.api import DrainRequest
@@ -501,6 +503,15 @@ def test_roles_give_way_to_the_vllm_engine_processes(fleet: Fleet) -> None:
 BOUND_S = 10.0
 
 
+def _environ_value(pid: int, name: str) -> str:
+    """``name``'s value in the environment ``pid`` started with (kept readable: ``SPT_NOENV``)."""
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        key, _, value = entry.partition(b"=")
+        if key == name.encode():
+            return value.decode()
+    raise AssertionError(f"{name} not in the environment of {pid}")
+
+
 def descendants(root: int) -> dict[int, str]:
     """Every live process below ``root``: pid -> its command line (vLLM's processes set it to
     their title, e.g. ``VLLM::EngineCore``)."""
@@ -523,6 +534,13 @@ def test_vllm_engine_dies_with_its_rollout_killed_with_minus_9(fleet: Fleet) -> 
     assert all(procfs.has_env(pid, cluster.mark) for pid in engine), engine
     born = {pid: procfs.stat(pid).start for pid in engine}  # type: ignore[union-attr]
 
+    # vLLM's socket files are in the engine's own directory (laminar.proc.owned_dirs), which the
+    # watch removes before it kills: a killed process cannot unlink its sockets (issue 16's
+    # 2026-11-29 session found 511 of them in /tmp, 7 from each engine start)
+    ipc = Path(_environ_value(core, IPC_ENV))
+    assert owned_dirs.owner(ipc) == (rollout, procfs.stat(rollout).start), ipc  # type: ignore[union-attr]
+    assert any(stat.S_ISSOCK(p.lstat().st_mode) for p in ipc.iterdir()), list(ipc.iterdir())
+
     cluster.kill9(victim)
     killed = time.monotonic()
 
@@ -538,4 +556,5 @@ def test_vllm_engine_dies_with_its_rollout_killed_with_minus_9(fleet: Fleet) -> 
                      r"\(pids ([\d, ]+)\)", log)  # fmt: skip
     assert said, log
     assert core in [int(pid) for pid in said.group(1).split(", ")], (core, said.group(0))
+    assert not ipc.exists(), list(ipc.iterdir())
     print(f"{len(engine)} processes ({', '.join(sorted(engine.values()))}) gone {took:.1f} s")

@@ -26,17 +26,25 @@ async def test_the_owner_value_is_set_only_while_the_engine_starts(
 ) -> None:
     """``LAMINAR_ENGINE_OWNER`` is there while ``AsyncLLM.from_engine_args`` starts the engine
     core (which the workers inherit from), then the previous value (or none) is back: nothing
-    the rollout starts later takes it for its engine's owner. ``SPT_NOENV`` is set for vLLM."""
+    the rollout starts later takes it for its engine's owner. ``SPT_NOENV`` is set for vLLM.
+
+    Likewise ``VLLM_RPC_BASE_PATH``: each start's own directory for vLLM's socket files
+    (``laminar.proc.owned_dirs``), which vLLM reads through its environment cache (the second
+    start's cache is on: the first start turned it on), and which ``close`` removes."""
+    from vllm import envs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from laminar.engines.configs import VllmEngineConfig
     from laminar.engines.vllm_engine import VllmEngine
-    from laminar.engines.vllm_worker import OWNER_ENV, owner_token
+    from laminar.engines.vllm_worker import IPC_ENV, OWNER_ENV, owner_token
+    from laminar.proc import owned_dirs
 
     seen: list[tuple[str | None, str | None]] = []
+    ipc: list[tuple[str | None, str]] = []  # the environment's, vLLM's own reading
 
     def from_engine_args(*args: Any, **kwargs: Any) -> Any:
         seen.append((os.environ.get(OWNER_ENV), os.environ.get("SPT_NOENV")))
+        ipc.append((os.environ.get(IPC_ENV), envs.VLLM_RPC_BASE_PATH))
         # what the engine reads back after the start: its resolved limits
         model_config = SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 32)
 
@@ -45,15 +53,29 @@ async def test_the_owner_value_is_set_only_while_the_engine_starts(
             return [{"version": "0.32.0", "version_problem": None, "missing": []}]
 
         return SimpleNamespace(
-            shutdown=lambda: None, model_config=model_config, collective_rpc=collective_rpc
+            shutdown=lambda **_: None, model_config=model_config, collective_rpc=collective_rpc
         )
 
     monkeypatch.setattr(AsyncLLM, "from_engine_args", from_engine_args)
     config = VllmEngineConfig(model=str(tmp_path), warmup=False, kv_cache_bytes="32MiB")
     monkeypatch.delenv(OWNER_ENV, raising=False)
-    await VllmEngine(config).start()
-    assert OWNER_ENV not in os.environ
+    monkeypatch.delenv(IPC_ENV, raising=False)
+    first = VllmEngine(config)
+    await first.start()
+    assert OWNER_ENV not in os.environ and IPC_ENV not in os.environ
     monkeypatch.setenv(OWNER_ENV, "an outer engine's")
-    await VllmEngine(config).start()
+    second = VllmEngine(config)
+    await second.start()
     assert os.environ[OWNER_ENV] == "an outer engine's"
     assert seen == [(owner_token(), "1")] * 2
+
+    dirs = [first.ipc_dir, second.ipc_dir]
+    assert ipc == [(str(d), str(d)) for d in dirs], ipc
+    pid, start = (int(part) for part in owner_token().split(":"))
+    for d in dirs:
+        assert d is not None and d.is_dir() and owned_dirs.owner(d) == (pid, start), d
+        assert d.stat().st_mode & 0o777 == 0o700
+    assert dirs[0] != dirs[1]
+    for engine in (first, second):
+        await engine.close()
+    assert not any(d.exists() for d in dirs if d is not None), dirs

@@ -1,0 +1,106 @@
+"""Directories that belong to one process (:mod:`laminar.proc.owned_dirs`): named after their
+owner by pid and start time, private, and swept by the next :func:`make` once the owner is gone,
+whoever that owner was; nothing else in the directory is touched."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from laminar.proc import owned_dirs, procfs
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    """A short directory under the system's temp directory (pytest's ``tmp_path`` is too long a
+    path for socket files inside a directory inside it: see the last test)."""
+    path = Path(tempfile.mkdtemp(prefix="od-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def me() -> tuple[int, int]:
+    stat = procfs.stat(os.getpid())
+    assert stat is not None
+    return os.getpid(), stat.start
+
+
+def a_dead_process() -> tuple[int, int]:
+    """``(pid, start)`` of a child that has exited and been reaped."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    stat = procfs.stat(child.pid)
+    assert stat is not None
+    child.communicate(b"")
+    return child.pid, stat.start
+
+
+def named(root: Path, pid: int, start: int, rest: str = "x1y2z3") -> Path:
+    path = root / f"{owned_dirs.PREFIX}-{pid}-{start}-{rest}"
+    path.mkdir()
+    (path / "socket").touch()
+    return path
+
+
+def test_a_made_directory_is_private_and_names_its_owner(root: Path) -> None:
+    path, swept = owned_dirs.make(root=str(root))
+    assert swept == [] and path.parent == root and path.is_dir()
+    assert path.stat().st_mode & 0o777 == 0o700
+    assert owned_dirs.owner(path) == me()
+    owned_dirs.remove(path)
+    assert not path.exists()
+    owned_dirs.remove(path)  # gone already: nothing to do
+
+
+def test_the_next_make_sweeps_directories_whose_owner_is_gone(root: Path) -> None:
+    pid, start = me()
+    dead = named(root, *a_dead_process())
+    recycled = named(root, pid, start + 1)  # this pid, but a process that started later
+    live = named(root, pid, start)
+    others = [
+        root / f"{owned_dirs.PREFIX}-{pid}",  # not named as make names them
+        root / f"{owned_dirs.PREFIX}-x-{start}-abc",
+        root / "unrelated-1-2-abc",
+    ]
+    for path in others:
+        path.mkdir()
+    a_file = root / f"{owned_dirs.PREFIX}-1-1-file"  # a file, not a directory
+    a_file.touch()
+
+    path, swept = owned_dirs.make(root=str(root))
+    assert sorted(swept) == sorted([dead, recycled])
+    assert not dead.exists() and not recycled.exists()
+    assert live.is_dir() and (live / "socket").exists() and path.is_dir()
+    assert all(p.exists() for p in others) and a_file.exists()
+    assert owned_dirs.sweep(root=str(root)) == []  # nothing stale left
+
+
+def test_another_users_directories_are_left_to_them(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    theirs = named(tmp_path, *a_dead_process())
+    os.chown(theirs, 65534, 65534)
+    assert owned_dirs.sweep(root=str(tmp_path)) == []
+    assert theirs.is_dir()
+
+
+def test_owner_reads_only_names_that_make_gives() -> None:
+    assert owned_dirs.owner(f"/tmp/{owned_dirs.PREFIX}-12-345-abc_de") == (12, 345)
+    for name in ("laminar-vllm-12-345", "laminar-vllm-a-345-x", "laminar-vllmx-12-345-x", "other"):
+        assert owned_dirs.owner(f"/tmp/{name}") is None, name
+
+
+def test_a_root_too_long_for_socket_paths_is_refused_with_the_fix(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    with pytest.raises(ValueError, match=r"at most 70\).*set TMPDIR"):
+        owned_dirs.make(root=str(deep))
+    assert list(deep.iterdir()) == []  # the directory it made is gone again
