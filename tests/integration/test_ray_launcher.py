@@ -1,14 +1,18 @@
 """``laminar run --launcher ray`` on a local Ray cluster it starts itself: the hello example's
 manager and two members each in a Ray actor, a member killed with -9 and restarted by the same
 policy as the local supervisor's, and a SIGTERM that leaves nothing behind, neither a role nor any
-of the Ray cluster's own processes (GCS, raylet, workers)."""
+of the Ray cluster's own processes (GCS, raylet, workers). Ray keeps each local cluster's session
+(logs, sockets) in ``$RAY_TMPDIR/ray`` (``/tmp/ray`` by default) after it stops, for a user to
+read; this test's goes in a directory of its own, removed at its end."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
 import os
+import shutil
 import signal
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -56,7 +60,10 @@ def test_ray_launcher_restarts_a_killed_member_and_leaves_nothing(
 ) -> None:
     entry = f"LAMINAR_TEST_RAY={uuid.uuid4().hex}"  # inherited by everything the run starts
     name, value = entry.split("=")
-    environ = {name: value, **KEEP_ENVIRON}  # Ray's process titles keep /proc/PID/environ
+    # Ray's session: a short path (its socket files' names must fit in 107 bytes)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ray-"))
+    # Ray's process titles keep /proc/PID/environ
+    environ = {name: value, "RAY_TMPDIR": str(ray_tmp), **KEEP_ENVIRON}
     sets = [f"run.run_dir={tmp_path / 'run'}", "run.duration_s=300", "run.plots=false",
             "run.display=lines", "run.shutdown_grace_s=5",
             "manager.admin=127.0.0.1:0"]  # fmt: skip
@@ -106,8 +113,10 @@ def test_ray_launcher_restarts_a_killed_member_and_leaves_nothing(
         left = [f"{pid} {_name(pid)}" for pid, start in started.items() if alive(pid, start)]
         assert not left, left
         assert not _marked(entry), [_name(pid) for pid in _marked(entry)]
+        assert list((ray_tmp / "ray").glob("session_*")), "Ray's session went elsewhere"
     finally:
         kill_session(run)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
         for pid, start in {**started, **_marked(entry)}.items():
             if alive(pid, start):
                 os.kill(pid, signal.SIGKILL)
