@@ -18,6 +18,11 @@ directory outlives its owner only until the next start on the host:
 * the next owner that makes one (:func:`make`), which sweeps every such directory of this user
   whose owner is gone (the whole process group killed at once leaves nobody else to do it).
 
+The sweep reads liveness from this process's ``/proc``: an owner in another pid namespace that
+shares this temp directory would read as gone, and its live engine's sockets lose their names
+(connections made stay up; new ones fail). Containers have a ``/tmp`` of their own as a rule;
+where they share one, give each its own ``TMPDIR``.
+
 Standard library only, as :mod:`laminar.proc.procfs`: the owner watch imports it inside vLLM's
 processes.
 """
@@ -37,14 +42,12 @@ PREFIX = "laminar-vllm"
 _SUN_PATH = 107
 
 
-def make(
-    prefix: str = PREFIX, root: str | None = None, pid: int | None = None
-) -> tuple[Path, list[Path]]:
-    """A fresh private directory (mode 0700) owned by ``pid`` (this process by default) under
-    ``root`` (the system temp directory), and the stale ones this call swept first."""
+def make(prefix: str = PREFIX, root: str | None = None) -> tuple[Path, list[Path]]:
+    """A fresh private directory (mode 0700) owned by this process under ``root`` (the system
+    temp directory), and the stale ones this call swept first."""
     root = root or tempfile.gettempdir()
     swept = sweep(prefix, root)
-    pid = os.getpid() if pid is None else pid
+    pid = os.getpid()
     stat = procfs.stat(pid)
     path = Path(tempfile.mkdtemp(prefix=f"{prefix}-{pid}-{stat.start if stat else 0}-", dir=root))
     longest = _SUN_PATH - 37
