@@ -1,5 +1,5 @@
 """How long a role process takes to exit once its work is done: the interpreter's own exit
-against :func:`laminar.cli.exit_without_final_collection`.
+against :func:`laminar.cli.serve.exit_without_final_collection`.
 
 A role that stopped has nothing left to do but exit, and the interpreter's exit collects and
 tears down every object its imports made: seconds for a process that imported vLLM (a rollout,
@@ -44,7 +44,7 @@ MODULES = {
 CHILD = """
 import sys, time
 import {modules}
-from laminar.cli import exit_without_final_collection
+from laminar.cli.serve import exit_without_final_collection
 print(time.time(), flush=True)
 if sys.argv[1] == "fast":
     exit_without_final_collection(0)

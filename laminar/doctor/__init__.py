@@ -20,8 +20,8 @@ gathered once and the checks are pure functions of them:
 * :mod:`.checks` — ``check_*(facts, needs) -> list[Finding]`` and :data:`CHECKS`;
 * :mod:`.findings` — :class:`Finding` (blocker, warning or ok, with its fix) and the report.
 
-This package exports what ``laminar`` (cli.py) uses and the entry points; everything else is
-imported from its submodule.
+This package exports what ``laminar`` (``laminar.cli``) uses and the entry points; everything
+else is imported from its submodule.
 """
 
 from __future__ import annotations

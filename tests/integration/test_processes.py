@@ -78,7 +78,7 @@ class Exiting(Service):
 
 def test_a_stopped_role_exits_as_the_interpreter_would(tmp_path) -> None:
     """A role skips the interpreter's final garbage collection at exit (seconds after importing
-    vLLM or torch: ``laminar.cli.exit_without_final_collection``) but keeps the rest: a
+    vLLM or torch: ``laminar.cli.serve.exit_without_final_collection``) but keeps the rest: a
     non-daemon thread finishes, then the atexit handlers run, and buffered output is not lost."""
     role = tmp_path / "exiting.py"
     role.write_text(EXITING_ROLE)

@@ -648,7 +648,7 @@ def test_summary_counts_findings(findings: list[Finding], expected: str) -> None
 def test_run_preflight_prints_warnings_and_goes_on_but_stops_on_a_blocker(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from laminar import cli
+    from laminar.cli import run as cli
 
     warning = Finding("warning", "ucxx", "ucxx is not installed", "pip install ucxx")
     blocker = Finding("blocker", "shm", "/dev/shm 64 MiB free", "enlarge /dev/shm")
@@ -667,7 +667,7 @@ def test_run_preflight_prints_warnings_and_goes_on_but_stops_on_a_blocker(
 def test_run_preflight_that_fails_itself_warns_and_starts_anyway(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from laminar import cli
+    from laminar.cli import run as cli
 
     def fails(config: object, mode: str, preflight: bool) -> list[Finding]:
         raise PermissionError(13, "Permission denied", "/srv/runs")

@@ -70,7 +70,7 @@ def test_threshold_must_be_positive() -> None:
 async def test_laminar_serve_logs_stalls_but_not_once_the_role_is_stopping() -> None:
     """``laminar serve``'s reporter: a warning naming the code, then the stall's length; nothing
     once the host is stopping (a rollout's on_stop joins vLLM's processes on the loop)."""
-    from laminar.cli import watch_loop
+    from laminar.cli.serve import watch_loop
 
     class Log:
         def __init__(self) -> None:

@@ -1,0 +1,195 @@
+"""``laminar status`` and ``laminar repack``: a live cluster, through the manager (RPC) and its
+admin HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..config import ConfigError, LaminarConfig, load_config
+from ..errors import LaminarError
+from .common import loop_runner, make_console
+
+if TYPE_CHECKING:
+    from ..devmode.status import AdminClient
+
+
+def _token(args: argparse.Namespace, cluster: object) -> bytes:
+    token = os.environ.get(cluster.token_env, "").encode()  # type: ignore[attr-defined]
+    info_file = Path(args.run_dir) / "cluster.json"
+    if not token and info_file.is_file():
+        info = json.loads(info_file.read_text())
+        token = Path(info["token_file"]).read_text().strip().encode()
+    return token or cluster.token()  # type: ignore[attr-defined]
+
+
+def _find_cluster(args: argparse.Namespace) -> tuple[str, bytes, LaminarConfig]:
+    config = load_config(args.config, args.set)
+    cluster = config.cluster
+    manager = args.join or cluster.manager
+    info_file = Path(args.run_dir) / "cluster.json"
+    if manager is None and info_file.is_file():
+        manager = json.loads(info_file.read_text())["manager"]
+    if manager is None:
+        raise ConfigError(f"no manager address: pass --join tcp://HOST:PORT (no {info_file})")
+    return manager, _token(args, cluster), config
+
+
+def _admin(args: argparse.Namespace, status: object = None) -> AdminClient:
+    """A client of the manager's admin HTTP API: ``--admin URL``, or the URL the manager
+    published in its own member record (asked over RPC)."""
+    from ..devmode.status import AdminClient, admin_url, fetch_status
+
+    if args.admin:
+        config = load_config(args.config, args.set)
+        return AdminClient(args.admin, _token(args, config.cluster), timeout=args.timeout)
+    manager, token, config = _find_cluster(args)
+    if status is None:
+        status = loop_runner(fetch_status(manager, token, config.cluster, timeout=args.timeout))
+    url = admin_url(status, manager)  # type: ignore[arg-type]
+    if url is None:
+        raise LaminarError(
+            "the manager serves no admin API (manager.admin is null); pass --admin URL"
+        )
+    return AdminClient(url, token, timeout=args.timeout)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ..devmode.status import fetch_status, render_admin_summary, render_status
+
+    if args.admin and not args.join:  # the admin API alone
+        admin = _admin(args)
+        summary = admin.get("/v1/status")
+        if args.json:
+            print(json.dumps(summary, indent=2))
+        else:
+            make_console().print(render_admin_summary(summary))
+        return 0
+    manager, token, config = _find_cluster(args)
+    status = loop_runner(fetch_status(manager, token, config.cluster, timeout=args.timeout))
+    if args.json:
+        print(status.model_dump_json(indent=2))
+        return 0
+    console = make_console()
+    console.print(render_status(status))
+    try:
+        summary = _admin(args, status).get("/v1/status")
+    except LaminarError as exc:
+        print(f"laminar status: admin API: {exc}", file=sys.stderr)
+    else:
+        console.print(render_admin_summary(summary))
+    return 0
+
+
+def cmd_repack(args: argparse.Namespace) -> int:
+    from ..devmode.status import render_outcome, render_plan
+
+    admin = _admin(args)
+    console = make_console()
+    if args.dry_run:
+        view = admin.get("/v1/repack/plan")
+        if args.json:
+            print(json.dumps(view, indent=2))
+        else:
+            console.print(render_plan(view))
+        return 0
+    outcome = admin.post("/v1/repack")
+    if args.json:
+        print(json.dumps(outcome, indent=2))
+    else:
+        console.print(render_outcome(outcome))
+    return 0
+
+
+def cmd_repack_policy(args: argparse.Namespace) -> int:
+    from ..devmode.status import render_policy
+
+    admin = _admin(args)
+    change = {
+        key: value
+        for key, value in (
+            ("period_s", args.period),
+            ("c_max", args.c_max),
+            ("batch_limit", args.batch_limit),
+            ("enabled", args.enabled),
+            ("on_publish", args.on_publish),
+            ("require_draining", args.require_draining),
+        )
+        if value is not None
+    }
+    policy = admin.put("/v1/repack/policy", change) if change else admin.get("/v1/repack/policy")
+    if args.json:
+        print(json.dumps(policy, indent=2))
+    else:
+        make_console().print(("repack policy set: " if change else "repack policy: ")
+                         + render_policy(policy))  # fmt: skip
+    return 0
+
+
+def connection(p: argparse.ArgumentParser, *, inherit: bool = False) -> None:
+    """The options that find the cluster and its token (``--join``, ``--admin``, ``--run-dir``,
+    ...). On a nested sub-command (``inherit``) the copies default to SUPPRESS, so they do not
+    overwrite what was given before the sub-command's name."""
+    d = {"default": argparse.SUPPRESS} if inherit else {}
+    p.add_argument("--join", help="the manager's address (default: from --run-dir)",
+                   **({"default": None} | d))  # fmt: skip
+    p.add_argument(
+        "--admin",
+        help="the admin API's base URL (default: the one the manager publishes)",
+        **({"default": None} | d),
+    )
+    p.add_argument("--config", help="cluster config (YAML), for token_env and limits",
+                   **({"default": None} | d))  # fmt: skip
+    p.add_argument(
+        "--run-dir",
+        help="where `laminar run` wrote cluster.json (default: runs/latest)",
+        **({"default": "runs/latest"} | d),
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table",
+                   **({"default": False} | d))  # fmt: skip
+    p.add_argument("--timeout", type=float, **({"default": 30.0} | d))
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config key (dotted path; value parsed as YAML)",
+        **({"default": []} | d),
+    )
+
+
+def register(sub: Any) -> None:
+    """``status``, ``repack`` and ``repack policy``."""
+    status = sub.add_parser("status", help="print the cluster as the manager sees it")
+    connection(status)
+    status.set_defaults(fn=cmd_status, timeout=5.0)
+
+    repack = sub.add_parser(
+        "repack",
+        help="repack now, show what a repack would do (--dry-run), or show/change the policy",
+    )
+    repack.add_argument("--dry-run", action="store_true", help="only plan: nothing moves")
+    connection(repack)
+    repack.set_defaults(fn=cmd_repack)
+    repack_sub = repack.add_subparsers(dest="repack_command")
+    policy = repack_sub.add_parser(
+        "policy", help="print the repack policy; with flags, change it (live)"
+    )
+    policy.add_argument("--period", type=float, metavar="S", help="seconds between checks")
+    policy.add_argument("--c-max", type=float, metavar="F", help="KV use a destination may reach")
+    policy.add_argument("--batch-limit", type=int, metavar="B", help="roofline batch size")
+    policy.add_argument("--enable", dest="enabled", action="store_const", const=True)
+    policy.add_argument("--disable", dest="enabled", action="store_const", const=False)
+    policy.add_argument("--on-publish", dest="on_publish", action="store_const", const=True)
+    policy.add_argument("--no-on-publish", dest="on_publish", action="store_const", const=False)
+    policy.add_argument(
+        "--require-draining", dest="require_draining", action="store_const", const=True
+    )
+    policy.add_argument(
+        "--no-require-draining", dest="require_draining", action="store_const", const=False
+    )
+    connection(policy, inherit=True)
+    policy.set_defaults(fn=cmd_repack_policy)
