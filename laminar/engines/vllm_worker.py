@@ -389,4 +389,21 @@ def watch_owner(environ: Mapping[str, str] | None = None) -> threading.Thread | 
     return thread
 
 
+def thread_lock_for_progress_bars() -> None:
+    """tqdm's bars in this process share a thread lock, not a multiprocessing one.
+
+    vLLM draws tqdm bars in its worker while it loads weights, and tqdm's first bar makes a
+    multiprocessing lock: a named semaphore that multiprocessing's resource tracker (the
+    rollout's) is told about. Nothing shares it across processes, and the worker never releases
+    it: on CPU the rollout kills its engine at close. So the tracker unlinked it when the
+    rollout stopped and said so in every rollout's log ("There appear to be 1 leaked semaphore
+    objects to clean up at shutdown"). Only engine processes take this (see ``WATCHDOG``)."""
+    with contextlib.suppress(ImportError):
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())
+
+
 WATCHDOG = watch_owner()
+if WATCHDOG is not None:  # a process of a rollout's engine: see thread_lock_for_progress_bars
+    thread_lock_for_progress_bars()
