@@ -20,7 +20,9 @@ internals, which change between vLLM releases without notice:
   ``vllm.envs.enable_envs_cache`` (vLLM's API server calls it once started) and its
   ``disable_envs_cache`` around a second engine's start (``envs_uncached``); and the front end's
   ``log_stats`` flags, cleared so that only the scheduler's stats are kept
-  (``scheduler_stats_only``).
+  (``scheduler_stats_only``);
+* in the worker: the logger and message of a warning an in-place reload always gives
+  (``quiet_expected_reload_warnings``).
 
 Nothing else in Laminar names one of these attributes. When vLLM moves one, ``missing_internals``
 names it (``scheduler_stats_only`` for the front end's): the engine asks its workers at start and
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -71,6 +74,30 @@ def envs_uncached(envs: Any) -> Iterator[None]:
     finally:
         if cached:
             envs.enable_envs_cache()
+
+
+#: vLLM's layerwise in-place reload: it warns "<layer>: Failed to load weights" for a layer that has
+#: tensors but got none from the checkpoint, and puts the layer's own tensors back
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+#: Rotary embeddings hold a cache computed from the config (cos/sin), never a checkpoint weight,
+#: so every reload of every rotary model says it: a WARNING per layer per weight version, in
+#: every rollout's log (two per version with the tiny Qwen2, hundreds a run)
+EXPECTED_RELOAD_WARNINGS = frozenset({"RotaryEmbedding: Failed to load weights"})
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in EXPECTED_RELOAD_WARNINGS
+
+
+def quiet_expected_reload_warnings() -> None:
+    """Drop the reload warnings above in this process (vLLM's worker); any other layer's
+    "Failed to load weights" is still said. That the reloaded rotary layer is right is checked
+    token for token: ``tests/slow/test_vllm_engine.py`` (in-place reload against
+    transformers)."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, _ExpectedReloadWarnings) for f in logger.filters):
+        logger.addFilter(_ExpectedReloadWarnings())
 
 
 # -- requests ----------------------------------------------------------------------------------

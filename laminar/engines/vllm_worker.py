@@ -405,5 +405,6 @@ def thread_lock_for_progress_bars() -> None:
 
 
 WATCHDOG = watch_owner()
-if WATCHDOG is not None:  # a process of a rollout's engine: see thread_lock_for_progress_bars
+if WATCHDOG is not None:  # a process of a rollout's engine
     thread_lock_for_progress_bars()
+    vllm_compat.quiet_expected_reload_warnings()

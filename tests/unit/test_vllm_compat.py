@@ -4,7 +4,10 @@ tests/slow/test_vllm_engine.py."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
+
+import pytest
 
 from laminar.doctor.checks import TESTED_VLLM_CPU
 from laminar.engines import vllm_compat
@@ -58,3 +61,16 @@ def test_versions() -> None:
     assert vllm_compat.version_problem("0.32.1+cpu") is None
     assert "untested" in (vllm_compat.version_problem("0.33.0") or "")
     assert vllm_compat.version_problem(None)
+
+
+def test_the_reload_warning_every_rotary_model_gives_is_dropped_and_others_are_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    vllm_compat.quiet_expected_reload_warnings()
+    vllm_compat.quiet_expected_reload_warnings()  # once is enough: no second filter
+    logger = logging.getLogger(vllm_compat.RELOAD_LOGGER)
+    assert len(logger.filters) == 1
+    with caplog.at_level(logging.WARNING, logger=vllm_compat.RELOAD_LOGGER):
+        logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+        logger.warning("%s: Failed to load weights", "QKVParallelLinear")
+    assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights"]
