@@ -43,12 +43,11 @@ from laminar.weights.transfer import (
 
 
 def default_weights_scheme() -> str:
-    """UCX where ``ucxx`` imports, TCP otherwise."""
-    try:
-        import ucxx  # noqa: F401
-    except Exception:
-        return "tcp"
-    return "ucx"
+    """UCX where ``ucxx`` imports, TCP otherwise (asked of the transport, which sets UCX's
+    environment before libucx loads)."""
+    from laminar.transport.ucx import available
+
+    return "ucx" if available() else "tcp"
 
 
 class RelayConfig(ServiceConfig):

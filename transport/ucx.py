@@ -22,9 +22,13 @@ per frame, whose page faults cost about as much as the copy), asyncio and uvloop
 * ``UCX_TLS=tcp`` + ``UCX_RNDV_SCHEME=put_zcopy``: 5.1 GB/s (4.2); ``tcp://`` 4.5-5.1 (3.5-4.2).
 
 :func:`_import_ucxx` sets ``UCX_MM_ERROR_HANDLING=y`` and ``UCX_WARN_UNUSED_ENV_VARS=n`` (ucxx
-exports variables this UCX does not know) unless set. ``UCXPY_PROGRESS_MODE=blocking`` is set
-likewise, for ucxx's own asyncio API only (through it: 12 GB/s, against 4.2 in its default thread
-mode); this module does not use that API. Importing ucxx takes ~0.5 s, on the first connect/listen.
+exports variables this UCX does not know) unless set, before ucxx loads libucx: UCX reads its
+global options, that warning's switch among them, when the library loads, so whatever asks
+whether ucxx is there goes through :func:`available` (a relay that imported ucxx itself first
+printed "UCX WARN unused environment variables" at each start). ``UCXPY_PROGRESS_MODE=blocking``
+is set likewise, for ucxx's own asyncio API only (through it: 12 GB/s, against 4.2 in its default
+thread mode); this module does not use that API. Importing ucxx takes ~0.5 s, on the first
+connect/listen.
 
 Event loops: works under asyncio's default loop and uvloop alike (both tested). ucxx's asyncio API
 is unusable here: in blocking mode it arms the worker only once, after which the loop calls its fd
@@ -87,6 +91,16 @@ def _import_ucxx() -> Any:
             "the ucx:// transport needs ucxx: install the ucx extra (pip install -e '.[ucx]')"
         ) from exc
     return libucxx
+
+
+def available() -> bool:
+    """Whether ``ucx://`` works here: ucxx imports and loads libucx (imported as this transport
+    imports it, with its environment set first)."""
+    try:
+        _import_ucxx()
+    except Exception:  # ImportError, or libucx failing to load (OSError)
+        return False
+    return True
 
 
 class _Progress:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -349,3 +350,28 @@ def test_import_is_lazy_and_a_missing_extra_says_how_to_install(monkeypatch: Any
     monkeypatch.setitem(sys.modules, "ucxx", None)
     with pytest.raises(ImportError, match=r"pip install -e '\.\[ucx\]'"):
         ucx._import_ucxx()
+
+
+def test_asking_whether_ucx_is_there_sets_its_environment_first() -> None:
+    """What a relay with ``weights_bind: auto`` does (``laminar.roles.relay``): ask, then listen.
+    UCX reads its global options when libucx loads; with ucxx imported first, UCX warned of
+    "unused environment variables" (its own and ours) at each relay start."""
+    probe = (
+        "import asyncio\n"
+        "from laminar.roles.relay import default_weights_scheme\n"
+        "from laminar.transport import TransportOptions, listen\n"
+        "assert default_weights_scheme() == 'ucx'\n"
+        "async def main():\n"
+        "    listener = await listen('ucx://127.0.0.1:0', TransportOptions(token=b'x' * 32), None)\n"
+        "    await listener.close()\n"
+        "asyncio.run(main())\n"
+        "print('listened')\n"
+    )
+    # none of UCX's variables inherited: this process set some (importing ucxx sets one)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "UCXPY_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env=clean, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and "listened" in done.stdout, done.stderr
+    assert "UCX  WARN" not in done.stdout + done.stderr, done.stdout  # UCX logs to stdout
