@@ -65,12 +65,18 @@ class Outage:
         self.failures = 0  # in the current outage (0: none)
 
     @classmethod
-    def logged(cls, log: Any, lost: str, back: str) -> Outage:
-        """An outage logged on ``log``: a warning ``lost`` (with the error), then ``back``."""
-        return cls(
-            lambda exc: log.warning(lost, error=str(exc)),
-            lambda failures: log.info(back, failures=failures),
-        )
+    def logged(
+        cls, log: Any, lost: str, back: str, expected: Callable[[], bool] | None = None
+    ) -> Outage:
+        """An outage logged on ``log``: a warning ``lost`` (with the error), then ``back``. An
+        info instead of the warning where ``expected()`` says the loss was announced (the peer
+        left the cluster before its stream ended): nothing went wrong."""
+
+        def said(exc: Exception) -> None:
+            announced = expected is not None and expected()
+            (log.info if announced else log.warning)(lost, error=str(exc))
+
+        return cls(said, lambda failures: log.info(back, failures=failures))
 
     @property
     def down(self) -> bool:

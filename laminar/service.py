@@ -163,12 +163,14 @@ class ServiceContext:
         *,
         backoff: float,
         errors: tuple[type[Exception], ...] = STREAM_ERRORS,
+        expected: Callable[[], bool] | None = None,
     ) -> asyncio.Task[None]:
         """An owned task (``spawn``) applying every item of ``open_stream()``, subscribing again
         after ``backoff`` seconds when the stream fails or ends (:func:`follow_stream`); the
-        failures are logged once per outage, as ``name``."""
+        failures are logged once per outage, as ``name`` (a warning, or an info where
+        ``expected()`` says the peer announced it: :meth:`Outage.logged`)."""
         outage = Outage.logged(
-            self.log, f"{name}: stream lost; subscribing again", f"{name}: stream back"
+            self.log, f"{name}: stream lost; subscribing again", f"{name}: stream back", expected
         )
         return self.spawn(
             follow_stream(
@@ -257,6 +259,12 @@ class ServiceHost:
         self.metrics_address: str | None = None
         self._stopping: asyncio.Event | None = None
         self._started = asyncio.Event()
+        # One membership call at a time (join, heartbeat, leave): a leave must reach the manager
+        # after any join already on its way, or the manager takes the leave of a member it does
+        # not know yet, then the join, then marks the member dead when its connection closes
+        # (every rollout of a run stopped during its vLLM start, before this lock).
+        self._membership_calls = asyncio.Lock()
+        self._membership_task: asyncio.Task[None] | None = None
 
     async def started(self) -> Service:
         await self._started.wait()
@@ -310,7 +318,9 @@ class ServiceHost:
                 # released on a crash too. Not before: on_stop may rely on on_start's work.
                 stack.push_async_callback(self._shutdown, service)
                 if self.manager is not None:
-                    ctx.spawn(self._membership(self.manager, metrics_address), name="membership")
+                    self._membership_task = ctx.spawn(
+                        self._membership(self.manager, metrics_address), name="membership"
+                    )
                 info = {
                     "role": ctx.role,
                     "instance": ctx.instance,
@@ -346,9 +356,12 @@ class ServiceHost:
         except Exception:
             ctx.log.exception("on_stop failed")
         if self.manager is not None:
-            with contextlib.suppress(PeerUnavailable, CallTimeout, RemoteError):
-                mgr = ctx.connect(MembershipApi, self.manager)
-                await mgr.leave.options(timeout=1.0).call(LeaveRequest(instance=ctx.instance))
+            async with self._membership_calls:  # a join or heartbeat under way is answered first
+                if self._membership_task is not None:
+                    self._membership_task.cancel()  # and none follows the leave
+                with contextlib.suppress(PeerUnavailable, CallTimeout, RemoteError):
+                    mgr = ctx.connect(MembershipApi, self.manager)
+                    await mgr.leave.options(timeout=1.0).call(LeaveRequest(instance=ctx.instance))
         if self.server is not None:
             await self.server.close()
         for task in list(ctx._tasks):
@@ -374,7 +387,8 @@ class ServiceHost:
         while True:
             try:
                 if not joined:
-                    reply = await mgr.join.call(join)
+                    async with self._membership_calls:
+                        reply = await mgr.join.call(join)
                     joined, complained = True, False
                     ctx.log.info(
                         "joined cluster",
@@ -383,9 +397,10 @@ class ServiceHost:
                         incarnation=reply.incarnation,
                     )
                 else:
-                    ack = await mgr.heartbeat.call(
-                        Heartbeat(instance=ctx.instance, stats=self.service.stats())
-                    )
+                    async with self._membership_calls:
+                        ack = await mgr.heartbeat.call(
+                            Heartbeat(instance=ctx.instance, stats=self.service.stats())
+                        )
                     joined = not ack.rejoin
             except (PeerUnavailable, CallTimeout, RemoteError) as exc:
                 if not complained:

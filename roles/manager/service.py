@@ -104,6 +104,7 @@ class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
         self._chain = ChainView(incarnation=self.incarnation)
         self._chain_changed = asyncio.Event()
         self._published = -1  # the newest version seen at the head relay (publishes follower)
+        self._head = ""  # the relay that follower streams from
         self.events = EventLog()
         self.repack = RepackController(
             self.config.repack,  # type: ignore[attr-defined]
@@ -147,7 +148,13 @@ class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
             name="liveness",
         )
         self.spawn(self.repack.run_periodic(), name="repack")
-        self.ctx.follow("publishes", self._head_versions, self._on_head_version, backoff=0.5)
+        self.ctx.follow(
+            "publishes",
+            self._head_versions,
+            self._on_head_version,
+            backoff=0.5,
+            expected=self._head_left,  # a relay stopping says so first (a run's clean stop)
+        )
 
     async def on_stop(self) -> None:
         self._stopping = True  # our own listener closing drops every connection: not a death
@@ -341,10 +348,17 @@ class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
         """The head relay's versions newer than the last one seen (whichever relay heads now)."""
         while not self._chain.relays:  # no relay yet: wait for the chain to name a head
             await self._chain_changed.wait()
-        relay = self.ctx.connect(RelayApi, self._chain.relays[0].address)
+        head = self._chain.relays[0]
+        self._head = head.instance
+        relay = self.ctx.connect(RelayApi, head.address)
         return relay.versions.options(timeout=QUIET_STREAM_TIMEOUT_S).stream(
             LatestRequest(newer_than=self._published)
         )
+
+    def _head_left(self) -> bool:
+        """The relay the publishes follower streamed from has left the cluster (it said so)."""
+        member = self.members.get(self._head)
+        return member is not None and member.state == "left"
 
     async def _on_head_version(self, shared: SharedVersion) -> None:
         """Each new version at the head is a publish (a repack trigger)."""

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import ClassVar, TypeVar
 
 import pytest
+import structlog
 from pydantic import BaseModel, Field
 
 from laminar.clock import get_clock, run_virtual
@@ -290,3 +291,25 @@ def test_follow_reports_an_outage_once_and_its_end_once():
             await asyncio.gather(follower, return_exceptions=True)
 
     virtual(main)
+
+
+def test_a_logged_outage_the_peer_announced_is_an_info_not_a_warning():
+    """A run's clean stop: the manager's stream from the head relay ends after that relay left
+    the cluster (``ManagerService._head_left``); that loss is said, as an info. Any other loss is
+    a warning, and the recovery an info either way."""
+    from structlog.testing import capture_logs
+
+    log = structlog.get_logger("test")
+    left = False
+    outage = Outage.logged(log, "publishes: stream lost", "publishes: stream back", lambda: left)
+    with capture_logs() as logs:
+        outage.failed(PeerUnavailable("tcp://127.0.0.1:1", "peer closed the connection"))
+        outage.ok()
+        left = True
+        outage.failed(PeerUnavailable("tcp://127.0.0.1:1", "peer closed the connection"))
+    assert [(e["log_level"], e["event"]) for e in logs] == [
+        ("warning", "publishes: stream lost"),
+        ("info", "publishes: stream back"),
+        ("info", "publishes: stream lost"),
+    ]
+    assert logs[0]["error"] == "peer tcp://127.0.0.1:1 unavailable: peer closed the connection"

@@ -156,3 +156,50 @@ def _async(probe):  # type: ignore[no-untyped-def]
         return probe()
 
     return run
+
+
+class SlowStart(Service):
+    """A role whose on_start takes a while (a rollout starting vLLM)."""
+
+    role: ClassVar[str] = "slow"
+    release: ClassVar[asyncio.Event]
+    stop_s: ClassVar[float] = 0.0
+
+    async def on_start(self) -> None:
+        await SlowStart.release.wait()
+
+    async def on_stop(self) -> None:
+        if SlowStart.stop_s:  # else no await at all: the leave is the next thing that yields
+            await asyncio.sleep(SlowStart.stop_s)
+
+
+@pytest.mark.parametrize("stop_s", [0.0, 0.5], ids=["quick-stop", "slow-stop"])
+async def test_a_role_stopped_while_it_starts_leaves_and_is_not_lost(
+    serve, cluster, options, stop_s
+):  # type: ignore[no-untyped-def]
+    """Ctrl-C (or a run's budget) during a rollout's vLLM start: the role stops as soon as
+    on_start is done; the manager must see it leave (or never join), not lose its connection (a
+    warning "member dead" for every rollout of a run stopped while they started: the leave went
+    out before the join). With a slow on_stop (a rollout closing its engine) the join is made
+    meanwhile, then the leave."""
+    from laminar.roles.manager import ManagerConfig, ManagerService
+
+    manager_host, manager = await serve(
+        ManagerService, config=ManagerConfig(bind="tcp://127.0.0.1:0", metrics=None, admin=None)
+    )
+    SlowStart.release, SlowStart.stop_s = asyncio.Event(), stop_s
+    ctx = ServiceContext(
+        role="slow", instance="slow-0", cluster=cluster,
+        config=ServiceConfig(metrics=None), options=options,
+    )  # fmt: skip
+    host = ServiceHost(SlowStart, ctx, manager=manager_host.ctx.address)
+    task = asyncio.create_task(host.run())
+    await asyncio.sleep(0.1)  # in on_start
+    host.stop()  # the signal arrives while it starts
+    SlowStart.release.set()
+    await asyncio.wait_for(task, 10)
+    member = manager.members.get("slow-0")
+    if stop_s:
+        assert member is not None and member.state == "left", member
+    else:
+        assert member is None or member.state == "left", member
