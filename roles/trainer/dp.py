@@ -42,9 +42,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import multiprocessing as mp
+import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from multiprocessing.context import BaseContext
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
@@ -66,7 +68,7 @@ from .wire import (
     broadcast_batch,
     broadcast_op,
     init_group,
-    local_port,
+    local_rendezvous,
     ranks_mode,
     staging_group,
     threads_for,
@@ -132,6 +134,7 @@ class DataParallelGroup:
         self._base = state_path
         self._checkpointed = False  # a checkpoint was gathered since: the newest on disk
         self._replay: list[PackedBatch] = []
+        self._rendezvous_dir: Path | None = None  # local ranks: where they met (wire.py)
         torch.set_num_threads(threads_for(config))
         if self.served:
             if rendezvous is None:
@@ -141,7 +144,7 @@ class DataParallelGroup:
                 )
             self._form(state_path)
         elif self.world > 1:
-            address = f"tcp://127.0.0.1:{local_port()}"
+            address, self._rendezvous_dir = local_rendezvous()  # removed at close
             ctx = rank_processes()
             threads = threads_for(config)
             for rank in range(1, self.world):
@@ -281,6 +284,9 @@ class DataParallelGroup:
             if proc.is_alive():
                 proc.kill()
         self.procs.clear()
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            self._rendezvous_dir = None
 
     # -- served ranks: forming and re-forming the group --------------------------------------
 

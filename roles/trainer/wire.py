@@ -16,7 +16,8 @@ from __future__ import annotations
 import datetime
 import enum
 import os
-import socket
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -62,10 +63,15 @@ def threads_for(config: TrainerConfig) -> int:
     return max(1, cores // here)
 
 
-def local_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def local_rendezvous() -> tuple[str, Path]:
+    """Where ranks on this host meet: a file in a fresh private directory (``file://``), and
+    that directory, for the caller to remove once the group is closed.
+
+    Not a free port, closed, then named to the ranks: between the close and rank 0's listen
+    another process may take it (EADDRINUSE: a suite run lost a test to it), and a group of
+    local ranks has no second try. The ranks' collectives (gloo) bind their own ports."""
+    directory = Path(tempfile.mkdtemp(prefix="laminar-group-"))
+    return f"file://{directory / 'store'}", directory
 
 
 def init_group(rank: int, world: int, address: str, timeout_s: float) -> None:
