@@ -7,11 +7,11 @@ the gradients: gloo on CPU, NCCL where CUDA is available. No pickle crosses a pr
 
 Where the other ranks run (``ranks``):
 
-- ``spawn`` (the default): ``multiprocessing`` children of the trainer, on its host, meeting on a
-  local port (forked from a server that imported their code once: :func:`rank_processes`). A
-  rank that dies takes the group down (its peers' next collective fails, at once for a closed
-  socket, else after ``timeout_s``); the trainer then exits and is restarted from its last
-  checkpoint, which is the recovery story for trainer failures anyway.
+- ``spawn`` (the default): ``multiprocessing`` children of the trainer, on its host, meeting at a
+  file (:func:`.wire.local_rendezvous`; forked from a server that imported their code once:
+  :func:`rank_processes`). A rank that dies takes the group down (its peers' next collective
+  fails, at once for a closed socket, else after ``timeout_s``); the trainer then exits and is
+  restarted from its last checkpoint, which is the recovery story for trainer failures anyway.
 - ``serve``: each rank is its own ``laminar serve --role trainer_rank`` process, on any host
   (:mod:`.rank`). Rank 0 offers each *generation* of the group through the manager: a free port
   on its own bind host, the world size, its config and the checkpoint to start from
