@@ -53,6 +53,7 @@ from typing import Any
 
 import structlog
 
+from ..proc import owned_dirs
 from ..proc.procfs import release_tracked_shm
 from ..trajectory import SamplingParams
 from ..weights.manifest import WeightManifest
@@ -237,7 +238,6 @@ class VllmEngine(VllmKvMigration, Engine):
                 pass
 
         args = engine_args(cfg)
-        from ..proc import owned_dirs
         from ..proc.procfs import KEEP_ENVIRON, descendants, tracked_shm
         from .vllm_worker import IPC_ENV, OWNER_ENV, owner_token
 
@@ -320,8 +320,6 @@ class VllmEngine(VllmKvMigration, Engine):
         release_tracked_shm(self._shm)  # its processes are gone: nobody else maps these
         self._shm = set()
         if self._ipc is not None:
-            from ..proc import owned_dirs
-
             owned_dirs.remove(self._ipc)
             self._ipc = None
 
