@@ -120,6 +120,34 @@ class ServiceContext:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    async def run_to_end(self, coro: Coroutine[Any, Any, T], *, name: str) -> T:
+        """Run ``coro`` to its end even if the caller is cancelled meanwhile; its result.
+
+        An endpoint's task belongs to its connection and is cancelled when that closes
+        (:mod:`laminar.rpc`): a rollout that stops, or is killed, right after sending its last
+        report. A handler that writes to a store on another thread and then updates what the loop
+        holds (the data role queues each new trajectory for its reward) must not be cut between
+        the two: the write commits whatever the caller does, and the rest would be lost (a
+        trajectory stored as done and never scored). Here the work is the service's: it is
+        cancelled only when the service stops, like its other tasks, and an error with no caller
+        left to take it is logged. Not the service's task group: an error is the caller's answer,
+        not a reason to stop the service."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(f"{self.instance}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._log_unclaimed)  # at once if it has ended meanwhile
+            raise
+
+    def _log_unclaimed(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            self.log.warning(
+                "failed after its caller left", task=task.get_name(), error=repr(error)
+            )
+
     def client(self, address: str, *, timeout: float | None = None) -> RpcClient:
         """A shared, lazily connected client for ``address`` (closed when the service stops)."""
         client = self._clients.get(address)

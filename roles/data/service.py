@@ -298,7 +298,9 @@ class DataService(Service, DataApi):
 
     @endpoint
     async def report(self, req: Report) -> ReportReply:
-        return await self.reports.report(req)
+        # Stored whole even if the rollout's connection closes meanwhile (it stopped right
+        # after sending): see ServiceContext.run_to_end.
+        return await self.ctx.run_to_end(self.reports.report(req), name="report")
 
     @endpoint
     async def release(self, req: LeaseRelease) -> Released:

@@ -7,6 +7,8 @@ with kill -9 and vLLM is scenario 2 of ``tests/slow/test_vllm_cluster.py``.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,11 @@ from laminar.engines.costmodel import CostModel
 from laminar.engines.lengths import LongtailLength
 from laminar.roles.data.api import DataApi, Report, SampleRequest, TakeRequest
 from laminar.roles.data.service import DataConfig, DataService
+from laminar.roles.data.store import Store
 from laminar.roles.manager import ManagerConfig, ManagerService
 from laminar.roles.rollout import RolloutConfig, RolloutService
-from laminar.trajectory import PartialChunk
+from laminar.rpc_client import RpcClient, remote
+from laminar.trajectory import PartialChunk, Trajectory
 from tests.support.task import write_prompts, write_tokenizer
 
 
@@ -214,3 +218,52 @@ async def test_repeated_reports_are_idempotent(serve, tmp_path):
     # another rollout's report for a lease it does not hold is refused (drop)
     reply = await data.report.call(Report(rollout="other", partials=[chunk]))
     assert reply.drop == [tid]
+
+
+async def test_a_report_whose_sender_left_meanwhile_is_scored(serve, tmp_path, monkeypatch):
+    """A rollout that stops right after sending its last report closes its connection while the
+    data role stores that report, and the server cancels the call's handler (its task belongs to
+    the connection). The store's write commits on its thread anyway; the trajectories it stored
+    as done must still be queued for their rewards. They were not: the run waited for ever for
+    a trajectory done and never scored (``test_a_dead_rollouts_trajectories_resume_elsewhere``
+    timed out in about 1 run in 10 on a loaded machine)."""
+    stored = threading.Event()
+    complete = Store.complete
+
+    def slow_complete(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = complete(self, *args, **kwargs)
+        stored.set()
+        time.sleep(0.5)  # committed; the sender leaves before the handler hears back
+        return out
+
+    monkeypatch.setattr(Store, "complete", slow_complete)
+    data_host, _ = await serve(DataService, config=data_config(tmp_path, 1, samples_per_prompt=2))
+    data = data_host.ctx.connect(DataApi, data_host.ctx.address)
+    lease = (await data.take.call(TakeRequest(rollout="r", max_count=2, version=0))).items
+    done = [
+        Trajectory(
+            trajectory_id=a.trajectory_id,
+            prompt_id=a.prompt_id,
+            sample_index=a.sample_index,
+            prompt_token_ids=a.prompt_token_ids,
+            response_token_ids=[3, 4, 5],
+            logprobs=[-0.5] * 3,
+            version=0,
+            finish_reason="stop",
+            queued_at=a.queued_at,
+            started_at=a.queued_at,
+            finished_at=a.queued_at,
+        )
+        for a in lease
+    ]
+    sender = RpcClient(data_host.ctx.address, data_host.ctx.options, timeout=10)
+    call = asyncio.ensure_future(
+        remote(DataApi, sender).report.call(Report(rollout="r", completed=done))
+    )
+    await asyncio.to_thread(stored.wait, 10)
+    await sender.close()  # the rollout is gone
+    await asyncio.gather(call, return_exceptions=True)
+    async with asyncio.timeout(10):
+        while (status := await data.status.call()).scored < 2:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    assert status.trajectories == 2 and status.finished

@@ -203,3 +203,39 @@ async def test_a_role_stopped_while_it_starts_leaves_and_is_not_lost(
         assert member is not None and member.state == "left", member
     else:
         assert member is None or member.state == "left", member
+
+
+async def test_run_to_end_outlives_its_caller_and_says_what_failed_after(cluster, options) -> None:  # type: ignore[no-untyped-def]
+    """``ServiceContext.run_to_end``: the work goes on when its caller is cancelled (an endpoint
+    whose connection closed), an error reaches a caller still waiting, and an error with no
+    caller left is logged, not lost."""
+    from structlog.testing import capture_logs
+
+    gate, finished = asyncio.Event(), []
+
+    async def work(fail: bool) -> int:
+        await gate.wait()
+        finished.append(fail)
+        if fail:
+            raise ValueError("bad item")
+        return 7
+
+    with capture_logs() as logs:  # before the context binds its logger
+        ctx = ServiceContext(
+            role="r", instance="r-0", cluster=cluster, config=ServiceConfig(), options=options
+        )
+        caller = asyncio.ensure_future(ctx.run_to_end(work(False), name="ok"))
+        failing = asyncio.ensure_future(ctx.run_to_end(work(True), name="bad"))
+        await asyncio.sleep(0)
+        caller.cancel()
+        failing.cancel()
+        gate.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+    assert sorted(finished) == [False, True]  # both ran to their end without their callers
+    assert [(e["event"], e["task"]) for e in logs] == [("failed after its caller left", "r-0:bad")]
+    assert "bad item" in logs[0]["error"]
+    with pytest.raises(ValueError, match="bad item"):  # a caller still there gets the error
+        await ctx.run_to_end(work(True), name="bad")
+    assert await ctx.run_to_end(work(False), name="ok") == 7
+    assert not ctx._tasks  # finished work is forgotten; what still runs is the stop's to cancel
