@@ -340,8 +340,7 @@ def test_engine_processes_die_with_their_rollout_killed_with_minus_9(
 
         owner.kill()
         owner.wait(timeout=10)
-        gone = lambda: not procfs.alive(core) and not procfs.alive(worker)  # noqa: E731
-        assert until(gone, 10, "engine processes gone")
+        engine_gone(owner, born)
         _, err = owner.communicate(timeout=10)  # the pipes close once the worker is gone
         assert f"the rollout (pid {owner.pid}) is gone; killing its vLLM engine" in err, err
         assert f"pids {core}, {worker}" in err, err
@@ -351,6 +350,44 @@ def test_engine_processes_die_with_their_rollout_killed_with_minus_9(
         kill_all(born)
         kill_session(owner)
         owned_dirs.remove(ipc)
+
+
+#: how long the worker's watch may take to end the engine once its rollout is gone: a bound on a
+#: hang. Alone it takes its grace (1 s); a fresh-clone suite run (2026-11-29) missed 10 s once,
+#: while three vLLM engines started beside it.
+WATCH_S = 30.0
+
+
+def engine_gone(owner: subprocess.Popen[str], born: dict[int, int]) -> None:
+    """Wait for the engine's processes (pid -> start time) to be gone (killed by the watch, or
+    exited by themselves); if they are not within :data:`WATCH_S`, fail with what each was doing (state, kernel
+    wait channel, per thread) and what the watch had said, so that a miss can be told apart
+    from a slow machine."""
+    if until_or_none(lambda: not any(procfs.alive(p, t) for p, t in born.items()), WATCH_S):
+        return
+    seen = {pid: describe(pid) for pid in born}
+    kill_all(born)
+    _, err = owner.communicate(timeout=10)
+    raise AssertionError(f"not within {WATCH_S} s: engine processes gone: {seen}; stderr: {err!r}")
+
+
+def until_or_none(check, timeout: float):  # type: ignore[no-untyped-def]
+    try:
+        return until(check, timeout, "")
+    except AssertionError:
+        return None
+
+
+def describe(pid: int) -> str:
+    """A process's state and, for each of its threads, state and kernel wait channel."""
+    threads = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            threads.append(f"{task.name}:{fields[0]}:{(task / 'wchan').read_text() or '-'}")
+        except OSError:
+            continue
+    return f"{procfs.stat(pid)} threads {threads}"
 
 
 def socket_dir(owner: int) -> Path:
@@ -371,8 +408,7 @@ def test_an_engine_closed_by_its_rollout_ends_quietly() -> None:
         os.kill(core, signal.SIGTERM)
         owner.kill()  # the rollout is gone before its worker
         owner.wait(timeout=10)
-        gone = lambda: not procfs.alive(core) and not procfs.alive(worker)  # noqa: E731
-        assert until(gone, 10, "engine processes gone")
+        engine_gone(owner, born)
         _, err = owner.communicate(timeout=10)
         assert "is gone; killing its vLLM engine" not in err, err
         assert ipc.is_dir()  # nor removes anything: the rollout's close does (VllmEngine.close)
