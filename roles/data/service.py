@@ -308,7 +308,9 @@ class DataService(Service, DataApi):
 
     @endpoint
     async def transfer(self, req: LeaseTransfer) -> Transferred:
-        return await self.leasing.transfer(req)
+        # The moved leases' hand-off grace is kept even if the manager's connection closes
+        # meanwhile: without it the destination's next take would release what it is receiving.
+        return await self.ctx.run_to_end(self.leasing.transfer(req), name="transfer")
 
     @endpoint
     async def sample(self, req: SampleRequest) -> Trajectories:
