@@ -145,18 +145,22 @@ class DataParallelGroup:
             self._form(state_path)
         elif self.world > 1:
             address, self._rendezvous_dir = local_rendezvous()  # removed at close
-            ctx = rank_processes()
-            threads = threads_for(config)
-            for rank in range(1, self.world):
-                proc = ctx.Process(
-                    target=serve_rank,
-                    args=(rank, config.model_dump_json(), address, state_path, timeout_s, threads),
-                    daemon=True,
-                    name=f"trainer-rank{rank}",
-                )
-                proc.start()
-                self.procs.append(proc)
-            init_group(0, self.world, address, timeout_s)
+            try:
+                ctx, blob = rank_processes(), config.model_dump_json()
+                threads = threads_for(config)
+                for rank in range(1, self.world):
+                    proc = ctx.Process(
+                        target=serve_rank,
+                        args=(rank, blob, address, state_path, timeout_s, threads),
+                        daemon=True,
+                        name=f"trainer-rank{rank}",
+                    )
+                    proc.start()
+                    self.procs.append(proc)
+                init_group(0, self.world, address, timeout_s)
+            except BaseException:  # no group: the caller has nothing to close, so undo it here
+                self._end_local_ranks()
+                raise
         self.trainer = PolicyTrainer(config, 0, self.world)
         if state_path is not None:
             self.trainer.load_checkpoint(state_path)
@@ -279,10 +283,16 @@ class DataParallelGroup:
                 dist.destroy_process_group()
             except Exception:
                 pass
+        self._end_local_ranks(join_s=10.0)
+
+    def _end_local_ranks(self, join_s: float = 0.0) -> None:
+        """The rank processes gone (given ``join_s`` to stop by themselves, then killed), and the
+        directory where they met removed."""
         for proc in self.procs:
-            proc.join(timeout=10)
+            proc.join(timeout=join_s)
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=10)
         self.procs.clear()
         if self._rendezvous_dir is not None:
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)

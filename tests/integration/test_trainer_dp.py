@@ -111,3 +111,35 @@ def test_two_ranks_equal_one(tmp_path: Path, optimizer: str, epochs: int, shardi
             # Adam divides by sqrt(v): where a gradient is ~0 its rounding noise is amplified
             # towards +-lr, so compare the update to a small fraction of the learning rate.
             assert (step_two - step_one).abs().max() < 0.02 * 1e-3, name
+
+
+def test_a_group_that_cannot_form_leaves_no_rank_and_no_meeting_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 fails to join its local ranks (here at once; for real after ``timeout_s``): the
+    caller gets the error and no group to close, so the group ends the ranks it started and
+    removes the directory they were to meet in before it raises."""
+    import multiprocessing
+
+    from laminar.roles.trainer import dp
+
+    made: list[Path] = []
+    rendezvous = dp.local_rendezvous
+
+    def recorded() -> tuple[str, Path]:
+        address, directory = rendezvous()
+        made.append(directory)
+        return address, directory
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("the group did not form")
+
+    monkeypatch.setattr(dp, "local_rendezvous", recorded)
+    monkeypatch.setattr(dp, "init_group", refuse)
+    config = TrainerConfig(
+        model=str(tiny_qwen2(tmp_path / "model")), data_parallel=2, threads_per_rank=1
+    )
+    with pytest.raises(RuntimeError, match="did not form"):
+        DataParallelGroup(config, timeout_s=5)
+    assert len(made) == 1 and not made[0].exists()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("trainer-rank")]
