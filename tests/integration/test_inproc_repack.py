@@ -194,3 +194,45 @@ def test_a_seed_fixes_the_run(tmp_path: Path) -> None:
         runs.append(run_inproc(lambda tmp=tmp, seed=seed: ramp_down_scenario(tmp, seed), seed=seed))
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+async def source_dies_scenario(tmp: Path, seed: int) -> None:
+    """The source rollout dies while the destination takes its sequences in: the leases are the
+    destination's already (the data role moved them first), so the destination must finish
+    taking them in, although the call that brought them was cut with the source's connection
+    (``ServiceContext.run_to_end``). Cut, it kept them in its table and never gave them to its
+    engine: held by a live rollout that generated nothing, the run never finished."""
+    async with inproc_cluster(
+        sections(tmp), seed=seed, members=members("rollout-a", "rollout-b")
+    ) as cluster:
+        a = cluster.proxy(RolloutApi, "rollout-a")
+        data = cluster.proxy(DataApi, "data")
+        await until(lambda: _in_flight(a, at_least=8), timeout=30)
+        await asyncio.sleep(0.2)
+        await a.drain.call(DrainRequest(reason="test"))
+        engine = cluster.service("rollout-b").engine
+        importing, import_sequences = asyncio.Event(), engine.import_sequences
+
+        async def slow_import(sequences: list) -> None:  # type: ignore[type-arg]
+            importing.set()
+            await asyncio.sleep(1.0)  # the source dies meanwhile
+            await import_sequences(sequences)
+
+        engine.import_sequences = slow_import
+        migrate = asyncio.ensure_future(
+            a.migrate.call(
+                MigrateRequest(
+                    destination="rollout-b", address=cluster.address("rollout-b"), version=0
+                )
+            )
+        )
+        await importing.wait()
+        await cluster.kill("rollout-a")
+        await asyncio.gather(migrate, return_exceptions=True)
+        status = await until(lambda: _finished(data), timeout=90)
+        assert status.trajectories == PROMPTS * SAMPLES
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_a_source_that_dies_during_the_hand_off_loses_nothing(tmp_path: Path, seed: int) -> None:
+    run_inproc(lambda: source_dies_scenario(tmp_path, seed=seed), seed=seed)
