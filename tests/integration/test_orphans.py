@@ -353,16 +353,16 @@ def test_engine_processes_die_with_their_rollout_killed_with_minus_9(
 
 
 #: how long the worker's watch may take to end the engine once its rollout is gone: a bound on a
-#: hang. Alone it takes its grace (1 s); a fresh-clone suite run (2026-11-29) missed 10 s once,
+#: hang. Alone it takes its grace (1 s); an in-tree suite run (2026-11-29) missed 10 s once,
 #: while three vLLM engines started beside it.
 WATCH_S = 30.0
 
 
 def engine_gone(owner: subprocess.Popen[str], born: dict[int, int]) -> None:
     """Wait for the engine's processes (pid -> start time) to be gone (killed by the watch, or
-    exited by themselves); if they are not within :data:`WATCH_S`, fail with what each was doing (state, kernel
-    wait channel, per thread) and what the watch had said, so that a miss can be told apart
-    from a slow machine."""
+    exited by themselves). If they are not within :data:`WATCH_S`, fail with what each was
+    doing (state, and kernel wait channel per thread) and what the watch had said, so that a
+    miss can be told apart from a slow machine."""
     if until_or_none(lambda: not any(procfs.alive(p, t) for p, t in born.items()), WATCH_S):
         return
     seen = {pid: describe(pid) for pid in born}
