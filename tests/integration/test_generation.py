@@ -23,7 +23,7 @@ from laminar.roles.data.store import Store
 from laminar.roles.manager import ManagerConfig, ManagerService
 from laminar.roles.rollout import RolloutConfig, RolloutService
 from laminar.rpc_client import RpcClient, remote
-from laminar.trajectory import PartialChunk, Trajectory
+from laminar.trajectory import PartialChunk
 from tests.support.task import write_prompts, write_tokenizer
 
 
@@ -240,22 +240,9 @@ async def test_a_report_whose_sender_left_meanwhile_is_scored(serve, tmp_path, m
     data_host, _ = await serve(DataService, config=data_config(tmp_path, 1, samples_per_prompt=2))
     data = data_host.ctx.connect(DataApi, data_host.ctx.address)
     lease = (await data.take.call(TakeRequest(rollout="r", max_count=2, version=0))).items
-    done = [
-        Trajectory(
-            trajectory_id=a.trajectory_id,
-            prompt_id=a.prompt_id,
-            sample_index=a.sample_index,
-            prompt_token_ids=a.prompt_token_ids,
-            response_token_ids=[3, 4, 5],
-            logprobs=[-0.5] * 3,
-            version=0,
-            finish_reason="stop",
-            queued_at=a.queued_at,
-            started_at=a.queued_at,
-            finished_at=a.queued_at,
-        )
-        for a in lease
-    ]
+    from tests.integration.test_data_sample import finished  # it imports this module
+
+    done = [finished(a, version=0) for a in lease]
     sender = RpcClient(data_host.ctx.address, data_host.ctx.options, timeout=10)
     call = asyncio.ensure_future(
         remote(DataApi, sender).report.call(Report(rollout="r", completed=done))
