@@ -37,11 +37,12 @@ from typing import IO, Any
 
 from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot, available_cores
-from laminar.proc.procfs import end_groups, signal_marked
+from laminar.proc.procfs import signal_marked
 from laminar.proc.spawn import (
     OutputLines,
     ServeSpec,
     cpu_env,
+    end_role_groups,
     kill_role,
     launch_env,
     serve_command,
@@ -187,7 +188,7 @@ class ProcessCluster:
         self.roles.pop(name, None)
         self.info.pop(name, None)
         _terminate([proc], grace)
-        end_groups([proc.pid], grace, self.mark)
+        end_role_groups([proc.pid], grace, self.mark)
         self.groups.discard(proc.pid)
 
     def shutdown(self, grace: float = 20.0) -> None:
@@ -202,7 +203,7 @@ class ProcessCluster:
             _terminate([self.procs[name] for name in stage], grace)
         self.procs.clear()
         self.roles.clear()
-        end_groups(self.groups, grace, self.mark)
+        end_role_groups(self.groups, grace, self.mark)
         self.groups.clear()
         signal_marked(self.mark, signal.SIGKILL)  # what left its role's group (a reward's fork)
 

@@ -24,8 +24,9 @@ owns the life of its process, one incarnation after another:
 * **end of group**: what the process left in its group gets a moment to end by itself
   (:data:`SETTLE_S`: a vLLM engine kills itself once its rollout is gone), then SIGTERM, SIGKILL
   after ``run.shutdown_grace_s``, and the supervisor says so
-  (:func:`laminar.proc.procfs.end_group`, in a thread: ``/proc`` is polled, never on the event
-  loop). Only processes carrying the run's mark are signalled (see :mod:`laminar.proc.procfs`).
+  (:func:`laminar.proc.spawn.end_role_groups`, in a thread: ``/proc`` is polled, never on the
+  event loop; it also removes the vLLM socket directories of owners now gone). Only processes
+  carrying the run's mark are signalled (see :mod:`laminar.proc.procfs`).
   A group that needs SIGKILL loses multiprocessing's resource tracker with it, so what that
   tracker would have unlinked (vLLM's 160 MiB message queues in ``/dev/shm``) is unlinked here
   (:func:`laminar.proc.procfs.kill_group`). Then
@@ -67,9 +68,16 @@ from laminar.config import RoleSpec
 from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot
 from laminar.proc.gpus import gpu_env
-from laminar.proc.procfs import INCARNATION_ENV, end_group, kill_group, signal_marked
+from laminar.proc.procfs import INCARNATION_ENV, kill_group, signal_marked
 from laminar.proc.restart import decide, keep_running
-from laminar.proc.spawn import arm_parent_death, cpu_env, parse_ready_line, pump_lines, start_async
+from laminar.proc.spawn import (
+    arm_parent_death,
+    cpu_env,
+    end_role_groups,
+    parse_ready_line,
+    pump_lines,
+    start_async,
+)
 
 #: Seconds what a child left behind gets to end by itself before SIGTERM (a vLLM engine's watch
 #: kills it 1 s after its rollout is gone, see :mod:`laminar.engines.vllm_worker`).
@@ -286,7 +294,8 @@ class ChildProcesses:
 
     async def _end_group(self, child: Child, gid: int) -> None:
         grace = self.grace
-        end = await asyncio.to_thread(end_group, gid, grace, self.mark, settle=SETTLE_S)
+        ends = await asyncio.to_thread(end_role_groups, [gid], grace, self.mark, settle=SETTLE_S)
+        end = ends[gid]
         if end.left:
             how = f"{len(end.killed)} needed SIGKILL after {grace:g} s" if end.killed else "SIGTERM"
             them = "it" if len(end.left) == 1 else "them"

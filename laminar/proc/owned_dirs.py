@@ -10,13 +10,17 @@ machine that had run the suite a few dozen times held 511 of them.
 
 So each engine gets a directory of its own for those endpoints, named after its owner, the
 rollout process, by pid *and* start time (a recycled pid starts later; see
-:mod:`laminar.proc.procfs`): ``laminar-vllm-<pid>-<start>-<random>``. Three removers, so that a
-directory outlives its owner only until the next start on the host:
+:mod:`laminar.proc.procfs`): ``laminar-vllm-<pid>-<start>-<random>``. Four removers, so that a
+directory outlives its owner only until its launcher has ended the owner's process group, or
+until the next start on the host:
 
 * the owner, when it closes the engine (:func:`remove`);
 * the engine's owner watch, after the owner died and before it kills the engine;
+* the launcher, once it has ended a role's process group (:func:`sweep`, called by
+  :func:`laminar.proc.spawn.end_role_groups`): a rollout SIGKILLed and its group ended at once
+  leave the two above no time;
 * the next owner that makes one (:func:`make`), which sweeps every such directory of this user
-  whose owner is gone (the whole process group killed at once leaves nobody else to do it).
+  whose owner is gone (a launcher killed with its roles leaves nobody else to do it).
 
 The sweep reads liveness from this process's ``/proc``: an owner in another pid namespace that
 shares this temp directory would read as gone, and its live engine's sockets lose their names

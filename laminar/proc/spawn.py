@@ -19,7 +19,7 @@ made here, start it in a process group of its own, read its stdout through
   settings (:func:`cpu_env`).
 * **The process group**: the role leads a new process group (its id is the role's pid) in its
   launcher's session, so everything it starts (a rollout's vLLM engine core and workers) can be
-  found and ended with it (:func:`kill_role`, :func:`laminar.proc.procfs.end_group`), a
+  found and ended with it (:func:`kill_role`, :func:`end_role_groups`), a
   terminal's Ctrl-C (sent to the foreground group) does not reach it, and the kernel schedules it
   with its launcher, as it does bare vLLM (a session of its own is a scheduling group of its own
   under autogroup: :mod:`laminar.proc.procfs` says what that cost). Its stdin is ``/dev/null``: a
@@ -56,9 +56,10 @@ from typing import IO, Any
 
 from laminar.config import new_token, token_problem
 from laminar.errors import ConfigError, LaminarError
+from laminar.proc import owned_dirs
 from laminar.proc.cpus import CpuSlot
 from laminar.proc.linesplit import LineSplitter
-from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_group
+from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, GroupEnd, end_groups
 from laminar.service import READY_PREFIX
 
 #: Bytes read from a role's output at a time.
@@ -276,7 +277,24 @@ def kill_role(proc: subprocess.Popen[Any], mark: str, grace: float = 5.0) -> Non
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=10)
-    end_group(proc.pid, grace=grace, mark=mark)
+    end_role_groups([proc.pid], grace, mark)
+
+
+def end_role_groups(
+    gids: list[int] | set[int], grace: float, mark: str | None, *, settle: float = 0.0
+) -> dict[int, GroupEnd]:
+    """End what is left of role process groups (:func:`laminar.proc.procfs.end_groups`), then
+    remove the directories of vLLM's socket files whose owners are gone
+    (:func:`laminar.proc.owned_dirs.sweep`). Every launcher ends its roles' groups here.
+
+    Why here: a rollout removes its engine's directory when it closes the engine, and the
+    engine's owner watch removes it when the rollout dies first; a rollout SIGKILLed (a stop that
+    outlived its grace, :func:`kill_role`) and its group ended at once leaves neither time to.
+    Fresh-clone CI runs left such a directory of 7 sockets in ``/tmp`` now and then, until the
+    next engine start on the host swept it."""
+    ended = end_groups(gids, grace, mark, settle=settle)
+    owned_dirs.sweep()
+    return ended
 
 
 # -- the output ------------------------------------------------------------------------------------

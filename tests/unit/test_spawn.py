@@ -25,7 +25,7 @@ from laminar.config import load_config, token_problem
 from laminar.devmode.supervisor import Supervisor
 from laminar.errors import ConfigError, LaminarError
 from laminar.harness.launch import ProcessCluster
-from laminar.proc import procfs
+from laminar.proc import owned_dirs, procfs
 from laminar.proc.cpus import CpuSlot
 from laminar.proc.linesplit import MAX_LINE_BYTES
 from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV
@@ -290,6 +290,42 @@ async def test_a_role_is_started_in_its_own_group_seen_ready_and_ended_with_all_
                     os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.wait(timeout=10)
+
+
+#: A rollout in miniature: it makes its engine's socket directory (as ``VllmEngine.start``
+#: does) and forks a process that ignores SIGTERM (as an engine process may, mid-shutdown), then
+#: waits to be killed. Neither removes the directory: only its launcher can.
+OWNER = """
+import os, signal, time
+from laminar.proc import owned_dirs
+path, _ = owned_dirs.make()
+if os.fork() == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(60)
+    os._exit(0)
+print(path, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_role_killed_with_its_group_leaves_no_engine_socket_directory() -> None:
+    """A rollout SIGKILLed (its stop outlived the grace) and its group ended at once: its
+    engine's directory of vLLM socket files is gone when :func:`kill_role` returns (fresh-clone CI
+    runs left one in ``/tmp`` now and then: laminar.proc.spawn.end_role_groups)."""
+    environ, mark = launch_env(env())
+    proc = start([sys.executable, "-c", OWNER], environ, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        path = Path(proc.stdout.readline().strip())
+        assert path.is_dir() and owned_dirs.owner(path) is not None, path
+        kill_role(proc, mark, grace=0.5)  # the forked process needs SIGKILL
+        assert procfs.group_members(proc.pid, mark) == []
+        assert not path.exists(), path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        procfs.end_group(proc.pid, grace=0.5, mark=mark)
 
 
 def _members(gid: int, mark: str, count: int):  # type: ignore[no-untyped-def]
