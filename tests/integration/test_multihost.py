@@ -125,8 +125,11 @@ def test_rl_run_across_three_hosts(tmp_path: Path) -> None:
             # as a stand-in until its own joins (roles/rollout/switching.py), and this test
             # checks that every load came from the rollout's own host.
             cluster.serve("relay", "relay-h2", 2)
-            rollouts = [("rollout", n, h) for h, names in HOSTS.items() for n in names]
-            cluster.serve_all([*rollouts, ("trainer", "trainer", 0)])
+            # The trainer before the rollouts: its start (torch, transformers) took ~20 s beside
+            # them, while the sim rollouts generated and the data role stored some 10,000
+            # trajectories nobody would train on (21 of the test's 54 CPU-s, 2026-11-29).
+            cluster.serve("trainer", "trainer", 0)
+            cluster.serve_all([("rollout", n, h) for h, names in HOSTS.items() for n in names])
             started = time.monotonic() - t0
             addresses = {n: cluster.address(n) for n in cluster.started}
             report = on_host(lab, 0, lambda: observe(addresses, VERSIONS, 150), 150)
