@@ -238,9 +238,8 @@ CONCURRENCY = 8
 #: 32 sequences, four times what one rollout runs at once (``concurrency`` 8). Until a move, the
 #: destination is drained and the source takes them all, 8 at a time: a try that found nothing to
 #: move (see the test) resumes the source, which takes the next 8, so there is work for
-#: ``PROMPTS * SAMPLES / CONCURRENCY`` tries. After the move the rest is only waited for: it was
-#: 64 sequences until 2026-11-29, and generating the 50-odd left after the move was half of this
-#: test's 105 CPU-s (measured alone).
+#: ``PROMPTS * SAMPLES / CONCURRENCY`` tries. After the move the rest is only waited for: with
+#: 64 sequences (until 2026-11-29) this test took 82 CPU-s, with 32 it takes 50 (measured alone).
 PROMPTS, SAMPLES, MAX_TOKENS = 16, 2, 480
 #: the migration test's tries at most (see there): one for each refill of the source
 TRIES = PROMPTS * SAMPLES // CONCURRENCY
