@@ -27,6 +27,7 @@ import asyncio
 import errno
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -304,9 +305,24 @@ time.sleep(3600)
 """
 
 
-def start_engine(tag: str, keep_environ: bool) -> tuple[subprocess.Popen[str], int, int]:
-    """The owner, its engine core and worker, once the worker's watch is armed."""
-    extra = {TAG: tag, **(KEEP_ENVIRON if keep_environ else {})}
+@pytest.fixture
+def socket_root() -> Iterator[Path]:
+    """A temp root of the test's own for the stand-in engine's socket directory (short: socket
+    paths). Under the system's, a launcher ending a role's group in another worker meanwhile
+    sweeps every owned directory whose owner is gone (``laminar.proc.spawn.end_role_groups``):
+    this test's, once it has killed the owner, before it looks at what the watch did (seen in
+    a fresh-clone CI run, 2026-11-29)."""
+    path = Path(tempfile.mkdtemp(prefix="lo-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def start_engine(
+    tag: str, keep_environ: bool, root: Path
+) -> tuple[subprocess.Popen[str], int, int]:
+    """The owner (its socket directory under ``root``), its engine core and worker, once the
+    worker's watch is armed."""
+    extra = {TAG: tag, "TMPDIR": str(root), **(KEEP_ENVIRON if keep_environ else {})}
     owner = spawn([sys.executable, "-c", OWNER, CORE, WORKER], **extra)
     try:
         assert owner.stdout is not None
@@ -321,15 +337,15 @@ def start_engine(tag: str, keep_environ: bool) -> tuple[subprocess.Popen[str], i
 
 @pytest.mark.parametrize("keep_environ", [True, False], ids=["SPT_NOENV", "environ-wiped"])
 def test_engine_processes_die_with_their_rollout_killed_with_minus_9(
-    keep_environ: bool, monkeypatch: pytest.MonkeyPatch
+    keep_environ: bool, monkeypatch: pytest.MonkeyPatch, socket_root: Path
 ) -> None:
     if not keep_environ:
         pytest.importorskip("setproctitle")
     monkeypatch.delenv("SPT_NOENV", raising=False)
     tag = uuid.uuid4().hex
-    owner, core, worker = start_engine(tag, keep_environ)
+    owner, core, worker = start_engine(tag, keep_environ, socket_root)
     born = {pid: procfs.stat(pid).start for pid in (core, worker)}  # type: ignore[union-attr]
-    ipc = socket_dir(owner.pid)
+    ipc = socket_dir(owner.pid, socket_root)
     try:
         assert (ipc / "socket").exists()
         # What the supervisor sees of them by their environment, as in vLLM.
@@ -390,19 +406,20 @@ def describe(pid: int) -> str:
     return f"{procfs.stat(pid)} threads {threads}"
 
 
-def socket_dir(owner: int) -> Path:
-    """The engine's directory of socket files, which its owner made (``owned_dirs.make``)."""
-    (path,) = Path(tempfile.gettempdir()).glob(f"{owned_dirs.PREFIX}-{owner}-*")
+def socket_dir(owner: int, root: Path) -> Path:
+    """The engine's directory of socket files, which its owner made under ``root``
+    (``owned_dirs.make``)."""
+    (path,) = root.glob(f"{owned_dirs.PREFIX}-{owner}-*")
     return path
 
 
-def test_an_engine_closed_by_its_rollout_ends_quietly() -> None:
+def test_an_engine_closed_by_its_rollout_ends_quietly(socket_root: Path) -> None:
     """A clean shutdown: the rollout stops its engine, then exits; the watch, woken by that exit
     while the worker is still on its way out, says nothing and kills nothing."""
     tag = uuid.uuid4().hex
-    owner, core, worker = start_engine(tag, keep_environ=True)
+    owner, core, worker = start_engine(tag, keep_environ=True, root=socket_root)
     born = {pid: procfs.stat(pid).start for pid in (core, worker)}  # type: ignore[union-attr]
-    ipc = socket_dir(owner.pid)
+    ipc = socket_dir(owner.pid, socket_root)
     try:
         os.kill(worker, signal.SIGTERM)  # what vLLM's shutdown does (the worker takes 0.1 s)
         os.kill(core, signal.SIGTERM)
