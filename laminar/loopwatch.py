@@ -15,9 +15,13 @@ where it is, once per stall, while the stall goes on, then once more, with its w
 when the loop turns again. The thread only reads; it never touches the loop. When the innermost
 frames are the loop's own (:func:`loop_machinery`), no Python code of the role holds it: the
 process waited for a CPU, or a callback without Python frames ran; the stall says so (``idle``)
-rather than name the loop as the culprit, and the thread keeps looking while it lasts: code of
-the role found holding the loop later in the same stall is said then (a starved process that
-goes on into a blocking call, seen on a loaded machine, was reported as idle only).
+rather than name the loop as the culprit. The thread keeps looking while the stall lasts: one
+turn of the loop runs every callback that is ready, so one stall can pass from one holder to
+another (a starved process that goes on into a blocking call, seen on a loaded machine, was
+reported as idle only; a connection callback slowed by a loaded machine, read first, hid the
+``time.sleep`` run right after it, seen in a CI run). A new holder (another callback or task:
+the frame the loop entered, not the line it is at) is said when found, up to
+:data:`MAX_HOLDERS` per stall, and the stall's end names the last one said.
 
 Started by ``laminar serve`` once the role is ready (starting an engine may block the loop on
 purpose), with ``cluster.loop_stall_s``.
@@ -35,6 +39,8 @@ from dataclasses import dataclass
 
 #: Innermost frames said for a stall: enough to show the caller of a blocking call.
 STACK_FRAMES = 4
+#: Holders said per stall at most: one turn of the loop can run many slow callbacks.
+MAX_HOLDERS = 4
 
 
 @dataclass(frozen=True)
@@ -92,28 +98,30 @@ class LoopWatch:
             self._timer = self.loop.call_later(self.interval, self._tick)
 
     def _watch(self) -> None:
-        stalled: Stall | None = None  # the stall being watched, as first said
+        stalled: Stall | None = None  # the stall being watched, as last said
         since = 0.0
+        entry: tuple[str, str] | None = None  # the frame the loop entered for the holder said
+        holders = 0
         while not self._stop.wait(self.interval):
             stamp = self._stamp
             age = time.monotonic() - stamp
             if stalled is None and age >= self.threshold_s:
-                where, stack, idle = self._where()
-                stalled, since = Stall(age, False, where, stack, idle), stamp
+                where, stack, idle, entry = self._where()
+                stalled, since, holders = Stall(age, False, where, stack, idle), stamp, 1
                 self._say(stalled)
             elif stalled is not None and stamp != since:  # the loop turned again
                 # From the last stamp before the stall to the first after it: the stall's length
                 # to within one interval.
                 self._say(Stall(stamp - since, True, stalled.where, stalled.stack, stalled.idle))
                 stalled = None
-            elif stalled is not None and stalled.idle:
-                # Said as idle (the process waiting for a CPU, or a call without Python frames)
-                # and not over: look again. Code of the role that holds the loop now, in the
-                # same stall (a starved process that then runs a blocking call, as on a loaded
-                # machine), is said once found, and the end names it.
-                where, stack, idle = self._where()
-                if not idle and where:
+            elif stalled is not None and holders < MAX_HOLDERS:
+                # Not over: look again. Code of the role holding the loop now that is not the
+                # holder said (another callback or task in the same turn, or code after an idle
+                # reading) is said once found, and the end names it.
+                where, stack, idle, now = self._where()
+                if not idle and where and (stalled.idle or now != entry):
                     stalled = Stall(time.monotonic() - since, False, where, stack, False)
+                    entry, holders = now, holders + 1
                     self._say(stalled)
 
     def _say(self, stall: Stall) -> None:
@@ -122,13 +130,36 @@ class LoopWatch:
         except Exception:  # a broken reporter must not end the watch
             traceback.print_exc()
 
-    def _where(self) -> tuple[str, list[str], bool]:
+    def _where(self) -> tuple[str, list[str], bool, tuple[str, str] | None]:
+        """Where the loop's thread is: its innermost frame, the innermost frames, whether they
+        are the loop's own, and the frame the loop entered to run the holder (:func:`entry`)."""
         frame = sys._current_frames().get(self._loop_thread or -1)
         if frame is None:
-            return "", [], False
-        summary = traceback.extract_stack(frame)[-STACK_FRAMES:]
+            return "", [], False, None
+        whole = traceback.extract_stack(frame)
+        summary = whole[-STACK_FRAMES:]
         stack = [f"{f.filename}:{f.lineno} in {f.name}" for f in summary]
-        return (stack[-1] if stack else ""), stack, loop_machinery(summary)
+        return (stack[-1] if stack else ""), stack, loop_machinery(summary), entry(whole)
+
+
+def entry(frames: traceback.StackSummary) -> tuple[str, str] | None:
+    """The callback or task the loop is running, as (file, function) of the first frame inside
+    the loop's dispatch: after asyncio's innermost ``Handle._run`` (``events.py``) or, under
+    uvloop, whose dispatch is all C, after the asyncio and uvloop frames that run the loop
+    (``runners.py``, uvloop's ``run`` wrapper). Two readings with the same entry are one
+    holder, whatever line it is at."""
+    dispatch = None
+    for i, f in enumerate(frames):
+        path = f.filename.replace("\\", "/")
+        if "/uvloop/" in path or (
+            "/asyncio/" in path
+            and ((path.endswith("/events.py") and f.name == "_run") or path.endswith("/runners.py"))
+        ):
+            dispatch = i
+    if dispatch is None or dispatch + 1 >= len(frames):
+        return None
+    inner = frames[dispatch + 1]
+    return inner.filename, inner.name
 
 
 def loop_machinery(frames: traceback.StackSummary) -> bool:

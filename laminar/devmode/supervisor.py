@@ -43,6 +43,7 @@ import asyncio
 import json
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -322,8 +323,18 @@ class Supervisor:
 
 def _write_private(path: Path, text: str) -> None:
     """Write ``path`` readable by this user only (0600), whatever the umask, and whatever mode a
-    file already there (a resumed run's) had: it is never readable by others, not even briefly."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with open(fd, "w") as f:
-        os.fchmod(fd, 0o600)
-        f.write(text)
+    file already there (a resumed run's) had: it is never readable by others, not even briefly.
+
+    The text goes to a private temporary file beside ``path`` that then replaces it, so a reader
+    polling for ``cluster.json`` (``laminar admin``, a script waiting for the run) sees no file or
+    the whole file, never the empty one an in-place write shows between its open and its write
+    (a fresh-clone CI run once read exactly that)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with open(fd, "w") as f:
+            os.fchmod(fd, 0o600)
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

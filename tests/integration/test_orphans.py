@@ -254,14 +254,19 @@ def test_a_role_whose_loop_is_blocked_says_where(tmp_path: Path) -> None:
     blocked = [line for line in lines if "event loop blocked" in line]
     named = [line for line in blocked if "spawner.py:" in line and "in block_once" in line]
     assert "event loop blocked" in out, out
-    if named or not all("no Python code of the role holds it" in line for line in blocked):
-        assert len(named) == 1 and len(blocked) <= 2, blocked
-        return
-    # Every reading was idle: the watch's thread got no CPU until the block was over (a
-    # fresh-clone CI run on 2026-11-28: first read 7.9 s into a 3 s block, the test taking 65 s
-    # instead of 10), so no code could be seen holding the loop. The stall is still said, with
-    # its whole length.
     (end,) = [line for line in lines if "event loop turns again" in line]
+    if named:
+        # Said once, and the end names it. Other holders of the same stall may be said before
+        # it: a reading while the process waited for a CPU (idle), or a callback run in the same
+        # turn of the loop and slowed by a loaded machine (a CI run read `connection_made` of
+        # the transport first, 2026-11-29).
+        assert len(named) == 1 and len(blocked) <= 3, blocked
+        assert "in block_once" in end, end
+        return
+    # No reading named it: the watch's thread got no CPU until the block was over (a
+    # fresh-clone CI run on 2026-11-28: first read 7.9 s into a 3 s block, the test taking 65 s
+    # instead of 10), so it could only read the loop's own frames or what ran before. The
+    # stall is still said, with its whole length.
     assert float(end.split("blocked_s=")[1].split()[0]) >= 3.0, (end, blocked)
 
 

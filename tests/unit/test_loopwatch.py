@@ -153,3 +153,46 @@ def test_a_stall_said_idle_names_the_code_that_holds_the_loop_next(loop_kind: st
     assert [(s.ended, s.idle) for s in said] == [(False, True), (False, False), (True, False)], said
     assert said[1].where.endswith("in hold_the_loop") and said[2].where == said[1].where
     assert said[2].seconds >= 1.75, said[2]
+
+
+def spin(seconds: float) -> int:
+    """Holds the loop computing: its line changes from one reading to the next, its holder not."""
+    end, n = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_one_stall_held_by_two_callbacks_names_each_and_a_busy_one_once(loop_kind: str) -> None:
+    """Two callbacks in one turn of the loop, one computing, then one sleeping: one stall, said
+    once per holder (the computing one read many times at changing lines is said once), and its
+    end names the last. (A CI run on a loaded machine read a slow connection callback first and
+    never named the ``time.sleep`` that held the loop right after it.)"""
+    import uvloop
+
+    async def main(said: list[Stall]) -> None:
+        loop = asyncio.get_running_loop()
+        watch = LoopWatch(loop, 0.25, said.append)
+        watch.start()
+        try:
+            await asyncio.sleep(0.1)
+            loop.call_soon(spin, 1.0)
+            loop.call_soon(hold_the_loop, 1.0)
+            await asyncio.sleep(0.01)  # the two run here, in one turn of the loop
+            await asyncio.sleep(0.6)  # the watch sees the loop turn again
+        finally:
+            watch.close()
+
+    # The watch's first reading falls in the computing second unless its thread gets no CPU for
+    # all of it (a loaded machine): then that reading is of the sleep, and this is tried again.
+    for _ in range(3):
+        said: list[Stall] = []
+        (uvloop.run if loop_kind == "uvloop" else asyncio.run)(main(said))
+        if said and said[0].where.endswith("in spin"):
+            break
+    assert [(s.ended, s.idle) for s in said] == [(False, False), (False, False), (True, False)], (
+        said
+    )
+    assert said[0].where.endswith("in spin") and said[1].where.endswith("in hold_the_loop")
+    assert said[2].where == said[1].where and said[2].seconds >= 1.75, said[2]

@@ -73,6 +73,40 @@ def test_the_token_file_and_cluster_file_are_private_even_when_they_were_not(
     assert json.loads((run_dir / "cluster.json").read_text())["token_file"] == str(token)
 
 
+def test_a_reader_polling_for_the_cluster_file_never_sees_it_half_written(tmp_path: Path) -> None:
+    """``laminar admin`` and scripts poll for ``cluster.json`` and parse it the moment it exists.
+    A reader thread reads it while it is rewritten: every read that finds the file parses, and
+    no temporary file stays behind. (Written in place, the file was empty between its open and
+    its write, and a fresh-clone CI run read exactly that.)"""
+    import threading
+
+    from laminar.devmode.supervisor import _write_private
+
+    path = tmp_path / "cluster.json"
+    done = threading.Event()
+    seen: list[str] = []
+
+    def reader() -> None:
+        while not done.is_set():
+            try:
+                seen.append(path.read_text())
+            except FileNotFoundError:
+                pass
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for i in range(2000):
+            _write_private(path, json.dumps({"manager": f"tcp://127.0.0.1:{i}", "pad": "x" * 4096}))
+    finally:
+        done.set()
+        thread.join()
+    assert seen, "the reader never saw the file"
+    assert all(json.loads(text)["manager"].startswith("tcp://") for text in seen)
+    assert mode(path) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.json"]
+
+
 # What the data role does to its store: WAL mode, a write, and the three files while it is open.
 SQLITE = r"""
 import os, sqlite3, stat
