@@ -50,18 +50,20 @@ from laminar.harness.launch import ProcessCluster
 from laminar.proc import owned_dirs, procfs
 from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_group, group_members
-from tests.support.devrun import kill_session, run_manager, spawn, start_run, write_run_config
+from tests.support.devrun import (
+    STARTUP_S,
+    kill_session,
+    run_manager,
+    spawn,
+    start_run,
+    write_run_config,
+)
 from tests.support.procs import ROOT, TOKEN, env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 SPAWNER = str(ROOT / "tests" / "support" / "spawner.py")
 TAG = "LAMINAR_TEST_ORPHANS"
-#: how long ``laminar run`` may take to bring its spawner role up. A few seconds alone; in the
-#: suite's first minute the cores are shared with three vLLM start-ups and the SFT test, and a run
-#: (2026-11-25) was not up within 30 s there, and one (2026-11-27, a fresh clone) not within 90 s.
-#: Not a bound this file tests.
-STARTUP_S = 180
 #: how long a killed role may take to be noticed, its group ended and the role restarted and
 #: heartbeating again: a bound on a hang, not a timing check. Alone, a few seconds; a fresh-clone
 #: suite run (2026-11-28) missed the 23 s it had (settle + grace + 20) while the vLLM engines of
@@ -125,7 +127,7 @@ def spawner_run(
     config = write_run_config(tmp_path, [spawner], shutdown_grace_s=grace, display="lines")
     sup = start_run(config, **{TAG: tag})
     try:
-        manager = run_manager(tmp_path / "run", sup, timeout=STARTUP_S)
+        manager = run_manager(tmp_path / "run", sup)
         yield sup, tag, manager, spawner_heartbeating(manager)
     except AssertionError as exc:  # what the supervisor said is how to tell why
         said = kill_session(sup)

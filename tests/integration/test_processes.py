@@ -271,6 +271,7 @@ def test_status_without_token_is_refused() -> None:
         stop(manager)
 
 
+@pytest.mark.timeout(300)  # room for run_manager's STARTUP_S on a loaded machine
 def test_laminar_run_restarts_a_killed_member_and_stops_cleanly(tmp_path) -> None:
     calculators = {"role": f"{SUPPORT_ROLES}:Calculator", "count": 2}
     config = write_run_config(

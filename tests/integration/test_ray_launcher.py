@@ -27,6 +27,7 @@ from tests.support.procs import ROOT, TOKEN, laminar
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.timeout(300),  # room for run_manager's STARTUP_S on a loaded machine
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (the dev extra)"),
 ]
 
@@ -74,7 +75,7 @@ def test_ray_launcher_restarts_a_killed_member_and_leaves_nothing(
     run = spawn(laminar(*args), merge_stderr=True, **environ)
     started: dict[int, int] = {}
     try:
-        manager = run_manager(tmp_path / "run", run, timeout=90)
+        manager = run_manager(tmp_path / "run", run)
 
         async def all_alive() -> dict[str, dict] | None:
             view = await _members(manager)

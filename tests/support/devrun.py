@@ -61,10 +61,18 @@ def start_run(config: Path, **extra_env: str) -> subprocess.Popen[str]:
     return spawn(laminar("run", str(config)), merge_stderr=True, **extra_env)
 
 
-def run_manager(run_dir: Path, launcher: subprocess.Popen[str], timeout: float = 60.0) -> str:
+#: How long a launcher may take to write ``cluster.json``: a bound on a hang, not a timing check.
+#: A few seconds alone; in the suite's first minutes the cores are shared with vLLM start-ups and
+#: the SFT test, and a `laminar run` (2026-11-27, a fresh clone) was not up within 90 s there, nor
+#: a Ray launcher's cluster under four xdist workers (2026-11-29).
+STARTUP_S = 180.0
+
+
+def run_manager(run_dir: Path, launcher: subprocess.Popen[str], timeout: float = STARTUP_S) -> str:
     """The manager's address, once the supervisor has written ``cluster.json``. A ``launcher``
     that exits first fails the test at once, with its output (a manager that cannot start ends
-    the run: waiting out ``timeout`` would only hide why)."""
+    the run: waiting out ``timeout`` would only hide why); one still starting after ``timeout``
+    is killed with its session, and the failure shows what it had printed."""
     cluster_file = run_dir / "cluster.json"
     deadline = time.monotonic() + timeout
     while not cluster_file.is_file():
@@ -75,7 +83,11 @@ def run_manager(run_dir: Path, launcher: subprocess.Popen[str], timeout: float =
                 f"its output ends:\n{(output or '')[-3000:]}"
             )
         if time.monotonic() > deadline:
-            raise AssertionError(f"{cluster_file} not written within {timeout} s")
+            said = kill_session(launcher)
+            raise AssertionError(
+                f"{cluster_file} not written within {timeout} s; the launcher (killed) had "
+                f"printed:\n{said[-3000:]}"
+            )
         time.sleep(0.1)
     return str(json.loads(cluster_file.read_text())["manager"])
 
