@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -122,12 +123,14 @@ def test_a_loop_held_without_python_frames_is_told_apart(loop_kind: str) -> None
     assert starts[1].where.endswith("in hold_the_loop")
 
 
-@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
-def test_a_stall_said_idle_names_the_code_that_holds_the_loop_next(loop_kind: str) -> None:
-    """One stall, held first without Python frames (a process waiting for a CPU looks the same)
-    and then by a Python function, in the same turn of the loop: said as idle, then again naming
-    that function, and its end names it too (a suite run on a loaded machine saw a role starved
-    right before its blocking call reported as idle only)."""
+def one_turn(
+    loop_kind: str, first: Callable[[float], object], read_first: Callable[[Stall], bool]
+) -> list[Stall]:
+    """What the watch said of one turn of the loop in which ``first`` and then ``hold_the_loop``
+    each held it for a second. The watch's first reading falls in ``first``'s second unless its
+    thread gets no CPU for all of it (a loaded machine): then that reading is of the sleep, and
+    the turn is tried again, up to three times (``read_first`` tells a first reading of
+    ``first``)."""
     import uvloop
 
     async def main(said: list[Stall]) -> None:
@@ -136,20 +139,28 @@ def test_a_stall_said_idle_names_the_code_that_holds_the_loop_next(loop_kind: st
         watch.start()
         try:
             await asyncio.sleep(0.1)
-            loop.call_soon(time.sleep, 1.0)
+            loop.call_soon(first, 1.0)
             loop.call_soon(hold_the_loop, 1.0)
             await asyncio.sleep(0.01)  # the two run here, in one turn of the loop
             await asyncio.sleep(0.6)  # the watch sees the loop turn again
         finally:
             watch.close()
 
-    # The watch's first reading falls in the idle second unless its thread gets no CPU for all
-    # of it (a loaded machine): then that reading is of the function, and this is tried again.
     for _ in range(3):
         said: list[Stall] = []
         (uvloop.run if loop_kind == "uvloop" else asyncio.run)(main(said))
-        if said and said[0].idle:
+        if said and read_first(said[0]):
             break
+    return said
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_stall_said_idle_names_the_code_that_holds_the_loop_next(loop_kind: str) -> None:
+    """One stall, held first without Python frames (a process waiting for a CPU looks the same)
+    and then by a Python function, in the same turn of the loop: said as idle, then again naming
+    that function, and its end names it too (a suite run on a loaded machine saw a role starved
+    right before its blocking call reported as idle only)."""
+    said = one_turn(loop_kind, time.sleep, lambda stall: stall.idle)
     assert [(s.ended, s.idle) for s in said] == [(False, True), (False, False), (True, False)], said
     assert said[1].where.endswith("in hold_the_loop") and said[2].where == said[1].where
     assert said[2].seconds >= 1.75, said[2]
@@ -169,28 +180,7 @@ def test_one_stall_held_by_two_callbacks_names_each_and_a_busy_one_once(loop_kin
     once per holder (the computing one read many times at changing lines is said once), and its
     end names the last. (A CI run on a loaded machine read a slow connection callback first and
     never named the ``time.sleep`` that held the loop right after it.)"""
-    import uvloop
-
-    async def main(said: list[Stall]) -> None:
-        loop = asyncio.get_running_loop()
-        watch = LoopWatch(loop, 0.25, said.append)
-        watch.start()
-        try:
-            await asyncio.sleep(0.1)
-            loop.call_soon(spin, 1.0)
-            loop.call_soon(hold_the_loop, 1.0)
-            await asyncio.sleep(0.01)  # the two run here, in one turn of the loop
-            await asyncio.sleep(0.6)  # the watch sees the loop turn again
-        finally:
-            watch.close()
-
-    # The watch's first reading falls in the computing second unless its thread gets no CPU for
-    # all of it (a loaded machine): then that reading is of the sleep, and this is tried again.
-    for _ in range(3):
-        said: list[Stall] = []
-        (uvloop.run if loop_kind == "uvloop" else asyncio.run)(main(said))
-        if said and said[0].where.endswith("in spin"):
-            break
+    said = one_turn(loop_kind, spin, lambda stall: stall.where.endswith("in spin"))
     assert [(s.ended, s.idle) for s in said] == [(False, False), (False, False), (True, False)], (
         said
     )
