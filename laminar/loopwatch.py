@@ -100,13 +100,13 @@ class LoopWatch:
     def _watch(self) -> None:
         stalled: Stall | None = None  # the stall being watched, as last said
         since = 0.0
-        entry: tuple[str, str] | None = None  # the frame the loop entered for the holder said
+        said_entry: tuple[str, str] | None = None  # :func:`entry` of the holder said last
         holders = 0
         while not self._stop.wait(self.interval):
             stamp = self._stamp
             age = time.monotonic() - stamp
             if stalled is None and age >= self.threshold_s:
-                where, stack, idle, entry = self._where()
+                where, stack, idle, said_entry = self._where()
                 stalled, since, holders = Stall(age, False, where, stack, idle), stamp, 1
                 self._say(stalled)
             elif stalled is not None and stamp != since:  # the loop turned again
@@ -119,9 +119,9 @@ class LoopWatch:
                 # holder said (another callback or task in the same turn, or code after an idle
                 # reading) is said once found, and the end names it.
                 where, stack, idle, now = self._where()
-                if not idle and where and (stalled.idle or now != entry):
+                if not idle and where and (stalled.idle or now != said_entry):
                     stalled = Stall(time.monotonic() - since, False, where, stack, False)
-                    entry, holders = now, holders + 1
+                    said_entry, holders = now, holders + 1
                     self._say(stalled)
 
     def _say(self, stall: Stall) -> None:
