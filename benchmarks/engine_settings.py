@@ -43,31 +43,27 @@ def side_config(model: Path, max_model_len: int, side: dict[str, Any]) -> tuple[
 
 
 async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from vllm import envs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
     segments = args.warmup_pairs + args.pairs
     model, prompts = generation.prepare(args, work, args.prompts * segments)
     tok = load_tokenizer(model)
     records = read_records(prompts)
     eos = eos_token_ids(str(model))
     sides = {"baseline": json.loads(args.baseline), "subject": json.loads(args.subject)}
-    engines: dict[str, tuple[Any, int]] = {}
+    engines: dict[str, tuple[Any, int, Path]] = {}
     figures: dict[str, list[dict[str, float]]] = {"baseline": [], "subject": []}
     try:
         for name, side in sides.items():
             cfg, concurrency = side_config(model, args.max_model_len, side)
-            llm = AsyncLLM.from_engine_args(engine_args(cfg))
-            envs.enable_envs_cache()  # as the rollout's engine does
+            llm, ipc = generation.bare_llm(engine_args(cfg))
+            engines[name] = (llm, concurrency, ipc)
             await generation.bare_warm(llm, argparse.Namespace(concurrency=concurrency))
-            engines[name] = (llm, concurrency)
         for k in range(segments):
             chunk = records[k * args.prompts : (k + 1) * args.prompts]
             jobs = [(f"{r['id']}/{s}", tok.encode(r["prompt"]).ids)
                     for r in chunk for s in range(args.samples)]  # fmt: skip
             line = []
             for name in ("baseline", "subject"):
-                llm, concurrency = engines[name]
+                llm, concurrency, _ = engines[name]
                 await asyncio.sleep(args.settle)
                 ns = argparse.Namespace(max_tokens=args.max_tokens, seed=args.seed,
                                         concurrency=concurrency)  # fmt: skip
@@ -79,7 +75,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                   + " tokens/s", flush=True)  # fmt: skip
     finally:
         for name in list(engines):
-            generation.bare_stop(engines.pop(name)[0])  # and the last reference goes with it
+            engine, _, ipc = engines.pop(name)
+            generation.bare_stop(engine, ipc)
     rate = {n: [f["tokens"] / f["seconds"] for f in figs] for n, figs in figures.items()}
     summary = pairs.summarise(rate["baseline"], rate["subject"])
     return {"sides": sides, "tokens_per_s": summary, "runs": figures}

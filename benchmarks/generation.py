@@ -63,8 +63,13 @@ sys.path.insert(0, str(ROOT))
 
 from laminar.engines.configs import VllmEngineConfig  # noqa: E402
 from laminar.engines.vllm_compat import token_prompt  # noqa: E402
-from laminar.engines.vllm_engine import engine_args, eos_token_ids  # noqa: E402
+from laminar.engines.vllm_engine import (  # noqa: E402
+    engine_args,
+    eos_token_ids,
+    start_async_llm,
+)
 from laminar.harness.launch import ProcessCluster  # noqa: E402
+from laminar.proc import owned_dirs  # noqa: E402
 from laminar.proc.procfs import stat  # noqa: E402
 from laminar.roles.data.api import DataApi, SampleRequest  # noqa: E402
 from laminar.roles.data.prompts import load_tokenizer, read_records  # noqa: E402
@@ -150,14 +155,21 @@ def engine_config(args: argparse.Namespace, model: Path) -> VllmEngineConfig:
     )
 
 
-def bare_start(args: argparse.Namespace, model: Path) -> Any:
-    """vLLM's ``AsyncLLM`` on the rollout's engine settings (warmed up by :func:`bare_warm`)."""
-    from vllm import envs
-    from vllm.v1.engine.async_llm import AsyncLLM
+def bare_start(args: argparse.Namespace, model: Path) -> tuple[Any, Path]:
+    """vLLM's ``AsyncLLM`` on the rollout's engine settings (warmed up by :func:`bare_warm`),
+    and the directory of its socket files (:func:`bare_stop` removes it)."""
+    return bare_llm(engine_args(engine_config(args, model)))
 
-    llm = AsyncLLM.from_engine_args(engine_args(engine_config(args, model)))
+
+def bare_llm(args: Any) -> tuple[Any, Path]:
+    """``AsyncLLM`` on vLLM's engine ``args``, started as the rollout's engine starts it
+    (``start_async_llm``: its socket files in a directory of this process's own, else each start
+    leaves 7 in ``/tmp``; then the environment cache on); the engine and that directory."""
+    from vllm import envs
+
+    llm, ipc = start_async_llm(args)
     envs.enable_envs_cache()  # as the rollout's engine does (VllmEngine.start)
-    return llm
+    return llm, ipc
 
 
 async def bare_warm(llm: Any, args: argparse.Namespace) -> None:
@@ -173,9 +185,10 @@ async def bare_warm(llm: Any, args: argparse.Namespace) -> None:
     await asyncio.gather(*(one(i) for i in range(min(8, args.concurrency))))
 
 
-def bare_stop(llm: Any) -> None:
+def bare_stop(llm: Any, ipc: Path) -> None:
     llm.shutdown()
     gc.collect()  # now: its __del__ at interpreter exit would find vLLM torn down
+    owned_dirs.remove(ipc)
 
 
 async def bare_generate(
@@ -222,12 +235,12 @@ async def run_bare(args: argparse.Namespace, model: Path, prompts: Path) -> dict
         for r in read_records(prompts)
         for k in range(args.samples)
     ]
-    llm = bare_start(args, model)
+    llm, ipc = bare_start(args, model)
     try:
         await bare_warm(llm, args)
         return await bare_generate(llm, jobs, args, eos_token_ids(str(model)))
     finally:
-        bare_stop(llm)
+        bare_stop(llm, ipc)
 
 
 TOKEN = "bench-token-0123456789abcdef"
@@ -316,7 +329,7 @@ async def run_segments(
     eos = eos_token_ids(str(model))
     bares: list[dict[str, float]] = []
     roles: list[dict[str, float]] = []
-    llm = bare_start(args, model)
+    llm, ipc = bare_start(args, model)
     try:
         await bare_warm(llm, args)  # then idle: its processes stop polling before the roles start
         shutil.rmtree(work / "segments", ignore_errors=True)
@@ -357,7 +370,7 @@ async def run_segments(
                     roles.append(role)
                     bares.append(bare)
     finally:
-        bare_stop(llm)
+        bare_stop(llm, ipc)
         llm = None
     return bares, roles
 

@@ -92,7 +92,7 @@ def plot_run(run_dir: str | Path, trainer_metrics: str | Path | None = None) -> 
     ax.set_ylim(0, 1)
     ax.set_title("reward and held-out accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    _legend(ax, "lower right", "no version trained yet")
     save(fig, "reward_accuracy.png")
 
     # throughput
@@ -115,7 +115,7 @@ def plot_run(run_dir: str | Path, trainer_metrics: str | Path | None = None) -> 
     ax.set_ylabel("tokens/s")
     ax.set_title("throughput")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
+    _legend(ax, "upper left", "nothing generated or trained yet")
     save(fig, "throughput.png")
 
     # staleness
@@ -175,6 +175,15 @@ def plot_run(run_dir: str | Path, trainer_metrics: str | Path | None = None) -> 
     )
     save(fig, "timeline.png")
     return written
+
+
+def _legend(ax: Any, loc: str, empty: str) -> None:
+    """The legend of what ``ax`` shows, or ``empty`` across it if it shows nothing (a run stopped
+    before its first version: matplotlib would warn that it has nothing to put in a legend)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc=loc)
+    else:
+        ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center", color="grey")
 
 
 def _generation_rate(samples: list[dict[str, Any]]) -> tuple[list[float], list[float]]:

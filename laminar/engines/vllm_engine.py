@@ -174,6 +174,34 @@ def request_error(exc: BaseException) -> str | None:
     return None
 
 
+def start_async_llm(args: Any, **kwargs: Any) -> tuple[Any, Path]:
+    """``AsyncLLM.from_engine_args(args, **kwargs)``, with vLLM's ``ipc://`` socket files in a
+    directory of this process's own (:mod:`laminar.proc.owned_dirs`); the engine and that
+    directory. The caller removes the directory (``owned_dirs.remove``) once the engine is shut
+    down; if the caller is killed first, the next engine start on the host sweeps it.
+
+    Why: vLLM binds its endpoints as files in ``VLLM_RPC_BASE_PATH`` (``/tmp`` by default) and
+    only a socket closed by the process that bound it unlinks its file; on CPU its shutdown kills
+    its processes, so each start left 7 files in ``/tmp``. :meth:`VllmEngine.start` starts its
+    engine here, and so does anything that runs ``AsyncLLM`` without it (the benchmarks' bare
+    vLLM): the directory changes nothing vLLM does but where those files go."""
+    from vllm import envs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from .vllm_worker import IPC_ENV
+
+    ipc, swept = owned_dirs.make()
+    if swept:
+        log.info("removed the socket directories of vLLM engines gone", count=len(swept))
+    try:
+        # uncached: a second engine in this process reads its own directory, not the first's
+        with _environ(IPC_ENV, str(ipc)), envs_uncached(envs):
+            return AsyncLLM.from_engine_args(args, **kwargs), ipc
+    except BaseException:
+        owned_dirs.remove(ipc)
+        raise
+
+
 @contextlib.contextmanager
 def _environ(name: str, value: str) -> Iterator[None]:
     """``os.environ[name] = value`` for the duration; the previous value (or none) after."""
@@ -210,7 +238,6 @@ class VllmEngine(VllmKvMigration, Engine):
         cfg = self.config
         self.eos_token_ids = eos_token_ids(cfg.model)
         from vllm import envs
-        from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import PrometheusStatLogger
 
         engine = self
@@ -239,7 +266,7 @@ class VllmEngine(VllmKvMigration, Engine):
 
         args = engine_args(cfg)
         from ..proc.procfs import KEEP_ENVIRON, descendants, tracked_shm
-        from .vllm_worker import IPC_ENV, OWNER_ENV, owner_token
+        from .vllm_worker import OWNER_ENV, owner_token
 
         # vLLM's setproctitle would wipe its processes' /proc environ, and with it the marks
         # the supervisor finds them by (see laminar.proc.procfs).
@@ -250,22 +277,10 @@ class VllmEngine(VllmKvMigration, Engine):
         # Only while the engine starts: from_engine_args starts the engine core before it
         # returns, and the workers are the core's children; nothing this process starts later
         # should think it belongs to the engine.
-        # vLLM binds its ipc:// endpoints as files in VLLM_RPC_BASE_PATH, and a killed process
-        # leaves its files behind: this engine's go in a directory of its own, which close() (or
-        # the watch, or the next start here, once this process is gone) removes with them.
-        self._ipc, swept = owned_dirs.make()
-        if swept:
-            log.info("removed the socket directories of vLLM engines gone", count=len(swept))
-        try:
-            with (
-                _environ(OWNER_ENV, owner_token()),
-                _environ(IPC_ENV, str(self._ipc)),
-                envs_uncached(envs),  # a second engine in this process reads the new value
-            ):
-                self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_KeepLatest])
-        except BaseException:
-            owned_dirs.remove(self._ipc)
-            raise
+        # vLLM's socket files go in a directory of this engine's own, which close() (or the
+        # watch, or the next start here, once this process is gone) removes with them.
+        with _environ(OWNER_ENV, owner_token()):
+            self._llm, self._ipc = start_async_llm(args, stat_loggers=[_KeepLatest])
         # vLLM reads its environment variables through ``vllm.envs``, one ``os.getenv`` per read
         # until this is called (its API server calls it once started): the front end reads one
         # per sequence per step for its iteration stats, 8% of the rollout's CPU in a profile.

@@ -79,3 +79,47 @@ async def test_the_owner_value_is_set_only_while_the_engine_starts(
     for engine in (first, second):
         await engine.close()
     assert not any(d.exists() for d in dirs if d is not None), dirs
+
+
+def test_an_engine_started_without_the_rollout_gets_a_socket_directory_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``start_async_llm``, as the benchmarks' bare vLLM starts (each such start left 7 socket
+    files in ``/tmp``): vLLM reads a directory of this process's own while it starts, the caller
+    gets it to remove after the shutdown, and a start that fails removes it itself."""
+    import tempfile
+
+    from vllm import envs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from laminar.engines.vllm_engine import start_async_llm
+    from laminar.engines.vllm_worker import IPC_ENV
+    from laminar.proc import owned_dirs
+
+    seen: list[tuple[str | None, str]] = []
+
+    def from_engine_args(args: Any, **kwargs: Any) -> Any:
+        seen.append((os.environ.get(IPC_ENV), envs.VLLM_RPC_BASE_PATH))
+        if args == "refused":
+            raise RuntimeError("less than requested memory for kv")
+        return SimpleNamespace(args=args, kwargs=kwargs)
+
+    def ours() -> set[Path]:
+        return {
+            p for p in Path(tempfile.gettempdir()).iterdir() if owned_dirs.owner(p) is not None
+            and owned_dirs.owner(p)[0] == os.getpid()  # type: ignore[index]
+        }  # fmt: skip
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", from_engine_args)
+    monkeypatch.delenv(IPC_ENV, raising=False)
+    before = ours()
+    llm, ipc = start_async_llm("args", stat_loggers=[])
+    assert (llm.args, llm.kwargs) == ("args", {"stat_loggers": []})
+    assert seen == [(str(ipc), str(ipc))] and IPC_ENV not in os.environ
+    assert ipc.is_dir() and ipc.stat().st_mode & 0o777 == 0o700 and ours() - before == {ipc}
+    owned_dirs.remove(ipc)
+
+    with pytest.raises(RuntimeError, match="requested memory"):
+        start_async_llm("refused")
+    assert len(seen) == 2 and seen[1][0] is not None and seen[1][0] != str(ipc)
+    assert ours() == before and IPC_ENV not in os.environ

@@ -76,18 +76,21 @@ def namespace_prefix(directory: Path) -> tuple[str, ...]:
 
 async def _share(model: str) -> int:
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from laminar.engines.vllm_engine import start_async_llm
+    from laminar.proc import owned_dirs
 
     args = AsyncEngineArgs(
         model=model, max_model_len=256, max_num_seqs=8, enforce_eager=True,
         skip_tokenizer_init=True, gpu_memory_utilization=0.05,
     )  # fmt: skip
     try:
-        llm = AsyncLLM.from_engine_args(args)
+        llm, ipc = start_async_llm(args)  # its socket files in a directory of its own
     except Exception:
         traceback.print_exc()
         return 3
     llm.shutdown()
+    owned_dirs.remove(ipc)
     return 0
 
 

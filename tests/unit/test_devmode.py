@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,24 @@ def test_progress_numbers_come_from_the_files(tmp_path: Path) -> None:
     assert p.reward == pytest.approx(0.3) and p.staleness_max == 1
     assert p.rollout_tokens_per_s["rollout-0"] == pytest.approx(100.0)
     assert "accuracy 0.600 (+0.200)" in progress_line(p)
+
+
+def test_a_run_stopped_before_anything_happened_plots_without_a_warning(tmp_path: Path) -> None:
+    """A run stopped while its roles start (no version, no trainer log, a single sample): every
+    plot is drawn, saying there is nothing yet, and matplotlib has nothing to warn about (it
+    warned "No artists with labels found to put in legend" at the end of such runs)."""
+    sample = {"time": 1000.0, "rollouts": {"rollout-0": {"phase": "running", "version": 0,
+              "kv": 0.0, "in_flight": 0, "generated_tokens": 0, "state": "alive"}}}  # fmt: skip
+    (tmp_path / "cluster.jsonl").write_text(json.dumps(sample) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        written = plot_run(tmp_path)
+    assert sorted(p.name for p in written) == [
+        "reward_accuracy.png",
+        "staleness.png",
+        "throughput.png",
+        "timeline.png",
+    ]
 
 
 def test_trainer_log_waits_for_a_whole_line(tmp_path: Path) -> None:
