@@ -226,16 +226,29 @@ def tracked_shm(pid: int, root: str = "/dev/shm") -> set[str]:
     its tracker too, and each of its segments would hold memory until the machine restarts (a
     rollout that did not stop within its grace period left 160 MiB in ``/dev/shm`` per engine).
     Only these names: the transport's own segments are shared with other roles, and their owner
-    unlinks them. Read while the process lives (a dead one's maps are gone)."""
-    found = set()
+    unlinks them. Read while the process lives (a dead one's maps are gone).
+
+    Matched by inode, not by the name in ``maps``: glibc makes a named semaphore as a temporary
+    file, maps it, links it to ``sem.<name>`` and unlinks the temporary, so the mapping reads
+    ``/dev/shm/sem.XXXXXX (deleted)`` while the semaphore lives on as ``sem.mp-...`` (a rollout
+    SIGKILLed while its vLLM engine started left its engine core's and worker's)."""
+    inodes = set()
     try:
         with open(f"/proc/{pid}/maps") as maps:
             for line in maps:
-                path = line.rstrip("\n").partition(" " + root + "/")[2]
-                if path.startswith(TRACKED_SHM_PREFIXES) and not path.endswith("(deleted)"):
-                    found.add(f"{root}/{path}")
-    except OSError:  # gone, or not ours to read
-        pass
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(root + "/"):
+                    inodes.add(int(fields[4]))
+    except (OSError, ValueError):  # gone, or not ours to read
+        return set()
+    if not inodes:
+        return set()
+    found = set()
+    with contextlib.suppress(OSError):
+        with os.scandir(root) as entries:
+            for entry in entries:
+                if entry.name.startswith(TRACKED_SHM_PREFIXES) and entry.inode() in inodes:
+                    found.add(f"{root}/{entry.name}")
     return found
 
 

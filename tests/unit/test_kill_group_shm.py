@@ -20,19 +20,22 @@ import pytest
 
 from laminar.proc import procfs
 
-#: makes a tracked segment, says its name, ignores SIGTERM (as a stuck role) and waits
+#: makes a tracked segment and a tracked named semaphore (as vLLM's engine core and worker do
+#: while the engine starts), says their files, ignores SIGTERM (as a stuck role) and waits
 CHILD = """
-import signal, sys, time
+import multiprocessing, signal, sys, time
 from multiprocessing import shared_memory
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 segment = shared_memory.SharedMemory(create=True, size=1 << 20)
 segment.buf[0] = 1
-print(segment.name, flush=True)
+lock = multiprocessing.get_context("spawn").Lock()
+print(segment.name, "sem." + lock._semlock.name.lstrip("/"), flush=True)
 time.sleep(600)
 """
 
 
-def _start(mark: str) -> tuple[subprocess.Popen[str], Path]:
+def _start(mark: str) -> tuple[subprocess.Popen[str], Path, Path]:
+    """The child (its own group), its segment's file and its semaphore's."""
     key, _, value = mark.partition("=")
     env = {**os.environ, **procfs.KEEP_ENVIRON, key: value}
     proc = subprocess.Popen(
@@ -40,34 +43,37 @@ def _start(mark: str) -> tuple[subprocess.Popen[str], Path]:
         process_group=0,
     )  # fmt: skip
     assert proc.stdout is not None
-    name = proc.stdout.readline().strip()
-    path = Path("/dev/shm") / name
-    assert name.startswith("psm_") and path.exists()
-    return proc, path
+    segment, semaphore = (Path("/dev/shm") / name for name in proc.stdout.readline().split())
+    assert segment.name.startswith("psm_") and segment.exists()
+    assert semaphore.name.startswith("sem.mp-") and semaphore.exists()
+    return proc, segment, semaphore
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this machine")
 def test_a_group_ended_with_sigkill_leaves_no_tracked_segment() -> None:
     mark = "LAMINAR_TEST_MARK=kill-group-shm"
-    proc, path = _start(mark)
+    proc, path, semaphore = _start(mark)
     try:
-        assert str(path) in procfs.tracked_shm(proc.pid)
+        # the semaphore's mapping names glibc's temporary file, "(deleted)": found by its inode
+        assert procfs.tracked_shm(proc.pid) == {str(path), str(semaphore)}
         end = procfs.end_group(proc.pid, grace=0.5, mark=mark)
         assert proc.pid in end.killed  # SIGTERM was ignored: it took SIGKILL
         proc.wait(timeout=10)
         assert not path.exists(), f"{path} outlived its group"
+        assert not semaphore.exists(), f"{semaphore} outlived its group"
         assert not procfs.group_members(proc.pid, mark)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         path.unlink(missing_ok=True)
+        semaphore.unlink(missing_ok=True)
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this machine")
 def test_kill_group_unlinks_what_its_members_map_and_nothing_else() -> None:
     mark = "LAMINAR_TEST_MARK=kill-group-shm-2"
-    proc, path = _start(mark)
+    proc, path, semaphore = _start(mark)
     # a tracker-style name nobody in the group maps: not the group's to remove
     other = Path("/dev/shm") / f"psm_laminar_test_{os.getpid()}"
     other.write_bytes(b"x")
@@ -75,13 +81,14 @@ def test_kill_group_unlinks_what_its_members_map_and_nothing_else() -> None:
         killed = procfs.kill_group(proc.pid, mark)
         assert proc.pid in killed
         proc.wait(timeout=10)
-        assert not path.exists()
+        assert not path.exists() and not semaphore.exists()
         assert other.exists()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         path.unlink(missing_ok=True)
+        semaphore.unlink(missing_ok=True)
         other.unlink(missing_ok=True)
 
 
