@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .episodes import greedy_episodes, left_padded
+from .episodes import check_stop, greedy_episodes, left_padded, stopping_criteria
 from .model import load_model
 from .tasks import Record, Task, read_jsonl
 from .tokenizer import EOS, PAD, special_id
@@ -88,11 +89,13 @@ def greedy_responses(
     budgets: list[int],
     batch_size: int = 32,
     synced: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> list[list[int]]:
     """Greedy response token ids (EOS and padding stripped) of each prompt, in input order.
 
     ``synced``: the model is sharded (FSDP) and every rank generates the same prompts; each keeps
-    stepping until all are done, so their all-gathers stay paired (HF's ``synced_gpus``)."""
+    stepping until all are done, so their all-gathers stay paired (HF's ``synced_gpus``).
+    ``stop``: asked at every decoding step; true raises :class:`EvalStopped`."""
     import torch
 
     eos, pad = special_id(tok, EOS), special_id(tok, PAD)
@@ -114,7 +117,9 @@ def greedy_responses(
                 eos_token_id=eos,
                 pad_token_id=pad,
                 synced_gpus=synced,
+                stopping_criteria=stopping_criteria(stop),
             )
+        check_stop(stop)
         for row, i in enumerate(idx):
             resp = gen[row, width:].tolist()
             if eos in resp:
@@ -155,9 +160,11 @@ def evaluate_model(
     batch_size: int = 32,
     name: str = "model",
     synced: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> EvalResult:
     """Greedy accuracy of an in-memory HF causal LM (the trainer evaluates its live policy with
-    this); the model is put in eval mode for the duration and its previous mode restored."""
+    this); the model is put in eval mode for the duration and its previous mode restored.
+    ``stop``: asked at every decoding step; true gives up with :class:`EvalStopped`."""
     was_training = model.training
     model.eval()
     try:
@@ -166,7 +173,7 @@ def evaluate_model(
         budgets = [greedy_budget(length) for length in demo_lens]
         start = time.monotonic()
         rewards, responses, calls = task_rewards(task, model, tok, records, budgets, batch_size,
-                                                 synced)  # fmt: skip
+                                                 synced, stop)  # fmt: skip
         seconds = time.monotonic() - start
     finally:
         model.train(was_training)
@@ -198,20 +205,21 @@ def task_rewards(
     budgets: list[int],
     batch_size: int = 32,
     synced: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[list[float], list[list[int]], list[int] | None]:
     """Greedy rewards of ``records``, their responses' token ids, and (multi-turn tasks: greedy
     episodes, :mod:`.episodes`) each episode's tool calls."""
     if task.environment is not None:
         episodes = greedy_episodes(model, tok, task.environment, records, budgets,
                                    max_turns=task.max_turns, batch_size=batch_size,
-                                   synced=synced)  # fmt: skip
+                                   synced=synced, stop=stop)  # fmt: skip
         return (
             [e.reward for e in episodes],
             [e.response for e in episodes],
             [e.calls for e in episodes],
         )
     prompts = [r["prompt"] for r in records]
-    responses = greedy_responses(model, tok, prompts, budgets, batch_size, synced)
+    responses = greedy_responses(model, tok, prompts, budgets, batch_size, synced, stop)
     rewards = [
         float(task.reward(r, tok.decode(ids))) for r, ids in zip(records, responses, strict=True)
     ]

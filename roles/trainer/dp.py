@@ -267,10 +267,17 @@ class DataParallelGroup:
             self._replay.clear()
         return state
 
-    def evaluate(self, evaluator: Evaluator, version: int) -> Any:
+    def evaluate(
+        self, evaluator: Evaluator, version: int, stop: Callable[[], bool] | None = None
+    ) -> Any:
+        """``stop`` (asked at every decoding step) is for a group of one: other ranks generate
+        in step with this one and could not follow it out half-way, so a larger group evaluates
+        to the end."""
+        alone = stop if self.world == 1 else None
+
         def run() -> Any:
             self._tell(Op.EVAL, version)
-            return evaluator(self.trainer.model, version, synced=self.trainer.sharded)
+            return evaluator(self.trainer.model, version, synced=self.trainer.sharded, stop=alone)
 
         return self._recovering(run)
 

@@ -7,6 +7,7 @@ figures are the ones reported. The task, its records and the tokenizer load on f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .config import EvalConfig
@@ -17,7 +18,16 @@ class Evaluator:
         self.config, self.model_dir = config, model_dir
         self._loaded: tuple[Any, Any, Any] | None = None  # (task, records, tokenizer)
 
-    def __call__(self, model: Any, version: int, *, synced: bool = False) -> Any:
+    def __call__(
+        self,
+        model: Any,
+        version: int,
+        *,
+        synced: bool = False,
+        stop: Callable[[], bool] | None = None,
+    ) -> Any:
+        """The evaluation's :class:`~laminar.recipe.evaluate.EvalResult`; ``stop`` is asked
+        at every decoding step and gives up with ``EvalStopped`` (see there)."""
         from laminar.recipe.evaluate import eval_records, evaluate_model
         from laminar.recipe.model import load_tokenizer
         from laminar.recipe.tasks import load_task
@@ -29,5 +39,5 @@ class Evaluator:
             self._loaded = (task, records, load_tokenizer(self.model_dir))
         task, records, tok = self._loaded
         return evaluate_model(
-            task, model, tok, records, e.batch_size, name=f"v{version}", synced=synced
+            task, model, tok, records, e.batch_size, name=f"v{version}", synced=synced, stop=stop
         )

@@ -16,10 +16,12 @@ byte leaves: :meth:`TorchCompute.stage`.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 from prometheus_client import Gauge
 
+from laminar.recipe.episodes import EvalStopped
 from laminar.rl import Screened
 from laminar.service import ServiceContext
 from laminar.weights.publisher import WeightPublisher
@@ -49,6 +51,8 @@ class TorchCompute:
         self.resumed: tuple[str, int, int] | None = None  # checkpoint, its version and cursor
         self._published_mark = -1
         self._evaluator: Evaluator | None = None  # made on first use
+        # set by close: an evaluation under way gives up at its next decoding step (see evaluate)
+        self._closing = threading.Event()
         self.m_accuracy = Gauge(
             "laminar_eval_accuracy",
             "Held-out accuracy of the newest evaluation",
@@ -139,7 +143,12 @@ class TorchCompute:
         if self._evaluator is None:
             self._evaluator = Evaluator(self.config.eval, self.config.model)
         assert self.group is not None
-        result = await self._run(self.group.evaluate, self._evaluator, version)
+        try:
+            result = await self._run(
+                self.group.evaluate, self._evaluator, version, self._closing.is_set
+            )
+        except EvalStopped:  # closing: nobody will read it
+            return None
         self.m_accuracy.set(result.accuracy)
         return {
             "accuracy": result.accuracy,
@@ -150,5 +159,9 @@ class TorchCompute:
         }
 
     async def close(self) -> None:
+        # An evaluation takes tens of seconds on a CPU (200 greedy episodes), and the group's
+        # close waits behind it on the one compute thread: a trainer stopped during one ran
+        # past its stop's deadline and was killed. It gives up at its next decoding step instead.
+        self._closing.set()
         if self.group is not None:
             await self._run(self.group.close)

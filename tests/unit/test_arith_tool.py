@@ -76,6 +76,15 @@ def test_greedy_episodes_of_a_tiny_model(tmp_path: Path) -> None:
         assert e.done and e.actions <= 3 and e.calls <= 2
         assert len(e.response) <= 40 + e.calls  # the budget (an observation may end past it)
         assert e.reward in (0.0, 1.0)
+    # stopped (a trainer that stops mid-evaluation): the turn's generate ends at once
+    from laminar.recipe.episodes import EvalStopped
+
+    from .test_recipe import stop_after
+
+    asked, stop = stop_after(3)
+    with pytest.raises(EvalStopped):
+        greedy_episodes(model, tok, task.environment, records, [400] * 4, stop=stop)
+    assert 3 <= asked[0] <= 6, asked
 
 
 def test_the_error_analysis_finds_the_first_wrong_line_and_whether_it_was_called() -> None:

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -285,6 +286,33 @@ def test_eval_reports_buckets(tiny_model, task, tmp_path, capsys) -> None:  # ty
     assert set(result["buckets"]) == {"1", "2"}
     assert sum(b["n"] for b in result["buckets"].values()) == 6
     assert result["demo_length"]["max"] >= result["demo_length"]["median"]
+
+
+def stop_after(asks: int) -> tuple[list[int], Callable[[], bool]]:
+    """A ``stop`` that says stop from its ``asks``-th question on, and the count of questions."""
+    asked = [0]
+
+    def stop() -> bool:
+        asked[0] += 1
+        return asked[0] >= asks
+
+    return asked, stop
+
+
+def test_a_stopped_evaluation_ends_inside_its_generate_call(tiny_model, task) -> None:  # type: ignore[no-untyped-def]
+    """A trainer that stops mid-evaluation asks it to stop (``stop``): the batch's ``generate``
+    ends at its next decoding step, not at its 200-token budget, and the evaluation raises."""
+    from laminar.recipe.episodes import EvalStopped
+    from laminar.recipe.evaluate import greedy_responses
+    from laminar.recipe.model import load_model
+
+    model, tok = load_model(tiny_model)
+    prompts = [r["prompt"] for r in task.test_records(4, 0)]
+    asked, stop = stop_after(5)
+    with pytest.raises(EvalStopped):
+        greedy_responses(model, tok, prompts, [200] * 4, batch_size=4, stop=stop)
+    assert 5 <= asked[0] <= 8, asked  # once a decoding step, and once after the call
+    assert len(greedy_responses(model, tok, prompts[:1], [3], stop=lambda: False)[0]) <= 3
 
 
 def test_buckets_and_length_stats() -> None:

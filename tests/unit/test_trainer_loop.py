@@ -13,6 +13,7 @@ response, hence every reward, exactly. Two findings of issue 15:
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -38,6 +39,8 @@ from tests.support.procs import TOKEN
 from tests.support.task import ALPHABET, write_prompts, write_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
+
+ARITH = Path(__file__).resolve().parents[2] / "examples" / "arith"
 
 CLUSTER = ClusterConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=60.0, rpc_timeout_s=10.0)
 OPTIONS = transport_options(CLUSTER, TOKEN.encode())
@@ -125,7 +128,11 @@ class Loop:
         return self.clients[-1]
 
     async def start_trainer(
-        self, every: int, max_versions: int | None = None, metrics_file: Path | None = None
+        self,
+        every: int,
+        max_versions: int | None = None,
+        metrics_file: Path | None = None,
+        eval: dict[str, Any] | None = None,
     ) -> TrainerService:
         config = TrainerConfig(
             model=str(self.model),
@@ -138,6 +145,7 @@ class Loop:
             publish={"master": self.relay_service.advertise()["weights"], "chunks": 2},
             data=self.data.address,
             metrics_file=str(metrics_file) if metrics_file else None,
+            eval=eval,
             metrics=None,
             bind=self.bind,
         )
@@ -264,3 +272,42 @@ async def test_a_restarted_trainer_never_reuses_a_published_version(loop: Loop) 
     status = await until(past_the_relay, 60)
     assert status.resumed_version == 3 and status.version_conflicts >= 1
     assert await loop.relay_latest() == (status.version, status.digests[status.version])
+
+
+async def test_a_trainer_stopped_while_it_evaluates_stops_the_evaluation(
+    loop: Loop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evaluation (200 greedy episodes: tens of seconds on a CPU) runs on the compute's one
+    thread, and the trainer's close waited behind it: `laminar run` stopped in its first minute
+    (during the evaluation of the starting weights) saw the trainer's close time out ("on_stop
+    failed") and the trainer killed. The evaluation now gives up at its next decoding step, and
+    the close runs to its end. Here the evaluation is a stand-in that takes a minute."""
+    from laminar.recipe import evaluate, model
+    from laminar.recipe.episodes import check_stop
+
+    evaluating, told = threading.Event(), threading.Event()
+
+    def a_minute_of_batches(*args: Any, stop: Any = None, **kwargs: Any) -> Any:
+        evaluating.set()
+        for _ in range(600):
+            if stop is not None and stop():
+                told.set()
+            check_stop(stop)
+            time.sleep(0.1)
+        raise AssertionError("the evaluation was never told to stop")
+
+    monkeypatch.setattr(evaluate, "evaluate_model", a_minute_of_batches)
+    monkeypatch.setattr(model, "load_tokenizer", lambda path: None)
+    trainer = await loop.start_trainer(every=1, eval={"task": str(ARITH), "n": 4})
+    closed = asyncio.Event()
+    close = trainer.loop.close
+
+    async def recorded_close() -> None:
+        await close()
+        closed.set()
+
+    trainer.loop.close = recorded_close  # type: ignore[method-assign]
+    assert await asyncio.to_thread(evaluating.wait, 30)
+    await loop.stop_trainer()
+    assert told.is_set()  # asked to stop, and it gave up
+    assert closed.is_set()  # the close ran to its end (it timed out behind the evaluation)
