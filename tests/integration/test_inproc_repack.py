@@ -71,17 +71,22 @@ def outcome(trajectories: list) -> list[tuple]:
     )
 
 
+async def a_drained_mid_batch(cluster: InprocCluster) -> tuple[RolloutApi, DataApi]:
+    """``rollout-a`` with a full batch in flight, every sequence with tokens (0.01 s steps) and
+    none finished, drained: it takes no more from now on. Its proxy and the data role's."""
+    a = cluster.proxy(RolloutApi, "rollout-a")
+    data = cluster.proxy(DataApi, "data")
+    await until(lambda: _in_flight(a, at_least=8), timeout=30)
+    await asyncio.sleep(0.2)
+    await a.drain.call(DrainRequest(reason="test"))
+    return a, data
+
+
 async def migrate_scenario(tmp: Path, seed: int) -> list[tuple]:
     async with inproc_cluster(
         sections(tmp), seed=seed, members=members("rollout-a", "rollout-b")
     ) as cluster:
-        a = cluster.proxy(RolloutApi, "rollout-a")
-        data = cluster.proxy(DataApi, "data")
-
-        # a has a full batch in flight, with tokens generated; it takes no more from now on
-        await until(lambda: _in_flight(a, at_least=8), timeout=30)
-        await asyncio.sleep(0.2)  # every sequence has tokens (0.01 s steps), none finished
-        await a.drain.call(DrainRequest(reason="test"))
+        a, data = await a_drained_mid_batch(cluster)
         report = await a.migrate.call(
             MigrateRequest(destination="rollout-b", address=cluster.address("rollout-b"), version=0)
         )
@@ -207,11 +212,7 @@ async def source_dies_scenario(tmp: Path, seed: int) -> None:
     async with inproc_cluster(
         sections(tmp), seed=seed, members=members("rollout-a", "rollout-b")
     ) as cluster:
-        a = cluster.proxy(RolloutApi, "rollout-a")
-        data = cluster.proxy(DataApi, "data")
-        await until(lambda: _in_flight(a, at_least=8), timeout=30)
-        await asyncio.sleep(0.2)
-        await a.drain.call(DrainRequest(reason="test"))
+        a, data = await a_drained_mid_batch(cluster)
         engine = cluster.service("rollout-b").engine
         importing, import_sequences = asyncio.Event(), engine.import_sequences
 
@@ -251,11 +252,7 @@ async def manager_leaves_scenario(tmp: Path, seed: int) -> float:
     async with inproc_cluster(
         sections(tmp), seed=seed, members=members("rollout-a", "rollout-b")
     ) as cluster:
-        a = cluster.proxy(RolloutApi, "rollout-a")
-        data = cluster.proxy(DataApi, "data")
-        await until(lambda: _in_flight(a, at_least=8), timeout=30)
-        await asyncio.sleep(0.2)
-        await a.drain.call(DrainRequest(reason="test"))
+        _, data = await a_drained_mid_batch(cluster)
         leasing = cluster.service("data").leasing
         moved, transfer = asyncio.Event(), leasing.transfer
 
