@@ -37,6 +37,10 @@ class AuthenticationError(TransportError):
     """The handshake failed: wrong or missing cluster token, or not a Laminar peer."""
 
 
+#: the shortest cluster token a connection's handshake accepts
+MIN_TOKEN_BYTES = 16
+
+
 @dataclass(frozen=True)
 class TransportOptions:
     """What every connection needs to know; shared by client and server sides.
@@ -59,8 +63,8 @@ class TransportOptions:
     max_pending_per_peer: int = 64
 
     def __post_init__(self) -> None:
-        if not isinstance(self.token, bytes) or len(self.token) < 16:
-            raise ValueError("the cluster token must be at least 16 bytes")
+        if not isinstance(self.token, bytes) or len(self.token) < MIN_TOKEN_BYTES:
+            raise ValueError(f"the cluster token must be at least {MIN_TOKEN_BYTES} bytes")
         if self.peer_timeout is not None and self.peer_timeout <= 0:
             raise ValueError(f"peer_timeout must be positive or None, got {self.peer_timeout}")
 

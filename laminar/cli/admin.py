@@ -8,14 +8,16 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..config import ConfigError, LaminarConfig, load_config
-from ..errors import LaminarError
+from ..errors import LaminarError, PeerUnavailable
+from ..transport.base import MIN_TOKEN_BYTES
 from .common import loop_runner, make_console
 
 if TYPE_CHECKING:
     from ..devmode.status import AdminClient
+    from ..membership import ClusterStatus
 
 
 def _token(args: argparse.Namespace, cluster: object) -> bytes:
@@ -27,39 +29,73 @@ def _token(args: argparse.Namespace, cluster: object) -> bytes:
     return token or cluster.token()  # type: ignore[attr-defined]
 
 
-def _find_cluster(args: argparse.Namespace) -> tuple[str, bytes, LaminarConfig]:
+class Found(NamedTuple):
+    """A live cluster as the command found it."""
+
+    manager: str  # the manager's RPC address
+    token: bytes
+    config: LaminarConfig
+    run_file: Path | None  # the run directory's cluster.json the address came from, if it did
+
+
+def _find_cluster(args: argparse.Namespace) -> Found:
     config = load_config(args.config, args.set)
     cluster = config.cluster
-    manager = args.join or cluster.manager
+    manager, run_file = args.join or cluster.manager, None
     info_file = Path(args.run_dir) / "cluster.json"
     if manager is None and info_file.is_file():
-        manager = json.loads(info_file.read_text())["manager"]
+        manager, run_file = json.loads(info_file.read_text())["manager"], info_file
     if manager is None:
         raise ConfigError(f"no manager address: pass --join tcp://HOST:PORT (no {info_file})")
-    return manager, _token(args, cluster), config
+    token = _token(args, cluster)
+    if len(token) < MIN_TOKEN_BYTES:  # no cluster's: its roles refuse one (and the handshake)
+        raise ConfigError(
+            f"the cluster token in {cluster.token_env} has {len(token)} characters, and a "
+            f"cluster's has at least {MIN_TOKEN_BYTES}: set it to the token the cluster was "
+            f"started with (`laminar run` keeps it in the run directory, which --run-dir names)"
+        )
+    return Found(manager, token, config, run_file)
+
+
+def _fetch_status(found: Found, timeout: float) -> ClusterStatus:
+    """The manager's view of the cluster. A manager found in a run directory that does not
+    answer is most likely that run's, ended: said so."""
+    from ..devmode.status import fetch_status
+
+    try:
+        return loop_runner(fetch_status(found.manager, found.token, found.config.cluster,
+                                        timeout=timeout))  # fmt: skip
+    except PeerUnavailable as exc:
+        if found.run_file is None:
+            raise
+        raise LaminarError(
+            f"no manager answers at {found.manager}, the address in {found.run_file}: that "
+            f"run has ended, or this is not its machine (start one with `laminar run`, or name "
+            f"a live one with --join or --run-dir) [{exc}]"
+        ) from exc
 
 
 def _admin(args: argparse.Namespace, status: object = None) -> AdminClient:
     """A client of the manager's admin HTTP API: ``--admin URL``, or the URL the manager
     published in its own member record (asked over RPC)."""
-    from ..devmode.status import AdminClient, admin_url, fetch_status
+    from ..devmode.status import AdminClient, admin_url
 
     if args.admin:
         config = load_config(args.config, args.set)
         return AdminClient(args.admin, _token(args, config.cluster), timeout=args.timeout)
-    manager, token, config = _find_cluster(args)
+    found = _find_cluster(args)
     if status is None:
-        status = loop_runner(fetch_status(manager, token, config.cluster, timeout=args.timeout))
-    url = admin_url(status, manager)  # type: ignore[arg-type]
+        status = _fetch_status(found, args.timeout)
+    url = admin_url(status, found.manager)  # type: ignore[arg-type]
     if url is None:
         raise LaminarError(
             "the manager serves no admin API (manager.admin is null); pass --admin URL"
         )
-    return AdminClient(url, token, timeout=args.timeout)
+    return AdminClient(url, found.token, timeout=args.timeout)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from ..devmode.status import fetch_status, render_admin_summary, render_status
+    from ..devmode.status import render_admin_summary, render_status
 
     if args.admin and not args.join:  # the admin API alone
         admin = _admin(args)
@@ -69,8 +105,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             make_console().print(render_admin_summary(summary))
         return 0
-    manager, token, config = _find_cluster(args)
-    status = loop_runner(fetch_status(manager, token, config.cluster, timeout=args.timeout))
+    status = _fetch_status(_find_cluster(args), args.timeout)
     if args.json:
         print(status.model_dump_json(indent=2))
         return 0
