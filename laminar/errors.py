@@ -7,6 +7,14 @@ class LaminarError(Exception):
     """Base class of Laminar's own errors."""
 
 
+class StartInterrupted(BaseException):
+    """A stop signal (SIGTERM, SIGINT) that ended a role's start while the start blocked its
+    event loop (vLLM's engine start: ``laminar.engines.vllm_engine``), so that the loop could not
+    hear it. A ``BaseException``, as ``KeyboardInterrupt`` is, so that the code it interrupts
+    does not take it for an error of its own; :class:`laminar.service.ServiceHost` ends the role
+    quietly on it, as a stop."""
+
+
 class ConfigError(LaminarError, ValueError):
     """A configuration file or override is invalid; the message names key, value and expectation."""
 

@@ -7,7 +7,8 @@ A role is a :class:`Service` subclass with endpoints (see :mod:`laminar.endpoint
 2. calls ``on_start``, joins the manager and heartbeats to it (every role but the manager),
 3. prints one ``LAMINAR_READY {json}`` line on stdout (how ``laminar run`` learns addresses),
 4. on SIGTERM/SIGINT, or ``host.stop()``: ``on_stop``, leaves the manager, closes the listener and
-   client connections, cancels every owned task, and returns.
+   client connections, cancels every owned task, and returns. A signal that ends a start blocking
+   the loop (:func:`signals_end_the_start`) ends the host there, as a stop.
 
 Structured concurrency: every background task a service starts with ``spawn`` belongs to the
 host's TaskGroup. If one crashes, the whole service stops with that error (the process exits
@@ -25,7 +26,8 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import structlog
@@ -36,7 +38,7 @@ from laminar.transport import Limits, TransportOptions
 from .clock import Clock, get_clock
 from .config import ClusterConfig, ServiceConfig
 from .endpoint import check_contracts, local_notifies
-from .errors import CallTimeout, PeerUnavailable, RemoteError
+from .errors import CallTimeout, PeerUnavailable, RemoteError, StartInterrupted
 from .executor import Executor, ExecutorFactory, ThreadExecutor
 from .membership import Heartbeat, JoinRequest, LeaveRequest, Member, MembershipApi
 from .metrics import RpcMetrics, start_metrics_server
@@ -264,6 +266,37 @@ class Service:
         return self.ctx.spawn(coro, name=name)
 
 
+@contextlib.contextmanager
+def signals_end_the_start() -> Iterator[None]:
+    """For the duration, SIGTERM and SIGINT raise :class:`StartInterrupted` wherever Python is,
+    for a start that blocks the event loop (vLLM's engine start), which :class:`ServiceHost`
+    takes as a stop.
+
+    Why: ``AsyncLLM.from_engine_args`` blocks the loop for the whole start (over a minute on a
+    loaded 2-core machine: three interpreters import torch and vLLM), so the loop's own signal
+    handling (the service's stop) waited for its end. A rollout stopped meanwhile outlived its
+    stop's grace and was killed (a run stopped in its first minute), and one whose launcher was
+    killed lived on until the start ended. vLLM waits for its engine in Python (a poll of its
+    handshake socket), so a Python-level handler runs at once, and raising there is what Ctrl-C
+    does to a vLLM script: vLLM's start shuts down the processes it started. The loop still
+    hears the signal (asyncio's wakeup fd is written by the C-level handler, which this leaves
+    alone). In the main thread only: Python runs signal handlers there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise StartInterrupted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: not set from Python; nothing to put back
+                signal.signal(sig, handler)
+
+
 class ServiceHost:
     """Runs one service until it is stopped; see the module docstring for the sequence."""
 
@@ -362,6 +395,8 @@ class ServiceHost:
                 self._started.set()
                 await self._stopping.wait()
                 ctx.log.info("stopping")
+        except* StartInterrupted as stopped:  # a stop that came while on_start held the loop
+            ctx.log.info("stopped while starting", signal=str(stopped.exceptions[0]))
         finally:
             ctx._group = None
             if self.service is not None:

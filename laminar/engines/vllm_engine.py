@@ -55,6 +55,7 @@ import structlog
 
 from ..proc import owned_dirs
 from ..proc.procfs import release_tracked_shm
+from ..service import signals_end_the_start
 from ..trajectory import SamplingParams
 from ..weights.manifest import WeightManifest
 from .base import Engine, EngineError, EngineOutput, EngineStats
@@ -279,7 +280,7 @@ class VllmEngine(VllmKvMigration, Engine):
         # should think it belongs to the engine.
         # vLLM's socket files go in a directory of this engine's own, which close() (or the
         # watch, or the next start here, once this process is gone) removes with them.
-        with _environ(OWNER_ENV, owner_token()):
+        with _environ(OWNER_ENV, owner_token()), signals_end_the_start():
             self._llm, self._ipc = start_async_llm(args, stat_loggers=[_KeepLatest])
         # vLLM reads its environment variables through ``vllm.envs``, one ``os.getenv`` per read
         # until this is called (its API server calls it once started): the front end reads one

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from laminar.errors import PeerUnavailable
 from laminar.rpc_client import RpcClient, remote
 from laminar.service import transport_options
 from tests.support.devrun import kill_session, run_manager, start_run, write_run_config
-from tests.support.procs import SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
+from tests.support.procs import ROOT, SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
 from tests.support.roles import Calculator, Pair, Sleep
 
 pytestmark = pytest.mark.integration
@@ -244,6 +245,30 @@ def test_a_stopped_manager_counts_silence_from_when_it_woke(
         for proc in members:
             stop(proc)
         stop(manager)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_role_whose_start_blocks_its_loop_stops_at_once_when_told(sig: signal.Signals) -> None:
+    """A rollout's vLLM engine start blocks its event loop (over a minute on a loaded machine),
+    so a stop waited for the start's end: `laminar run` stopped in its first minute killed its
+    rollouts after their grace, and a rollout whose launcher was killed lived on. The start now
+    ends at the signal (``signals_end_the_start``) and the role exits as after a stop."""
+    proc = subprocess.Popen(
+        laminar("serve", "--role", f"{SUPPORT_ROLES}:SlowStarter", "--standalone"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "blocking start"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)  # the start alone would take 60 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped while starting" in err and sig.name in err, err[-3000:]
+    assert "Traceback" not in err and "never interrupted" not in err, err[-3000:]
 
 
 def test_status_without_token_is_refused() -> None:

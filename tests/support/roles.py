@@ -124,3 +124,23 @@ class Calculator(Service):
     @endpoint
     async def mirror(self, req: Payload) -> Payload:
         return req
+
+
+class SlowStarter(Service):
+    """A role whose start blocks its event loop, as a rollout's vLLM engine start does (vLLM
+    polls its engine's handshake socket in Python): at most a minute, in short waits, under
+    ``signals_end_the_start``. Says ``blocking start`` on stdout first."""
+
+    role: ClassVar[str] = "slow-starter"
+
+    async def on_start(self) -> None:
+        import sys
+        import time
+
+        from laminar.service import signals_end_the_start
+
+        with signals_end_the_start():
+            print("blocking start", flush=True)
+            for _ in range(600):
+                time.sleep(0.1)  # noqa: ASYNC251 - blocking the loop is the point
+        sys.exit("the start was never interrupted")
