@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Annotated, ClassVar
+from collections.abc import Coroutine
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field
 
@@ -133,6 +134,7 @@ class RolloutService(Service, RolloutApi):
         cfg = self.config
         self.ahead = LeasesAhead(on_change=self.changes.notify)  # leases leaving make room
         self.lease_ahead, self.min_take = sizes(cfg.concurrency, cfg.lease_ahead, cfg.min_take)
+        self._at_work: set[asyncio.Task[Any]] = set()  # tasks on_stop ends before the engine
         self._take_lock = asyncio.Lock()  # held while leasing and starting; a load waits for it
         self._fill_lock = asyncio.Lock()
         self.turns = Turns(
@@ -142,7 +144,7 @@ class RolloutService(Service, RolloutApi):
             self.data,
             ctx.clock,
             self.log,
-            spawn=lambda coro, name: self.spawn(coro, name=name),
+            spawn=self._spawn,
             finish=self._finish,
             fail=self._failed,
         )
@@ -179,16 +181,34 @@ class RolloutService(Service, RolloutApi):
         await self.engine.start()
         self.log.info("engine ready", backend=self.engine.backend, version=self.engine.version)
         self.phases.started()
-        self.spawn(self._outputs(), name="outputs")
-        self.spawn(self._pull(), name="pull")
-        self.spawn(self._feed(), name="feed")
-        self.spawn(self.reporter.loop(self.ctx.clock, self.config.flush_interval_s), name="flush")
+        self._spawn(self._outputs(), "outputs")
+        self._spawn(self._pull(), "pull")
+        self._spawn(self._feed(), "feed")
+        self._spawn(self.reporter.loop(self.ctx.clock, self.config.flush_interval_s), "flush")
         if self.ctx.manager is not None or self.config.relay is not None:
-            self.switcher.start()
+            self._at_work_on(self.switcher.start())
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """An owned task that works with the engine or the flight table (see :meth:`on_stop`)."""
+        return self._at_work_on(self.spawn(coro, name=name))
+
+    def _at_work_on(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
+        self._at_work.add(task)
+        task.add_done_callback(self._at_work.discard)
+        return task
 
     async def on_stop(self) -> None:
+        # The work stops before the engine closes: reading its outputs, feeding it, episodes
+        # coming back from their environment, weight loads. The other way round, the output
+        # reader met the closed engine and crashed the stop (a traceback and exit status 1 at
+        # every stop of the agentic example), and each episode that came back meanwhile
+        # "failed in the engine". Then what is finished is handed over (the leases of the rest
+        # are released when this rollout leaves), and the engine closes.
+        for task in list(self._at_work):
+            task.cancel()
+        await asyncio.gather(*self._at_work, return_exceptions=True)
         with contextlib.suppress(Exception):
-            await self._flush()  # hand over what we have; the leases are released on leave
+            await self._flush()
         await self.engine.close()
 
     async def _flush(self) -> None:

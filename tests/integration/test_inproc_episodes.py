@@ -9,6 +9,7 @@ environment spans, in order, with logprob 0 there, and have reward = its number 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,10 @@ async def episodes_scenario(tmp: Path, seed: int, kill: str) -> list[tuple]:
             held = {tid: f.acked for tid, f in victim.flights.items() if f.acked}
         if kill == "rollout":  # kill -9: its episodes continue on rollout-0
             await cluster.kill("rollout-1")
+        elif kill == "stop":  # stopped: nothing works with its engine once that closes
+            working = await _stop_watching_the_engine(cluster, "rollout-1")
+            assert not working, f"still at work when the engine closed: {working}"
+            assert victim.failures == 0
         elif kill == "data":  # its live environments are lost: rebuilt by replay
             await cluster.kill("data")
             await cluster.restart("data")
@@ -118,7 +123,7 @@ async def episodes_scenario(tmp: Path, seed: int, kill: str) -> list[tuple]:
         by_id = {t.trajectory_id: t for t in done}
         if kill == "data":
             assert cluster.service("data").episodes.replays > 0
-        if kill in ("rollout", "repack"):
+        if kill in ("rollout", "repack", "stop"):
             resumed = [tid for tid in held if by_id[tid].rollout == "rollout-0"]
             assert resumed, "none of rollout-1's episodes continued elsewhere"
             for tid in resumed:
@@ -126,7 +131,31 @@ async def episodes_scenario(tmp: Path, seed: int, kill: str) -> list[tuple]:
         return sorted((t.trajectory_id, len(t.response_token_ids), t.reward) for t in done)
 
 
-@pytest.mark.parametrize("kill", ["none", "rollout", "data", "repack"])
+#: the tasks of a rollout that work with its engine (roles/rollout/service.py, turns.py, switching)
+WORK = ("outputs", "pull", "feed", "flush", "weights", "env-step")
+
+
+async def _stop_watching_the_engine(cluster: Any, name: str) -> list[str]:
+    """Stop ``name`` gracefully; the names of its work tasks still running when it closed its
+    engine. They used to be (on_stop closed the engine first): with vLLM, the output reader
+    met the closed engine and crashed the stop, and returning episodes failed in the engine."""
+    service = cluster.service(name)
+    close, working = service.engine.close, []
+
+    async def watched_close() -> None:
+        working.extend(
+            t.get_name() for t in asyncio.all_tasks()
+            if t.get_name().startswith(f"{name}:") and not t.done()
+            and t.get_name().removeprefix(f"{name}:").split(" ")[0] in WORK
+        )  # fmt: skip
+        await close()
+
+    service.engine.close = watched_close
+    await cluster.stop(name)
+    return working
+
+
+@pytest.mark.parametrize("kill", ["none", "rollout", "data", "repack", "stop"])
 def test_episodes_interleave_model_and_environment_turns(tmp_path: Path, kill: str) -> None:
     run_inproc(lambda: episodes_scenario(tmp_path, seed=0, kill=kill), seed=0)
 
