@@ -200,10 +200,10 @@ class RolloutService(Service, RolloutApi):
     async def on_stop(self) -> None:
         # The work stops before the engine closes: reading its outputs, feeding it, episodes
         # coming back from their environment, weight loads. The other way round, the output
-        # reader met the closed engine and crashed the stop (a traceback and exit status 1 at
-        # every stop of the agentic example), and each episode that came back meanwhile
-        # "failed in the engine". Then what is finished is handed over (the leases of the rest
-        # are released when this rollout leaves), and the engine closes.
+        # reader could meet a request vLLM failed as it shut down and crash the stop (a
+        # traceback and exit status 1, seen stopping the agentic example), and each episode
+        # that came back meanwhile "failed in the engine". Then what is finished is handed over
+        # (the leases of the rest are released when this rollout leaves), and the engine closes.
         for task in list(self._at_work):
             task.cancel()
         await asyncio.gather(*self._at_work, return_exceptions=True)
