@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..config import ConfigError, LaminarConfig, load_config
 from ..errors import LaminarError, PeerUnavailable
-from ..transport.base import MIN_TOKEN_BYTES
 from .common import loop_runner, make_console
 
 if TYPE_CHECKING:
@@ -39,6 +38,10 @@ class Found(NamedTuple):
 
 
 def _find_cluster(args: argparse.Namespace) -> Found:
+    # here, not at the top: every `laminar` command imports this module, and the transport
+    # (numpy, UCX's probe) only the ones that talk to a cluster over RPC
+    from ..transport.base import MIN_TOKEN_BYTES
+
     config = load_config(args.config, args.set)
     cluster = config.cluster
     manager, run_file = args.join or cluster.manager, None
