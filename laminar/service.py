@@ -6,15 +6,24 @@ A role is a :class:`Service` subclass with endpoints (see :mod:`laminar.endpoint
 1. binds its RPC listener (any transport) and its Prometheus ``/metrics`` endpoint,
 2. calls ``on_start``, joins the manager and heartbeats to it (every role but the manager),
 3. prints one ``LAMINAR_READY {json}`` line on stdout (how ``laminar run`` learns addresses),
-4. on SIGTERM/SIGINT, or ``host.stop()``: ``on_stop``, leaves the manager, closes the listener and
-   client connections, cancels every owned task, and returns. A signal that ends a start blocking
-   the loop (:func:`signals_end_the_start`) ends the host there, as a stop.
+4. on SIGTERM/SIGINT, or ``host.stop()``: ends the service's own tasks (work promised to a caller,
+   ``run_to_end``, may finish first), calls ``on_stop``, leaves the manager, closes the listener
+   and client connections, and returns. A signal that ends a start blocking the loop
+   (:func:`signals_end_the_start`) ends the host there, as a stop.
+
+Why the tasks end before ``on_stop``: ``on_stop`` closes what they work with (a rollout's engine,
+the data role's store, a relay's weight store). A task still running meanwhile meets it half
+closed: a rollout's output reader met a request vLLM failed as it shut down and crashed the stop;
+a relay's chain follower could start a forwarder after ``on_stop`` had cancelled the last one.
+Each role used to end its own tasks first, by hand; now the host does it for all of them, and
+refuses new tasks from then on (an endpoint that would start one gets a clear error). Only the
+membership task lives on, to send heartbeats until the service leaves.
 
 Structured concurrency: every background task a service starts with ``spawn`` belongs to the
 host's TaskGroup. If one crashes, the whole service stops with that error (the process exits
 non-zero, and the supervisor decides about a restart): a half-dead service that keeps answering
-heartbeats is worse than a dead one. The stop sequence of step 4 (``on_stop`` first) runs on that
-path too, and when ``run()`` is cancelled, so a crash releases what ``on_start`` acquired.
+heartbeats is worse than a dead one. The stop sequence of step 4 runs on that path too, and when
+``run()`` is cancelled, so a crash releases what ``on_start`` acquired.
 """
 
 from __future__ import annotations
@@ -50,6 +59,11 @@ S = TypeVar("S")
 T = TypeVar("T")
 
 READY_PREFIX = "LAMINAR_READY "
+#: How long a stop waits for work promised to a caller (``run_to_end``), and then for cancelled
+#: tasks to unwind, before it goes on without them.
+FINISH_S = 5.0
+#: How long ``on_stop`` may take.
+ON_STOP_S = 10.0
 
 
 def transport_options(cluster: ClusterConfig, token: bytes) -> TransportOptions:
@@ -92,6 +106,9 @@ class ServiceContext:
         self.manager: str | None = None  # the manager's address (None: standalone)
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._promised: set[asyncio.Task[Any]] = set()  # run_to_end's, a subset of _tasks
+        # the stop has begun (end_tasks): no new run_to_end work, then no new task at all
+        self._no_new_work = self._no_new_tasks = False
         self._clients: dict[str, RpcClient] = {}
         self._make_executor = executors
         self._executors: dict[str, tuple[int, Executor]] = {}  # name -> (workers, executor)
@@ -117,10 +134,16 @@ class ServiceContext:
         if self._group is None:
             coro.close()
             raise RuntimeError("spawn() is only available while the service runs")
+        self._refuse(coro, name, self._no_new_tasks)
         task = self._group.create_task(coro, name=f"{self.instance}:{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def _refuse(self, coro: Coroutine[Any, Any, Any], name: str, refused: bool) -> None:
+        if refused:
+            coro.close()
+            raise RuntimeError(f"{self.instance} is stopping: {name} not started")
 
     async def run_to_end(self, coro: Coroutine[Any, Any, T], *, name: str) -> T:
         """Run ``coro`` to its end even if the caller is cancelled meanwhile; its result.
@@ -130,19 +153,49 @@ class ServiceContext:
         report. A handler that writes to a store on another thread and then updates what the loop
         holds (the data role queues each new trajectory for its reward) must not be cut between
         the two: the write commits whatever the caller does, and the rest would be lost (a
-        trajectory stored as done and never scored). Here the work is the service's: it is
-        cancelled only when the service stops, like its other tasks, and an error with no caller
-        left to take it is logged. Not the service's task group: an error is the caller's answer,
-        not a reason to stop the service."""
+        trajectory stored as done and never scored). Here the work is the service's: a stop lets
+        it finish (for up to ``FINISH_S``: :meth:`end_tasks`) before it ends anything else, and
+        an error with no caller left to take it is logged. Not the service's task group: an
+        error is the caller's answer, not a reason to stop the service."""
+        self._refuse(coro, name, self._no_new_work)
         task = asyncio.ensure_future(coro)
         task.set_name(f"{self.instance}:{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        for owned in (self._tasks, self._promised):
+            owned.add(task)
+            task.add_done_callback(owned.discard)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(self._log_unclaimed)  # at once if it has ended meanwhile
             raise
+
+    async def end_tasks(self, *, keep: asyncio.Task[Any] | None = None) -> None:
+        """The first step of a stop: work promised to a caller (``run_to_end``) finishes, for
+        up to ``FINISH_S``, and no new such work starts; then no new task starts, and every
+        owned task but ``keep`` is cancelled and awaited (up to ``FINISH_S`` again), so none
+        runs on into what ``on_stop`` closes. What outlives either wait is named in the log
+        and cancelled again at the end of the stop. (Promised work may start tasks while it
+        finishes: a migrated episode that waits for its environment's answer.)"""
+        self._no_new_work = True
+        promised = [t for t in self._promised if not t.done()]
+        if promised:
+            _, late = await asyncio.wait(promised, timeout=FINISH_S)
+            if late:
+                self.log.warning(
+                    "stopping before work promised to a caller finished",
+                    tasks=sorted(t.get_name() for t in late),
+                )
+        self._no_new_tasks = True
+        others = [t for t in self._tasks if t is not keep and not t.done()]
+        for task in others:
+            task.cancel()
+        if others:
+            _, stuck = await asyncio.wait(others, timeout=FINISH_S)
+            if stuck:
+                self.log.warning(
+                    "tasks still running after they were cancelled",
+                    tasks=sorted(t.get_name() for t in stuck),
+                )
 
     def _log_unclaimed(self, task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and (error := task.exception()) is not None:
@@ -248,8 +301,9 @@ class Service:
 
     async def on_stop(self) -> None:
         """Called once at shutdown, whatever ended the service (a stop, a crashed task, or
-        cancellation), if ``on_start`` returned. On a stop it runs before connections close and
-        tasks are cancelled; after a crash the host is already cancelling the other tasks."""
+        cancellation), if ``on_start`` returned. It runs after the service's own tasks have
+        ended (:meth:`ServiceContext.end_tasks`: release what they used, without ending them by
+        hand) and before the service leaves the manager and its connections close."""
 
     def on_disconnect(self, connection_id: int) -> None:
         """A client connection closed (``rpc.current_call`` tells handlers their connection id)."""
@@ -413,8 +467,9 @@ class ServiceHost:
 
     async def _shutdown(self, service: Service) -> None:
         ctx = self.ctx
+        await ctx.end_tasks(keep=self._membership_task)
         try:
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(ON_STOP_S):
                 await service.on_stop()
         except Exception:
             ctx.log.exception("on_stop failed")

@@ -144,8 +144,7 @@ class RelayService(Service, RelayApi):
             self.ctx.follow("chain", chain.subscribe, chain.apply, backoff=self.config.retry_s)
 
     async def on_stop(self) -> None:
-        if self._forwarder is not None:
-            self._forwarder.cancel()
+        # the chain follower and the forwarder have ended (the host ends our tasks first)
         if self.listener is not None:
             await self.listener.close()
         self.store.close()

@@ -121,7 +121,6 @@ class DataService(Service, DataApi):
             ["kind"],
             registry=ctx.registry,
         )
-        self._background: list[asyncio.Task[None]] = []
         c = self.config
         self.sampler = make_policy(c.sampler.kind, SAMPLERS, c.sampler.options)
         self.eviction = make_policy(c.eviction.kind, EVICTIONS, c.eviction.options)
@@ -256,21 +255,16 @@ class DataService(Service, DataApi):
         await self._refresh_counts()
         self.log.info("data ready", prompts=len(rows), store=c.store, **self._counts)
         for i in range(c.reward_workers):
-            self._background.append(self.spawn(self.sampling.score_loop(), name=f"score-{i}"))
-        self._background.append(self.spawn(self._counts_loop(), name="counts"))
+            self.spawn(self.sampling.score_loop(), name=f"score-{i}")
+        self.spawn(self._counts_loop(), name="counts")
         if self.ctx.manager is not None:
             mgr = self.ctx.connect(MembershipApi, self.ctx.manager)
             events = functools.partial(self.watch.events, mgr)
-            watch = self.ctx.follow(
-                "watch-rollouts", events, self.watch.on_event, backoff=WATCH_RETRY_S
-            )
-            self._background.append(watch)
+            self.ctx.follow("watch-rollouts", events, self.watch.on_event, backoff=WATCH_RETRY_S)
 
     async def on_stop(self) -> None:
-        # Stop our own tasks before closing what they use (the host cancels them only later).
-        for task in self._background:
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        # our tasks (scoring, counts, the watch) and the reports under way have ended: the host
+        # ends them first (laminar.service)
         if self.rewards is not None:
             await self.rewards.close()
         store, self.store = self.store, None  # requests from now on get a clear error

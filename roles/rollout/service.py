@@ -43,8 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import Field
 
@@ -134,7 +133,6 @@ class RolloutService(Service, RolloutApi):
         cfg = self.config
         self.ahead = LeasesAhead(on_change=self.changes.notify)  # leases leaving make room
         self.lease_ahead, self.min_take = sizes(cfg.concurrency, cfg.lease_ahead, cfg.min_take)
-        self._at_work: set[asyncio.Task[Any]] = set()  # tasks on_stop ends before the engine
         self._take_lock = asyncio.Lock()  # held while leasing and starting; a load waits for it
         self._fill_lock = asyncio.Lock()
         self.turns = Turns(
@@ -144,7 +142,7 @@ class RolloutService(Service, RolloutApi):
             self.data,
             ctx.clock,
             self.log,
-            spawn=self._spawn,
+            spawn=self.spawn,
             finish=self._finish,
             fail=self._failed,
         )
@@ -181,32 +179,18 @@ class RolloutService(Service, RolloutApi):
         await self.engine.start()
         self.log.info("engine ready", backend=self.engine.backend, version=self.engine.version)
         self.phases.started()
-        self._spawn(self._outputs(), "outputs")
-        self._spawn(self._pull(), "pull")
-        self._spawn(self._feed(), "feed")
-        self._spawn(self.reporter.loop(self.ctx.clock, self.config.flush_interval_s), "flush")
+        self.spawn(self._outputs(), name="outputs")
+        self.spawn(self._pull(), name="pull")
+        self.spawn(self._feed(), name="feed")
+        self.spawn(self.reporter.loop(self.ctx.clock, self.config.flush_interval_s), name="flush")
         if self.ctx.manager is not None or self.config.relay is not None:
-            self._at_work_on(self.switcher.start())
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """An owned task that works with the engine or the flight table (see :meth:`on_stop`)."""
-        return self._at_work_on(self.spawn(coro, name=name))
-
-    def _at_work_on(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
-        self._at_work.add(task)
-        task.add_done_callback(self._at_work.discard)
-        return task
+            self.switcher.start()
 
     async def on_stop(self) -> None:
-        # The work stops before the engine closes: reading its outputs, feeding it, episodes
-        # coming back from their environment, weight loads. The other way round, the output
-        # reader could meet a request vLLM failed as it shut down and crash the stop (a
-        # traceback and exit status 1, seen stopping the agentic example), and each episode
-        # that came back meanwhile "failed in the engine". Then what is finished is handed over
-        # (the leases of the rest are released when this rollout leaves), and the engine closes.
-        for task in list(self._at_work):
-            task.cancel()
-        await asyncio.gather(*self._at_work, return_exceptions=True)
+        # Our work has stopped (the host ends a service's tasks before on_stop: reading the
+        # engine's outputs, feeding it, episodes back from their environment, weight loads; a
+        # migration under way has finished). What is finished is handed over (the leases of the
+        # rest are released when this rollout leaves), then the engine closes.
         with contextlib.suppress(Exception):
             await self._flush()
         await self.engine.close()

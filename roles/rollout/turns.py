@@ -23,7 +23,7 @@ should not know how. The rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 from laminar.clock import Clock
@@ -54,7 +54,7 @@ class Turns:
         clock: Clock,
         log: Any,
         *,
-        spawn: Callable[[Coroutine[Any, Any, None], str], object],
+        spawn: Callable[..., object],  # Service.spawn: (coro, *, name)
         finish: Callable[[str, Trajectory], None],
         fail: Callable[[str, str], None],
     ) -> None:
@@ -85,7 +85,7 @@ class Turns:
         """``flight`` (not in the engine) waits for the environment's answer to its last turn."""
         flight.waiting = True
         flight.asked += 1
-        self._spawn(self._turn(tid, flight, flight.asked), f"env-step {tid}")
+        self._spawn(self._turn(tid, flight, flight.asked), name=f"env-step {tid}")
 
     def _current(self, tid: str, flight: Flight, asked: int) -> bool:
         """Still ours, still waiting, and this is its newest ask (not moved, dropped or

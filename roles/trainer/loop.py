@@ -33,7 +33,6 @@ Time comes only from the service's clock; blocking work runs in the compute's ex
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +90,6 @@ class TrainLoop:
         self.integrity = IntegrityMonitor(ctx.registry, log)
         self._held: int | None = None  # a trained version the schedule does not let out yet
         self._last_eval = float("-inf")
-        self._train: asyncio.Task[None] | None = None  # the loop (run), once started
         registry = ctx.registry
         self.m_staleness = Histogram(
             "laminar_staleness",
@@ -137,15 +135,13 @@ class TrainLoop:
         self.ctx.spawn(self.publisher.run(), name="publish")
         if resumed.publish:
             await self._offer(self.progress.version)
-        self._train = self.ctx.spawn(self.run(), name="train")
+        self.ctx.spawn(self.run(), name="train")
 
     async def close(self) -> None:
-        # Training stops first, so nothing it would do next (a step, a checkpoint, an
-        # evaluation) queues behind the compute's close; a step under way in the compute's
-        # thread finishes there, unrecorded, as if the trainer had been killed after it.
-        if self._train is not None:
-            self._train.cancel()
-            await asyncio.gather(self._train, return_exceptions=True)
+        # Training has stopped (the host ends a service's tasks before its on_stop), so nothing
+        # it would do next (a step, a checkpoint, an evaluation) queues behind the compute's
+        # close; a step under way in the compute's thread finishes there, unrecorded, as if the
+        # trainer had been killed after it.
         await self.compute.close()
         if self.tracking is not None:
             await self.ctx.executor("tracking", workers=1).run(self.tracking.close)

@@ -1,4 +1,5 @@
-"""The service runtime: metrics served, owned tasks, graceful stop, crash propagation."""
+"""The service runtime: metrics served, owned tasks, graceful stop (a service's own tasks end
+before its ``on_stop``), crash propagation."""
 
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def _host(cls: type[Service], cluster, options) -> ServiceHost:  # type: ignore[
     return ServiceHost(cls, ctx)
 
 
-async def test_graceful_stop_runs_on_stop_and_cancels_owned_tasks(cluster, options) -> None:  # type: ignore[no-untyped-def]
+async def test_graceful_stop_ends_owned_tasks_then_runs_on_stop(cluster, options) -> None:  # type: ignore[no-untyped-def]
     Lifecycle.events.clear()
     before = len(asyncio.all_tasks())
     host = _host(Lifecycle, cluster, options)
@@ -113,7 +114,7 @@ async def test_graceful_stop_runs_on_stop_and_cancels_owned_tasks(cluster, optio
     await host.started()
     host.stop()
     await asyncio.wait_for(task, 5)
-    assert Lifecycle.events == ["on_stop", "task cancelled"]
+    assert Lifecycle.events == ["task cancelled", "on_stop"]
     assert len(asyncio.all_tasks()) == before  # nothing left behind
 
 
@@ -134,7 +135,7 @@ async def test_cancelled_run_still_runs_on_stop(cluster, options) -> None:  # ty
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert Lifecycle.events[0] == "on_stop" and "task cancelled" in Lifecycle.events
+    assert Lifecycle.events == ["task cancelled", "on_stop"]
 
 
 async def test_local_notifies_are_owned_by_their_service(cluster, options) -> None:  # type: ignore[no-untyped-def]
@@ -149,6 +150,66 @@ async def test_local_notifies_are_owned_by_their_service(cluster, options) -> No
     host.stop()
     await asyncio.wait_for(task, 5)
     assert service.cancelled == ["local"]
+
+
+class Promising(Service):
+    """Work promised to a caller (``run_to_end``: the data role's report, a rollout's migration)
+    under way when the service is told to stop, beside a background task."""
+
+    role: ClassVar[str] = "promising"
+    events: ClassVar[list[str]] = []
+
+    async def on_start(self) -> None:
+        self.spawn(self._forever(), name="forever")
+
+    async def _forever(self) -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            Promising.events.append("task cancelled")
+            raise
+
+    async def promised(self, started: asyncio.Event) -> str:
+        started.set()
+        await asyncio.sleep(0.3)
+        self.spawn(self._forever(), name="started by promised work")  # still allowed
+        Promising.events.append("promised work done")
+        return "done"
+
+    async def on_stop(self) -> None:
+        try:
+            self.spawn(asyncio.sleep(0), name="late")
+        except RuntimeError as exc:
+            Promising.events.append(f"on_stop: {exc}")
+
+
+async def test_a_stop_lets_promised_work_finish_then_ends_tasks_and_refuses_new_ones(
+    cluster, options
+) -> None:  # type: ignore[no-untyped-def]
+    """The stop's order: work promised to a caller finishes (and may start a task meanwhile),
+    then every owned task is cancelled, then ``on_stop`` runs. From the stop on, new promised
+    work is refused, and once the tasks are being ended new tasks are too, each with an error
+    that says so (an endpoint's caller gets it), not a task left running into ``on_stop``."""
+    Promising.events.clear()
+    host = _host(Promising, cluster, options)
+    task = asyncio.create_task(host.run())
+    service = await host.started()
+    assert isinstance(service, Promising)
+    started = asyncio.Event()
+    caller = asyncio.create_task(service.ctx.run_to_end(service.promised(started), name="p"))
+    await started.wait()
+    host.stop()
+    await asyncio.sleep(0.05)  # the stop has begun: it waits for the promised work
+    with pytest.raises(RuntimeError, match="promising-0 is stopping: refused not started"):
+        await service.ctx.run_to_end(asyncio.sleep(0), name="refused")
+    assert await asyncio.wait_for(caller, 5) == "done"
+    await asyncio.wait_for(task, 5)
+    assert Promising.events == [
+        "promised work done",
+        "task cancelled",  # both: the one from on_start and the one the promised work started
+        "task cancelled",
+        "on_stop: promising-0 is stopping: late not started",
+    ]
 
 
 def _async(probe):  # type: ignore[no-untyped-def]
