@@ -70,7 +70,7 @@ from chaos_measure import Clients, Sampler  # noqa: E402
 from chaos_report import analyse, plot, print_table  # noqa: E402
 
 from laminar.config import ClusterConfig  # noqa: E402
-from laminar.service import transport_options  # noqa: E402
+from laminar.context import transport_options  # noqa: E402
 
 FAULTS = ("rollout", "relay", "master_relay", "trainer", "data", "manager", "partition")
 KILLS = {"trainer": "trainer", "data": "data", "manager": "manager"}

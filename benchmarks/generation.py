@@ -284,8 +284,8 @@ async def role_cluster(
 ) -> AsyncIterator[tuple[Any, Any]]:
     """Manager, data and one rollout as processes; typed clients of the data role and rollout."""
     from laminar.config import ClusterConfig
+    from laminar.context import transport_options
     from laminar.rpc_client import RpcClient, remote
-    from laminar.service import transport_options
 
     path = work / "role.yaml"
     path.write_text(yaml.safe_dump(config))

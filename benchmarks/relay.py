@@ -44,11 +44,11 @@ sys.path.insert(0, str(ROOT))
 
 from laminar import transport  # noqa: E402
 from laminar.config import ClusterConfig  # noqa: E402
+from laminar.context import transport_options  # noqa: E402
 from laminar.harness.launch import ProcessCluster  # noqa: E402
 from laminar.harness.netns import NetLab, probe  # noqa: E402
 from laminar.roles.relay import RelayApi  # noqa: E402
 from laminar.rpc_client import RpcClient, remote  # noqa: E402
-from laminar.service import transport_options  # noqa: E402
 from laminar.weights.config import PublishConfig  # noqa: E402
 from laminar.weights.manifest import chain_time, optimal_chunks  # noqa: E402
 from laminar.weights.publisher import WeightPublisher  # noqa: E402

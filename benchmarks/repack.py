@@ -50,11 +50,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from laminar.config import ClusterConfig  # noqa: E402
+from laminar.context import transport_options  # noqa: E402
 from laminar.harness.launch import ProcessCluster  # noqa: E402
 from laminar.membership import MembershipApi  # noqa: E402
 from laminar.roles.data.api import DataApi, SampleRequest  # noqa: E402
 from laminar.rpc_client import RpcClient, remote  # noqa: E402
-from laminar.service import transport_options  # noqa: E402
 from laminar.stats import RolloutStats  # noqa: E402
 from laminar.weights.config import PublishConfig  # noqa: E402
 from laminar.weights.publisher import WeightPublisher  # noqa: E402

@@ -105,8 +105,9 @@ class Sum(BaseModel):
 
 def rpc_receiver(queue: Any) -> None:
     from laminar.config import ClusterConfig, ServiceConfig
+    from laminar.context import ServiceContext, transport_options
     from laminar.endpoint import endpoint
-    from laminar.service import Service, ServiceContext, ServiceHost, transport_options
+    from laminar.service import Service, ServiceHost
 
     class Adder(Service):
         role = "adder"
@@ -268,8 +269,8 @@ class RpcPair:
 
     def rpc(self, calls: int) -> dict[str, float]:
         from laminar.config import ClusterConfig
+        from laminar.context import transport_options
         from laminar.rpc_client import RpcClient
-        from laminar.service import transport_options
 
         out: dict[str, float] = {}
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from .errors import CallTimeout, PeerUnavailable, RemoteError
 
 if TYPE_CHECKING:
-    from .service import ServiceContext
+    from .context import ServiceContext
 
 S = TypeVar("S")
 T = TypeVar("T")

@@ -28,8 +28,9 @@ from pydantic import BaseModel, Field
 
 from laminar import transport
 from laminar.config import ServiceConfig
+from laminar.context import ServiceContext
 from laminar.endpoint import endpoint, stream
-from laminar.service import Service, ServiceContext
+from laminar.service import Service
 from laminar.transport.shm import sweep_dead_segments
 from laminar.weights.chain import ChainFollower, ChainView, RelayInfo
 from laminar.weights.manifest import WeightManifest

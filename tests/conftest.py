@@ -8,7 +8,8 @@ import pytest
 
 import laminar.transport  # noqa: F401  (registers the schemes)
 from laminar.config import ClusterConfig
-from laminar.service import ServiceContext, ServiceHost, transport_options
+from laminar.context import ServiceContext, transport_options
+from laminar.service import ServiceHost
 from laminar.transport.shm import SHM_TAG_ENV
 from tests.support.poll import STOP_S
 from tests.support.procs import TOKEN

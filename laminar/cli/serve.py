@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from ..context import ServiceContext, transport_options
     from ..log import configure_logging
     from ..proc.placement import give_way, keep_off_bound_cores, niceness_for
     from ..roles_registry import load_role
-    from ..service import ServiceContext, ServiceHost, print_ready, transport_options
+    from ..service import ServiceHost, print_ready
 
     config = load_config(args.config, args.set)
     base = Path(config.source).parent if config.source else None

@@ -17,10 +17,10 @@ from typing import Any
 from rich.table import Table
 
 from laminar.config import ClusterConfig
+from laminar.context import transport_options
 from laminar.errors import LaminarError
 from laminar.membership import ClusterStatus, MembershipApi
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import transport_options
 from laminar.stats import RolloutStats, VersionedStats
 
 _STATE_STYLE = {"alive": "green", "dead": "bold red", "left": "dim"}

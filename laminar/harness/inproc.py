@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from laminar.config import LaminarConfig
+from laminar.context import ServiceContext, transport_options
 from laminar.roles_registry import load_role
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import Service, ServiceContext, ServiceHost, transport_options
+from laminar.service import Service, ServiceHost
 
 from .inproc_fence import Fence
 from .inproc_loop import MEMBER, InprocLoop, run_inproc

@@ -46,10 +46,11 @@ from typing import Any, ClassVar, TypeVar
 from prometheus_client import Gauge
 
 from laminar.config import ServiceConfig
+from laminar.context import ServiceContext
 from laminar.endpoint import endpoint
 from laminar.errors import ConfigError
 from laminar.membership import MembershipApi
-from laminar.service import Service, ServiceContext
+from laminar.service import Service
 
 from .api import (
     Assignments,

@@ -45,6 +45,7 @@ from typing import ClassVar
 from pydantic import Field, ValidationError
 
 from laminar.config import ServiceConfig
+from laminar.context import ServiceContext
 from laminar.endpoint import endpoint, stream
 from laminar.membership import (
     ClusterStatus,
@@ -64,7 +65,7 @@ from laminar.roles.relay import LatestRequest, RelayApi, SharedVersion
 from laminar.roles.rollout.api import RolloutApi
 from laminar.rpc import current_call
 from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S
-from laminar.service import Service, ServiceContext
+from laminar.service import Service
 from laminar.stats import TrainerStats, parse_stats
 from laminar.weights.chain import ChainView, ChainWatch, RelayChainApi, RelayInfo, plan_chain
 

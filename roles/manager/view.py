@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from laminar.context import ServiceContext
 from laminar.membership import Member
-from laminar.service import ServiceContext
 from laminar.weights.chain import ChainView
 
 from .events import EventLog

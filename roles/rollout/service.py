@@ -49,12 +49,13 @@ from pydantic import Field
 
 from laminar.clock import Clock
 from laminar.config import ServiceConfig
+from laminar.context import ServiceContext
 from laminar.endpoint import endpoint
 from laminar.engines import Engine, EngineConfig, EngineRequest, InflightSequence, create_engine
 from laminar.engines.base import EngineError
 from laminar.membership import rollout_phase
 from laminar.roles.data.api import DataApi, LeaseRelease, TakeRequest
-from laminar.service import Service, ServiceContext
+from laminar.service import Service
 from laminar.stats import RolloutStats
 from laminar.trajectory import Assignment, Trajectory
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from laminar.context import ServiceContext
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.roles.data.api import DataApi, SampleRequest, Trajectories
-from laminar.service import ServiceContext
 from laminar.trajectory import Trajectory
 from laminar.transport import MessageTooLarge
 

@@ -40,9 +40,9 @@ from typing import Any
 
 from prometheus_client import Gauge, Histogram
 
+from laminar.context import ServiceContext
 from laminar.rl.screen import ExcludeScope, screen_batch
 from laminar.schedules import may_publish
-from laminar.service import ServiceContext
 from laminar.tracking import TrackingConfig, TrainerTracking
 from laminar.weights.config import PublishConfig
 from laminar.weights.publisher import WeightPublisher

@@ -32,11 +32,12 @@ from prometheus_client import Gauge
 from pydantic import BaseModel
 
 from laminar.config import ServiceConfig
+from laminar.context import ServiceContext
 from laminar.endpoint import endpoint
 from laminar.errors import ConfigError, RemoteError
 from laminar.peers import PEER_ERRORS, Outage
 from laminar.rendezvous import RendezvousApi, Seat, SeatRequest
-from laminar.service import Service, ServiceContext
+from laminar.service import Service
 
 from .config import TrainerRankConfig
 from .worker import serve_rank

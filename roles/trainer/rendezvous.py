@@ -16,10 +16,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from laminar.context import ServiceContext
 from laminar.errors import RemoteError
 from laminar.peers import PEER_ERRORS, Outage
 from laminar.rendezvous import GroupOffer, RendezvousApi
-from laminar.service import ServiceContext
 
 __all__ = ["GroupRendezvous", "free_port", "group_failure", "host_of", "rendezvous_for"]
 

@@ -33,8 +33,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from laminar.config import ServiceConfig
+from laminar.context import ServiceContext
 from laminar.endpoint import endpoint
-from laminar.service import Service, ServiceContext
+from laminar.service import Service
 
 from .api import TrainerApi, TrainerStatus
 from .config import TrainerConfig

@@ -35,8 +35,9 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from laminar.config import ServiceConfig
+from laminar.context import ServiceContext
 from laminar.endpoint import endpoint
-from laminar.service import Service, ServiceContext
+from laminar.service import Service
 
 from .config import SimTrainerConfig
 from .loop import LoopSettings, TrainLoop

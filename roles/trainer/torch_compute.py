@@ -21,9 +21,9 @@ from typing import Any
 
 from prometheus_client import Gauge
 
+from laminar.context import ServiceContext
 from laminar.recipe.episodes import EvalStopped
 from laminar.rl import Screened
-from laminar.service import ServiceContext
 from laminar.weights.publisher import WeightPublisher
 from laminar.weights.transfer import VersionBuffer
 

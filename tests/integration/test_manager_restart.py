@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from laminar.config import ClusterConfig
+from laminar.context import ServiceContext
 from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
 from laminar.membership import Heartbeat, JoinRequest, LeaveRequest, MembershipApi
 from laminar.roles.data.api import DataApi, TakeRequest
@@ -22,7 +23,7 @@ from laminar.roles.data.service import DataConfig, DataService
 from laminar.roles.manager import ManagerConfig, ManagerService
 from laminar.roles.relay import LatestRequest, RelayApi, RelayConfig, RelayService
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import ServiceContext, ServiceHost
+from laminar.service import ServiceHost
 from laminar.weights.config import PublishConfig
 from laminar.weights.publisher import WeightPublisher
 from tests.support.poll import STOP_S, until

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from laminar.config import ClusterConfig
+from laminar.context import transport_options
 from laminar.devmode.status import fetch_status
 from laminar.errors import PeerUnavailable
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import transport_options
 from tests.support.devrun import kill_session, run_manager, start_run, write_run_config
 from tests.support.procs import ROOT, SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
 from tests.support.roles import Calculator, Pair, Sleep

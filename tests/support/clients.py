@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import TypeVar
 
 from laminar.config import ClusterConfig
+from laminar.context import transport_options
 from laminar.harness.launch import ProcessCluster
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import transport_options
 
 from .procs import TOKEN
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from laminar.config import ClusterConfig
+from laminar.context import transport_options
 from laminar.errors import CallTimeout, PeerUnavailable
 from laminar.harness.launch import ProcessCluster
 from laminar.harness.netns import NetLab
@@ -35,7 +36,6 @@ from laminar.roles.relay import RelayApi
 from laminar.roles.rollout import RolloutService
 from laminar.roles.trainer.service import TrainerService
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import transport_options
 from laminar.weights.chain import RelayChainApi
 
 from .poll import until

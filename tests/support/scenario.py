@@ -13,10 +13,10 @@ from typing import Any
 import yaml
 
 from laminar.config import ClusterConfig
+from laminar.context import transport_options
 from laminar.harness.launch import ProcessCluster
 from laminar.roles.data.api import DataApi, DataStatus, SampleRequest
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import transport_options
 from laminar.trajectory import Trajectory
 
 from .procs import TOKEN, env

@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 
 from laminar.config import ClusterConfig
+from laminar.context import transport_options
 from laminar.errors import PeerUnavailable
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import transport_options
 from laminar.transport import Connection, TransportOptions, listen
 from tests.support.poll import until
 from tests.support.procs import SUPPORT_ROLES, TOKEN, laminar, start, stop

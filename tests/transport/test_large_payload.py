@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
+from laminar.context import transport_options
 from laminar.endpoint import endpoint
 from laminar.errors import RemoteError
 from laminar.roles.data.api import DataApi, Report, TakeRequest
@@ -26,7 +27,7 @@ from laminar.roles.data.service import DataService
 from laminar.roles.trainer.batches import BatchSource
 from laminar.rpc import decode_model, encode_model
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import Service, transport_options
+from laminar.service import Service
 from laminar.trajectory import PartialChunk, Trajectory
 from laminar.transport import Frame, FrameError, Limits, MessageTooLarge, decode_payload
 from laminar.transport.arrays import EXT_ARRAY, ArrayEncodeError

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
+from laminar.context import transport_options
 from laminar.errors import PeerUnavailable
 from laminar.rpc import K_CALL
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import transport_options
 from laminar.transport import Frame, TransportOptions, encode_payload
 from laminar.transport.frames import encode_head
 from tests.conftest import TRANSPORTS

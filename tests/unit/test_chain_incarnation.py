@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from laminar.config import ClusterConfig
+from laminar.context import ServiceContext, transport_options
 from laminar.membership import JoinRequest, LeaveRequest, MembershipApi
 from laminar.roles.manager import ManagerConfig, ManagerService
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import ServiceContext, ServiceHost, transport_options
+from laminar.service import ServiceHost
 from laminar.weights.chain import ChainView, RelayInfo, follow_chain
 from tests.support.poll import STOP_S, until
 from tests.support.procs import TOKEN

@@ -17,6 +17,7 @@ import pytest
 
 from laminar.clock import run_virtual
 from laminar.config import ServiceConfig
+from laminar.context import ServiceContext
 from laminar.executor import (
     LOOP_DEFAULT,
     Executor,
@@ -24,7 +25,7 @@ from laminar.executor import (
     InLoopExecutor,
     ThreadExecutor,
 )
-from laminar.service import Service, ServiceContext, ServiceHost
+from laminar.service import Service, ServiceHost
 
 # -- in the loop, on virtual time -----------------------------------------------------------------
 

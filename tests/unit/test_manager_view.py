@@ -20,6 +20,7 @@ import structlog
 import laminar.transport  # noqa: F401  (registers the schemes)
 from laminar.clock import run_virtual
 from laminar.config import ClusterConfig
+from laminar.context import ServiceContext, transport_options
 from laminar.endpoint import endpoint
 from laminar.membership import Member
 from laminar.repack import RepackPolicy
@@ -29,7 +30,7 @@ from laminar.roles.manager.events import EventLog
 from laminar.roles.manager.repack import RepackController
 from laminar.roles.manager.view import ManagerView
 from laminar.roles.rollout.api import MigrateReport, MigrateRequest, RolloutApi
-from laminar.service import Service, ServiceContext, ServiceHost, transport_options
+from laminar.service import Service, ServiceHost
 from laminar.weights.chain import ChainView, RelayInfo
 from tests.support.procs import TOKEN
 

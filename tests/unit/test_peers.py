@@ -17,11 +17,12 @@ from pydantic import BaseModel, Field
 
 from laminar.clock import get_clock, run_virtual
 from laminar.config import ClusterConfig, ServiceConfig
+from laminar.context import ServiceContext, transport_options
 from laminar.endpoint import stream
 from laminar.errors import PeerUnavailable, RemoteError
 from laminar.peers import Outage, follow_stream
 from laminar.roles.manager import ManagerConfig, ManagerService
-from laminar.service import Service, ServiceContext, ServiceHost, transport_options
+from laminar.service import Service, ServiceHost
 from tests.support.procs import TOKEN
 from tests.support.roles import Calculator, Pair, Tag
 

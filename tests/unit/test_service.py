@@ -10,8 +10,9 @@ import aiohttp
 import pytest
 
 from laminar.config import ServiceConfig
+from laminar.context import ServiceContext
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import Service, ServiceContext, ServiceHost
+from laminar.service import Service, ServiceHost
 from tests.support.poll import until
 from tests.support.roles import Calculator, Pair, Sleep
 

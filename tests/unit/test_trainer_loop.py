@@ -23,6 +23,7 @@ import pytest
 from safetensors.torch import load_file
 
 from laminar.config import ClusterConfig, ServiceConfig
+from laminar.context import ServiceContext, transport_options
 from laminar.roles.data.api import DataApi, Report, TakeRequest
 from laminar.roles.data.service import DataConfig, DataService
 from laminar.roles.relay import LatestRequest, RelayApi, RelayConfig, RelayService
@@ -31,7 +32,7 @@ from laminar.roles.trainer.checkpoint import latest_checkpoint, load_state, publ
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.service import TrainerService
 from laminar.rpc_client import RpcClient, remote
-from laminar.service import Service, ServiceContext, ServiceHost, transport_options
+from laminar.service import Service, ServiceHost
 from laminar.trajectory import Trajectory
 from tests.support.models import tiny_qwen2
 from tests.support.poll import until
