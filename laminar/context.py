@@ -147,24 +147,19 @@ class ServiceContext:
         finishes: a migrated episode that waits for its environment's answer.)"""
         self._no_new_work = True
         promised = [t for t in self._promised if not t.done()]
-        if promised:
-            _, late = await asyncio.wait(promised, timeout=FINISH_S)
-            if late:
-                self.log.warning(
-                    "stopping before work promised to a caller finished",
-                    tasks=sorted(t.get_name() for t in late),
-                )
+        await self._wait(promised, "stopping before work promised to a caller finished")
         self._no_new_tasks = True
         others = [t for t in self._tasks if t is not keep and not t.done()]
         for task in others:
             task.cancel()
-        if others:
-            _, stuck = await asyncio.wait(others, timeout=FINISH_S)
-            if stuck:
-                self.log.warning(
-                    "tasks still running after they were cancelled",
-                    tasks=sorted(t.get_name() for t in stuck),
-                )
+        await self._wait(others, "tasks still running after they were cancelled")
+
+    async def _wait(self, tasks: list[asyncio.Task[Any]], late: str) -> None:
+        """Wait up to ``FINISH_S`` for ``tasks``; name those still running, as ``late``."""
+        if tasks:
+            _, running = await asyncio.wait(tasks, timeout=FINISH_S)
+            if running:
+                self.log.warning(late, tasks=sorted(t.get_name() for t in running))
 
     def _log_unclaimed(self, task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and (error := task.exception()) is not None:

@@ -62,6 +62,15 @@ async def test_healthz_says_whether_the_event_loop_runs(serve) -> None:  # type:
     assert await asyncio.to_thread(get) == (200, {"ok": True})  # and it answers again
 
 
+async def sleep_until_cancelled(events: list[str]) -> None:
+    """A background task's life: nothing until it is cancelled, which ``events`` records."""
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        events.append("task cancelled")
+        raise
+
+
 class Lifecycle(Service):
     role: ClassVar[str] = "lifecycle"
     events: ClassVar[list[str]] = []
@@ -70,11 +79,7 @@ class Lifecycle(Service):
         self.spawn(self._forever(), name="forever")
 
     async def _forever(self) -> None:
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            Lifecycle.events.append("task cancelled")
-            raise
+        await sleep_until_cancelled(Lifecycle.events)
 
     async def on_stop(self) -> None:
         Lifecycle.events.append("on_stop")
@@ -164,11 +169,7 @@ class Promising(Service):
         self.spawn(self._forever(), name="forever")
 
     async def _forever(self) -> None:
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            Promising.events.append("task cancelled")
-            raise
+        await sleep_until_cancelled(Promising.events)
 
     async def promised(self, started: asyncio.Event) -> str:
         started.set()
