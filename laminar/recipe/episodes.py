@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from laminar.tools.env import Environment, Step
 
@@ -34,9 +34,24 @@ class EvalStopped(Exception):
     stopping does not make its operator wait for the rest of an evaluation nobody will read)."""
 
 
+@runtime_checkable
+class SharedStop(Protocol):
+    """A ``stop`` that ranks evaluating in step share (``roles.trainer.wire.GroupStop``): asked
+    at each decoding step it may end a ``generate`` call early on its own rank; whether the
+    evaluation ends is decided by all of them together (``agreed``, between ``generate`` calls,
+    where every rank asks the same number of times)."""
+
+    def __call__(self) -> bool: ...
+
+    def agreed(self) -> bool: ...
+
+
 def check_stop(stop: Callable[[], bool] | None) -> None:
-    """Raise :class:`EvalStopped` if ``stop`` says so."""
-    if stop is not None and stop():
+    """Raise :class:`EvalStopped` if ``stop`` says so (a :class:`SharedStop`: if its ranks agree
+    it does). Asked between ``generate`` calls."""
+    if stop is None:
+        return
+    if stop.agreed() if isinstance(stop, SharedStop) else stop():
         raise EvalStopped("the evaluation was stopped")
 
 

@@ -64,6 +64,7 @@ from .rendezvous import GroupRendezvous, free_port, group_failure
 from .sharding import own_rows, row_spans
 from .staging import copy_plan
 from .wire import (
+    GroupStop,
     Op,
     broadcast_batch,
     broadcast_op,
@@ -270,14 +271,17 @@ class DataParallelGroup:
     def evaluate(
         self, evaluator: Evaluator, version: int, stop: Callable[[], bool] | None = None
     ) -> Any:
-        """``stop`` (asked at every decoding step) is for a group of one: other ranks generate
-        in step with this one and could not follow it out half-way, so a larger group evaluates
-        to the end."""
-        alone = stop if self.world == 1 else None
+        """``stop``: asked at every decoding step; true gives up with ``EvalStopped``. Sharded,
+        every rank generates in step with this one, so the stop reaches them through the group
+        (:class:`.wire.GroupStop`) and all of them give up after the same ``generate`` call;
+        otherwise rank 0 evaluates alone."""
 
         def run() -> Any:
             self._tell(Op.EVAL, version)
-            return evaluator(self.trainer.model, version, synced=self.trainer.sharded, stop=alone)
+            sharded = self.trainer.sharded
+            # every rank asks a GroupStop between generate calls: rank 0's too, told or not
+            told = GroupStop(version, stop or _never) if sharded else stop
+            return evaluator(self.trainer.model, version, synced=sharded, stop=told)
 
         return self._recovering(run)
 
@@ -394,3 +398,7 @@ def _destroy() -> None:
 
 def _problem(problem: str) -> None:
     log.error("checkpoint", problem=problem)
+
+
+def _never() -> bool:
+    return False

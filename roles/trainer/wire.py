@@ -17,6 +17,7 @@ import datetime
 import enum
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -154,3 +155,50 @@ def broadcast_name(name: str | None) -> str:
         raw[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
     dist.broadcast(raw, 0)
     return bytes(raw.cpu().tolist()).rstrip(b"\0").decode()
+
+
+class GroupStop:
+    """The ``stop`` of an evaluation that the ranks of a sharded group run in step (every rank
+    generates the same prompts, and each decoding step's forward pass gathers the weights from
+    all of them), so that a trainer told to stop mid-evaluation takes every rank out of it.
+
+    Two questions, because ``generate`` asks at every decoding step, and a rank whose rows are
+    done stops asking while it keeps stepping with the others (HF's ``synced_gpus``): a
+    collective there would not pair up. So the per-step question (``stop()``) is local: rank 0
+    (given ``told``, the trainer's flag) answers from that flag and, once it is up, writes a key
+    in the group's store; another rank reads that key (on every ``every``-th question: a read is
+    a round trip to the store). It only ends the ``generate`` call early. Whether the evaluation
+    ends is :meth:`agreed`, asked between generate calls, where every rank asks the same number
+    of times: one all-reduce of the ranks' answers, so all of them give up after the same call,
+    or none does.
+
+    Reaches into torch for the group's store (``_get_default_store``: the rendezvous store every
+    group has, file or TCP); nothing else here is private."""
+
+    def __init__(self, version: int, told: Callable[[], bool] | None, every: int = 4) -> None:
+        from torch.distributed import distributed_c10d
+
+        self._key = f"laminar/eval-stop/{version}"
+        self._told = told
+        self._every = every
+        self._store = distributed_c10d._get_default_store()
+        self._stopped = False
+        self._asked = 0
+
+    def __call__(self) -> bool:
+        if self._stopped:
+            return True
+        if self._told is not None:  # rank 0
+            if self._told():
+                self._store.set(self._key, "1")
+                self._stopped = True
+        elif self._asked % self._every == 0:
+            self._stopped = self._store.check([self._key])
+        self._asked += 1
+        return self._stopped
+
+    def agreed(self) -> bool:
+        """Whether any rank's ``stop()`` says stop (a collective: every rank asks here)."""
+        flag = torch.tensor([int(self())], device=_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

@@ -9,11 +9,13 @@ run this same loop.
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 
+from laminar.recipe.episodes import EvalStopped
 from laminar.transport.shm import map_writable
 from laminar.weights.manifest import WeightManifest, plan_specs
 
@@ -22,6 +24,7 @@ from .config import TrainerConfig
 from .evaluator import Evaluator
 from .sharding import own_rows
 from .wire import (
+    GroupStop,
     Op,
     broadcast_batch,
     broadcast_name,
@@ -104,7 +107,9 @@ def serve_rank(
             elif op == Op.ROWS:
                 send_rows(trainer, a)
             elif op == Op.EVAL and evaluator is not None:
-                evaluator(trainer.model, a, synced=True)
+                # rank 0's trainer may be told to stop half-way: then every rank gives up
+                with contextlib.suppress(EvalStopped):
+                    evaluator(trainer.model, a, synced=True, stop=GroupStop(a, None))
     except BaseException:
         trainer.fence.abandon()  # a served rank goes on to the next generation: no stray thread
         raise

@@ -1,26 +1,33 @@
-"""FSDP2 (``sharding: fsdp``) beyond one update: checkpoints, resuming, publishing, memory.
+"""FSDP2 (``sharding: fsdp``) beyond one update: checkpoints, resuming, publishing, memory, an
+evaluation stopped half-way.
 
 The update itself is checked against one rank in ``test_trainer_dp.py``; here a 2-rank sharded
 group's checkpoint must hold exactly what a replicated trainer's would (weights and AdamW moments),
 resume at another world size and sharding, stage its weights for the relays while the next step
 trains (rows written into a shared buffer, or sent to rank 0), and keep about half of the
-replicated trainer's state per rank.
+replicated trainer's state per rank. And a trainer told to stop while its group evaluates takes
+every rank out of the evaluation together (``roles/trainer/wire.GroupStop``).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from laminar.recipe.episodes import EvalStopped
+from laminar.recipe.model import ModelShape, init_model
+from laminar.recipe.tasks import load_task
 from laminar.rl import grpo_advantages, pack
 from laminar.rl.batch import PackedBatch
 from laminar.roles.trainer.checkpoint import TrainingState, load_training_state, save_checkpoint
 from laminar.roles.trainer.compute import PolicyTrainer
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.dp import DataParallelGroup
+from laminar.roles.trainer.evaluator import Evaluator
 from laminar.transport.shm import SharedBuffer
 from laminar.weights.manifest import plan_specs
 from laminar.weights.tensors import copy_into, plan_tensors, tensors_from
@@ -30,9 +37,12 @@ from .test_trainer_dp import batch
 
 pytestmark = pytest.mark.integration
 
+ARITH = Path(__file__).resolve().parents[2] / "examples" / "arith"
 
-def config(model: Path, world: int, sharding: str) -> TrainerConfig:
+
+def config(model: Path, world: int, sharding: str, **extra: object) -> TrainerConfig:
     return TrainerConfig(
+        **extra,  # type: ignore[arg-type]
         model=str(model),
         data_parallel=world,
         sharding=sharding,
@@ -127,3 +137,38 @@ def test_sharded_checkpoint_resume_publish_and_memory(tmp_path: Path) -> None:
     single = DataParallelGroup(config(model, 1, "replicate"), state_path=str(path))
     single.train(packed(3))
     close(dict(single.weights()), dict(one.named_weights()))
+
+
+def test_a_sharded_evaluation_told_to_stop_ends_on_every_rank_together(tmp_path: Path) -> None:
+    """Every rank of a sharded group generates the evaluation's prompts in step (each forward
+    pass gathers the weights), so rank 0 alone could not leave it half-way: the trainer's stop
+    (a `laminar run` stopped during an evaluation, tens of seconds on a CPU) had to wait for its
+    end, past the stop's grace. Told at its first decoding step, rank 0 gives up with
+    ``EvalStopped``; the other rank leaves after the same ``generate`` call (the next evaluation
+    runs in step, to its end), and both stop cleanly."""
+    task = load_task(str(ARITH))
+    model = init_model(task.alphabet, tmp_path / "model", ModelShape(), seed=0)
+    # one-operation problems: short budgets, for the untrained model writes to its budget
+    short = [r for r in task.test_records(200) if r["steps"] == 1][:4]
+    records = tmp_path / "short.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in short))
+    eval_ = {"task": str(ARITH), "data": str(records), "n": 4, "batch_size": 2}
+    cfg = config(model, 2, "fsdp", eval=eval_)
+    assert cfg.eval is not None
+    evaluator = Evaluator(cfg.eval, cfg.model)
+    group = DataParallelGroup(cfg, timeout_s=60)
+    ranks = list(group.procs)
+    asked: list[int] = []
+
+    def told() -> bool:
+        asked.append(1)
+        return True
+
+    try:
+        with pytest.raises(EvalStopped):
+            group.evaluate(evaluator, 0, stop=told)
+        assert asked  # at a decoding step
+        assert group.evaluate(evaluator, 1).n == 4  # still in step: a whole evaluation
+    finally:
+        group.close()
+    assert [p.exitcode for p in ranks] == [0]  # rank 1 left its evaluation, not its loop

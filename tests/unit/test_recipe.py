@@ -315,6 +315,32 @@ def test_a_stopped_evaluation_ends_inside_its_generate_call(tiny_model, task) ->
     assert len(greedy_responses(model, tok, prompts[:1], [3], stop=lambda: False)[0]) <= 3
 
 
+def test_a_shared_stop_ends_the_evaluation_when_its_ranks_agree() -> None:
+    """Between ``generate`` calls a stop that ranks share decides with them all (``agreed``, a
+    collective every rank asks at the same point), not from its own rank's reading: a rank that
+    read the stop late still leaves with the others, and one that read it alone stays."""
+    from laminar.recipe.episodes import EvalStopped, SharedStop, check_stop
+
+    class Shared:
+        def __init__(self, mine: bool, group: bool) -> None:
+            self.mine, self.group = mine, group
+
+        def __call__(self) -> bool:
+            return self.mine
+
+        def agreed(self) -> bool:
+            return self.group
+
+    assert isinstance(Shared(False, False), SharedStop)
+    assert not isinstance(lambda: True, SharedStop)
+    with pytest.raises(EvalStopped):
+        check_stop(Shared(mine=False, group=True))
+    check_stop(Shared(mine=True, group=False))
+    check_stop(None)
+    with pytest.raises(EvalStopped):
+        check_stop(lambda: True)
+
+
 def test_buckets_and_length_stats() -> None:
     assert [bucket_of(k) for k in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [
         "1",
