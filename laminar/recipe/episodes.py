@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from laminar.tools.env import Environment, Step
 
+from .attention import fast_attention
 from .tokenizer import EOS, PAD, special_id
 
 DEFAULT_MAX_TURNS = 8
@@ -209,7 +210,7 @@ def _next_turns(
         width = ids.shape[1]
         room = max(episodes[i].budget - len(episodes[i].response) for i in idx)
         new = max(1, min(room, limit - width))
-        with torch.inference_mode():
+        with torch.inference_mode(), fast_attention(model):
             gen = model.generate(
                 input_ids=ids.to(model.device),
                 attention_mask=mask.to(model.device),

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .attention import fast_attention
 from .episodes import check_stop, greedy_episodes, left_padded, stopping_criteria
 from .model import load_model
 from .tasks import Record, Task, read_jsonl
@@ -108,7 +109,7 @@ def greedy_responses(
         ids, mask = left_padded([encoded[i] for i in idx], pad)
         width = ids.shape[1]
         new = max(1, min(max(budgets[i] for i in idx), limit - width))
-        with torch.inference_mode():
+        with torch.inference_mode(), fast_attention(model):
             gen = model.generate(
                 input_ids=ids.to(model.device),  # a trainer's policy may be on a GPU
                 attention_mask=mask.to(model.device),

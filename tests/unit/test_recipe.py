@@ -315,6 +315,41 @@ def test_a_stopped_evaluation_ends_inside_its_generate_call(tiny_model, task) ->
     assert len(greedy_responses(model, tok, prompts[:1], [3], stop=lambda: False)[0]) <= 3
 
 
+def test_greedy_decoding_with_the_kv_heads_left_grouped_gives_the_same_tokens(
+    tiny_model, task, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Evaluation decodes with the key/value heads left grouped (``fast_attention``): the same
+    greedy tokens, on a left-padded batch, as transformers' ``sdpa`` that copies them out; the
+    same logits; and the model's own attention implementation is back afterwards."""
+    import contextlib
+
+    import torch
+
+    from laminar.recipe import evaluate
+    from laminar.recipe.attention import NAME, fast_attention
+    from laminar.recipe.episodes import left_padded
+    from laminar.recipe.evaluate import greedy_responses
+    from laminar.recipe.model import load_model
+
+    model, tok = load_model(tiny_model)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped
+    prompts = [r["prompt"] for r in task.test_records(8, 0)]
+    assert len({len(p) for p in prompts}) > 1  # rows of different lengths: a padded batch
+    grouped = greedy_responses(model, tok, prompts, [48] * 8, batch_size=8)
+    assert model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(evaluate, "fast_attention", lambda model: contextlib.nullcontext())
+    assert greedy_responses(model, tok, prompts, [48] * 8, batch_size=8) == grouped
+
+    ids, mask = left_padded([tok.encode(p).ids for p in prompts], special_id(tok, PAD))
+    with torch.inference_mode():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+        with fast_attention(model):
+            assert model.config._attn_implementation == NAME
+            left = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert torch.allclose(plain[real], left[real], atol=1e-5)
+
+
 def test_a_shared_stop_ends_the_evaluation_when_its_ranks_agree() -> None:
     """Between ``generate`` calls a stop that ranks share decides with them all (``agreed``, a
     collective every rank asks at the same point), not from its own rank's reading: a rank that
