@@ -15,7 +15,7 @@ different interleavings. So a role asks its context for a named executor
   in submission order. Not zero, so that a loop polling the store cannot stand virtual time
   still; constant, so calls complete in the order they were submitted.
 
-An executor belongs to whoever made it (for roles: the :class:`~laminar.service.ServiceContext`,
+An executor belongs to whoever made it (for roles: the :class:`~laminar.context.ServiceContext`,
 which closes it at stop). Code outside a role that takes an executor argument (a test's own
 publisher, a benchmark) gets :data:`LOOP_DEFAULT`: the running loop's default executor, what
 ``run_in_executor(None, ...)`` has always meant.

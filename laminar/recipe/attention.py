@@ -11,8 +11,8 @@ response length. ``torch.nn.functional.scaled_dot_product_attention`` takes the
 grouped heads itself (``enable_gqa``), masked or not, with the same result (bit for bit here:
 the same greedy tokens on 200 problems, ``tests/unit/test_recipe.py``).
 
-:func:`fast_attention` switches a model to that for the duration (CPU tensors only; on other
-devices, and for anything but plain masked attention, it hands over to transformers' own).
+:func:`fast_attention` switches a model to that for the duration: a model on a CPU whose layers
+are not compiled (for anything but plain masked attention it hands over to transformers' own).
 Training is left on ``sdpa``: a training step expands the keys once per layer, not once per
 token. ``benchmarks/evaluation.py`` measures the difference.
 """
@@ -68,15 +68,25 @@ def _register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks sdpa takes
 
 
+def _switchable(model: Any) -> bool:
+    """``model`` attends with ``sdpa``, on a CPU, with no layer compiled: a compiled layer
+    guards on its config, so a switch there and back would recompile it for every evaluation
+    (``trainer.compile``, a minute here)."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
+        return False
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return False
+    return not any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
 @contextlib.contextmanager
 def fast_attention(model: Any) -> Iterator[None]:
-    """``model`` decodes with :func:`gqa_sdpa` for the duration, if it attends with ``sdpa``;
-    its implementation as it was afterwards."""
-    config = getattr(model, "config", None)
-    before = getattr(config, "_attn_implementation", None)
-    if before != "sdpa":
+    """``model`` decodes with :func:`gqa_sdpa` for the duration, if it can switch
+    (:func:`_switchable`); its implementation as it was afterwards."""
+    if not _switchable(model):
         yield
         return
+    before = model.config._attn_implementation
     _register()
     model.set_attn_implementation(NAME)
     try:

@@ -349,6 +349,11 @@ def test_greedy_decoding_with_the_kv_heads_left_grouped_gives_the_same_tokens(
     real = mask.bool()
     assert torch.allclose(plain[real], left[real], atol=1e-5)
 
+    # a compiled layer guards on the config: switching would recompile it at every evaluation
+    model.model.layers[0].compile()  # nothing compiles until it runs
+    with fast_attention(model):
+        assert model.config._attn_implementation == "sdpa"
+
 
 def test_a_shared_stop_ends_the_evaluation_when_its_ranks_agree() -> None:
     """Between ``generate`` calls a stop that ranks share decides with them all (``agreed``, a
