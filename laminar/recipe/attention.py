@@ -20,6 +20,7 @@ token. ``benchmarks/evaluation.py`` measures the difference.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,6 +61,7 @@ def gqa_sdpa(
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
 def _register() -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask

@@ -280,7 +280,7 @@ class DataParallelGroup:
             self._tell(Op.EVAL, version)
             sharded = self.trainer.sharded
             # every rank asks a GroupStop between generate calls: rank 0's too, told or not
-            told = GroupStop(version, stop or _never) if sharded else stop
+            told = GroupStop(version, stop) if sharded else stop
             return evaluator(self.trainer.model, version, synced=sharded, stop=told)
 
         return self._recovering(run)
@@ -398,7 +398,3 @@ def _destroy() -> None:
 
 def _problem(problem: str) -> None:
     log.error("checkpoint", problem=problem)
-
-
-def _never() -> bool:
-    return False

@@ -165,7 +165,7 @@ class GroupStop:
     Two questions, because ``generate`` asks at every decoding step, and a rank whose rows are
     done stops asking while it keeps stepping with the others (HF's ``synced_gpus``): a
     collective there would not pair up. So the per-step question (``stop()``) is local: rank 0
-    (given ``told``, the trainer's flag) answers from that flag and, once it is up, writes a key
+    answers from ``told`` (the trainer's flag; None: never told) and, once it is up, writes a key
     in the group's store; another rank reads that key (on every ``every``-th question: a read is
     a round trip to the store). It only ends the ``generate`` call early. Whether the evaluation
     ends is :meth:`agreed`, asked between generate calls, where every rank asks the same number
@@ -175,11 +175,14 @@ class GroupStop:
     Reaches into torch for the group's store (``_get_default_store``: the rendezvous store every
     group has, file or TCP); nothing else here is private."""
 
-    def __init__(self, version: int, told: Callable[[], bool] | None, every: int = 4) -> None:
+    def __init__(
+        self, version: int, told: Callable[[], bool] | None = None, every: int = 4
+    ) -> None:
         from torch.distributed import distributed_c10d
 
         self._key = f"laminar/eval-stop/{version}"
         self._told = told
+        self._rank0 = dist.get_rank() == 0
         self._every = every
         self._store = distributed_c10d._get_default_store()
         self._stopped = False
@@ -188,8 +191,8 @@ class GroupStop:
     def __call__(self) -> bool:
         if self._stopped:
             return True
-        if self._told is not None:  # rank 0
-            if self._told():
+        if self._rank0:
+            if self._told is not None and self._told():
                 self._store.set(self._key, "1")
                 self._stopped = True
         elif self._asked % self._every == 0:

@@ -109,7 +109,7 @@ def serve_rank(
             elif op == Op.EVAL and evaluator is not None:
                 # rank 0's trainer may be told to stop half-way: then every rank gives up
                 with contextlib.suppress(EvalStopped):
-                    evaluator(trainer.model, a, synced=True, stop=GroupStop(a, None))
+                    evaluator(trainer.model, a, synced=True, stop=GroupStop(a))
     except BaseException:
         trainer.fence.abandon()  # a served rank goes on to the next generation: no stray thread
         raise
