@@ -40,7 +40,8 @@ without it):
 5. Once the tool has exited, the init kills whatever it left running (from a namespace's init,
    ``kill(-1)`` reaches every other process in it), reaps it, removes the directory and exits
    with the tool's status. So a call whose jail exits by itself leaves nothing, and its caller
-   has nothing to clean up; only a jail that was killed leaves that to the caller.
+   has nothing to clean up; only a jail that was stopped leaves that to the caller, and the
+   server removes such a jail's directory too when it reaps it (the caller may exit first).
 
 The jail waits for the child and exits with its status (128 + signal if it was killed); told to
 stop (SIGTERM, SIGINT, SIGHUP), it kills the child first.
@@ -287,6 +288,7 @@ def serve(fd: int) -> int:
     jobs: dict[int, int] = {}  # jail pid -> request id
     dirs: dict[int, str] = {}  # jail pid -> its tool's directory
     calls: dict[int, int] = {}  # request id -> jail pid
+    signalled: set[int] = set()  # jail pids the caller signalled: stopped, not finished
 
     def send(message: dict) -> None:
         sock.send(json.dumps(message).encode())
@@ -300,7 +302,14 @@ def serve(fd: int) -> int:
             if pid == 0:
                 return
             call = jobs.pop(pid, None)
-            dirs.pop(pid, None)
+            work = dirs.pop(pid, None)
+            if pid in signalled:
+                # A stopped jail's init did not remove the directory. The caller removes it
+                # too, but off its event loop: a role that exits right after cancelling its
+                # calls (os._exit, as roles stop) never gets there, so the server does it here.
+                signalled.discard(pid)
+                if work is not None:
+                    shutil.rmtree(work, ignore_errors=True)
             if call is not None:
                 calls.pop(call, None)
                 send({"id": call, "status": exit_status(status)})
@@ -351,6 +360,7 @@ def serve(fd: int) -> int:
                     if message.get("op") == "run":
                         run(message, fds)
                     elif message.get("op") == "signal" and message.get("id") in calls:
+                        signalled.add(calls[message["id"]])
                         os.kill(calls[message["id"]], int(message["signal"]))
                 finally:
                     for f in fds:

@@ -148,3 +148,62 @@ def test_the_server_and_its_tools_die_with_a_caller_killed_by_sigkill() -> None:
         caller.kill()
         caller.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+CANCELLER = """
+import asyncio, os, threading
+from concurrent.futures import ThreadPoolExecutor
+from laminar.tools.jailserver import JailServer
+from laminar.tools.sandbox import SandboxLimits, run_python
+
+async def main():
+    loop = asyncio.get_running_loop()
+    busy = threading.Event()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+    loop.run_in_executor(None, busy.wait)  # the executor's one thread is taken
+    call = asyncio.create_task(run_python({code!r}, SandboxLimits(wall_s=600)))
+    while not os.listdir(os.environ["TMPDIR"]):  # the jail made the tool's directory
+        await asyncio.sleep(0.01)
+    print(JailServer._current.process.pid, flush=True)
+    input()  # the test has seen the tool's processes
+    call.cancel()
+    await asyncio.sleep(0.1)  # the cancellation runs: the jail is killed, its clean-up queued
+    print("cancelled", flush=True)
+    input()  # the test has seen the server reap the jail
+    os._exit(0)  # as a role exits: the queued clean-up never ran
+
+asyncio.run(main())
+"""
+
+
+def test_a_call_cancelled_by_a_caller_that_exits_before_its_clean_up_leaves_no_directory() -> None:
+    """A role stops by cancelling its episodes and leaving with ``os._exit``; the clean-up its
+    cancelled calls queue off the event loop may not have run (here its executor is busy). The
+    server removes what the jails it was told to stop left: the tools' directories stayed in
+    /tmp before."""
+    tmp = Path(tempfile.mkdtemp(prefix="laminar-jail-test-", dir="/tmp"))
+    tmp.chmod(0o1777)
+    caller = subprocess.Popen(
+        [sys.executable, "-c", CANCELLER.format(code=SLEEPER)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    try:
+        assert caller.stdin is not None and caller.stdout is not None
+        pid = int(caller.stdout.readline())
+        below = wait_for(lambda: (found := tools_of(pid)) and len(found) >= 3 and found)
+        caller.stdin.write("\n")
+        caller.stdin.flush()
+        assert caller.stdout.readline() == "cancelled\n"
+        wait_for(lambda: not tools_of(pid))  # the jail is reaped (no zombie left either)
+        caller.stdin.write("\n")
+        caller.stdin.flush()
+        assert caller.wait(timeout=30) == 0
+        wait_for(lambda: not any(alive(p) for p in [pid, *below]))
+        assert list(tmp.iterdir()) == []
+    finally:
+        caller.kill()
+        caller.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
