@@ -1,4 +1,12 @@
-"""``laminar serve``: one role in this process, until it is stopped; and how the process ends."""
+"""``laminar serve``: one role in this process, until it is stopped; and how the process ends.
+
+A configuration refused before the role is ready (a bad value, a prompt file with a bad record,
+a missing model: a :class:`~laminar.errors.ConfigError`, raised while loading the config or by
+the role's ``on_start``) ends the process with one line, ``laminar serve: <the error>``, and
+status :data:`~laminar.proc.exits.EX_CONFIG` (78): started again, it would be refused again, and
+``laminar run`` ends the run at once on that status instead of restarting the role
+(``docs/deploy.md``, *When a role fails*). After the role was ready, an error is a crash like any
+other: its traceback, status 1."""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..config import ConfigError, load_config
+from ..proc.exits import EX_CONFIG
 from .common import add_set, loop_runner
 
 if TYPE_CHECKING:
@@ -20,6 +29,31 @@ if TYPE_CHECKING:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    ready_seen: list[bool] = []  # whether the role became ready: a refusal is a start's only
+    try:
+        _serve(args, ready_seen)
+    except (ConfigError, BaseExceptionGroup) as exc:
+        refused = None if ready_seen else refused_config(exc)
+        if refused is None:
+            raise
+        print(f"laminar serve: {refused}", file=sys.stderr)
+        exit_without_final_collection(EX_CONFIG)
+    exit_without_final_collection(0)
+
+
+def refused_config(exc: BaseException) -> ConfigError | None:
+    """The configuration error ``exc`` is, or that every error of an exception group (a start
+    that failed in the host's task group) is; None if it is, or holds, anything else."""
+    if isinstance(exc, ConfigError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        found = [refused_config(e) for e in exc.exceptions]
+        if found and all(f is not None for f in found):
+            return found[0]
+    return None
+
+
+def _serve(args: argparse.Namespace, ready_seen: list[bool]) -> None:
     from ..context import ServiceContext, transport_options
     from ..log import configure_logging
     from ..proc.placement import give_way, keep_off_bound_cores, niceness_for
@@ -74,6 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if cluster.loop_stall_s is not None:  # from now: on_start may block the loop on purpose
             # and not once stopping: on_stop may too (vLLM's shutdown joins its processes)
             watches.append(watch_loop(ctx.log, cluster.loop_stall_s, lambda: host.stopping))
+        ready_seen.append(True)
         print_ready(info)
 
     host = ServiceHost(role_cls, ctx, manager=manager, ready=ready, handle_signals=True)
@@ -82,7 +117,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         for watch in watches:
             watch.close()
-    exit_without_final_collection(0)
 
 
 def exit_without_final_collection(code: int) -> NoReturn:

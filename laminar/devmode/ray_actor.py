@@ -5,9 +5,10 @@ in its machine's placement group, for the whole run. Each :meth:`RoleProcess.onc
 incarnation of the instance's ``laminar serve`` on the actor's machine, exactly as the local
 supervisor runs a child: through :class:`laminar.proc.children.ChildProcesses` (its own group,
 ``PR_SET_PDEATHSIG``, umask 077, its output to ``<run_dir>/logs/NAME.log``, its exit seen on a
-pidfd, what it left in its group ended after a grace period). Only the restart decision is not
-taken here: the launcher takes it, with the policy every launcher shares
-(:mod:`laminar.proc.restart`), as soon as :meth:`RoleProcess.exited` reports the exit status.
+pidfd, what it left in its group ended after a grace period, its error line and OOM kills
+found). Only the restart decision is not taken here: the launcher takes it, with the policy every
+launcher shares (:mod:`laminar.proc.restart`), as soon as :meth:`RoleProcess.exited` reports the
+exit (:class:`laminar.proc.exits.Exit`).
 
 This module does not import Ray: the launcher wraps the class with ``ray.remote`` and Ray imports
 it by name on the worker. Every method is a coroutine, so Ray runs it as an async actor whose
@@ -28,6 +29,7 @@ from typing import Any
 from laminar.config import RoleSpec
 from laminar.devmode import ALARMS
 from laminar.proc.children import Child, ChildProcesses
+from laminar.proc.exits import Exit
 from laminar.proc.procfs import kill_group
 
 #: How many of them one incarnation passes on, the last ones (a traceback's end says the most).
@@ -36,13 +38,16 @@ MAX_ALARMS = 40
 
 class _OneIncarnation(ChildProcesses):
     """The local supervisor's child lifecycle, one incarnation at a time: the decision to
-    restart is the launcher's, so here it is always "no"."""
+    restart is the launcher's, so here it is always "no", and the exit goes to ``reported``."""
 
     def __init__(self, started: asyncio.Event, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.started = started
+        self.reported: asyncio.Future[Exit] | None = None  # made by each RoleProcess.once
 
-    def decide(self, child: Child, code: int | None) -> bool:
+    def decide(self, child: Child, exit: Exit) -> bool:
+        if self.reported is not None and not self.reported.done():
+            self.reported.set_result(exit)
         return False
 
     async def _start(self, child: Child) -> asyncio.subprocess.Process:
@@ -110,12 +115,16 @@ class RoleProcess:
         self.notes, self.alarms = [], deque(maxlen=MAX_ALARMS)
         self.started.clear()
         self.child.exit = None
+        reported = self.processes.reported = asyncio.get_running_loop().create_future()
         try:
             await self.processes._life(self.child)
         finally:
             if self.child.exit is None:  # it never started: nobody may wait for it forever
                 self.child.exit = asyncio.get_running_loop().create_future()
                 self.child.exit.set_result(None)
+            if not reported.done():  # stopped, or its watch failed: no reason
+                code = self.child.exit.result() if self.child.exit.done() else None
+                reported.set_result(Exit(code))
             self.started.set()
         return {
             "code": self.child.exit.result(),
@@ -124,12 +133,14 @@ class RoleProcess:
             "pid": self.child.process.pid if self.child.process is not None else None,
         }
 
-    async def exited(self) -> int | None:
-        """The current incarnation's exit status, as soon as it is known (negative: a signal;
-        None: unknown, or it never started). Call it after :meth:`once`."""
+    async def exited(self) -> dict[str, Any]:
+        """How the current incarnation ended (:meth:`laminar.proc.exits.Exit.wire`), as soon as
+        it is known: its status (negative: a signal; None: unknown, or it never started), its
+        error line, an OOM kill. Call it after :meth:`once`."""
         await self.started.wait()
-        assert self.child.exit is not None
-        return await asyncio.shield(self.child.exit)
+        assert self.processes.reported is not None
+        exit = await asyncio.shield(self.processes.reported)
+        return exit.wire()
 
     async def ready(self) -> dict[str, Any] | None:
         """The current incarnation's ``LAMINAR_READY`` info (address, pid), or None if it exited

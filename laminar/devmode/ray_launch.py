@@ -9,9 +9,11 @@ token, the manager first and its ``LAMINAR_READY`` line giving the join address 
 same ``laminar serve`` with the same command line and environment (:mod:`laminar.proc.spawn`), run
 by the same child lifecycle (:mod:`laminar.proc.children`) inside its actor
 (:mod:`laminar.devmode.ray_actor`), and restarted by the same policy (:mod:`laminar.proc.restart`),
-decided here on the driver from the exit status the actor reports. An actor that dies (its machine
-lost) counts as an exit with an unknown status: the policy decides, and a new actor takes the
-instance's place in its bundle.
+decided here on the driver from the exit the actor reports (its status, the child's own error
+line, an OOM kill: :class:`laminar.proc.exits.Exit`), so a failure is said, a failure that will
+repeat ends the run, and the run's exit status is decided exactly as with the local launcher. An
+actor that dies (its machine lost) counts as an exit with an unknown status: the policy decides,
+and a new actor takes the instance's place in its bundle.
 
 **Placement** (:mod:`laminar.devmode.ray_place`): one placement group per machine, a relay per
 machine that runs rollouts, rollouts packed by GPU count. On more than one machine every role
@@ -47,6 +49,7 @@ from laminar.devmode.ray_place import (
 )
 from laminar.devmode.supervisor import COLOURS, Supervisor
 from laminar.proc.children import SETTLE_S, Child, processes
+from laminar.proc.exits import Exit
 from laminar.proc.procfs import kill_group
 from laminar.proc.restart import decide, keep_running
 from laminar.roles_registry import load_role_config
@@ -161,13 +164,12 @@ class RayProcesses:
         ready = asyncio.create_task(self._ready(child, actor))
         try:
             try:
-                code = await result(actor.exited.remote())
+                exit = Exit.from_wire(await result(actor.exited.remote()))
             except self.ray.exceptions.RayError as exc:  # the actor is gone: a new one next time
                 self.actors.pop(child.name, None)
-                self.say(f"{child.name}: its Ray actor failed: {_first_line(exc)}", "bold red")
-                code = None
-            child.exit.set_result(code)
-            restart = not self.stopping.is_set() and decide(child, code, self.say)
+                exit = Exit(None, error=f"its Ray actor failed: {_first_line(exc)}")
+            child.exit.set_result(exit.code)
+            restart = not self.stopping.is_set() and decide(child, exit, self.say)
             try:
                 outcome = await life
             except self.ray.exceptions.RayError:

@@ -12,7 +12,16 @@ its output closing (what the child started inherits its pipes), ends what its gr
 (SIGTERM, SIGKILL after ``run.shutdown_grace_s``, and says so), and restarts it by its role's
 ``restart`` policy (``on-failure``: any non-zero exit or a signal, kill -9 included;
 ``max_restarts`` times, with a growing pause; the manager keeps its port across restarts so
-members find it again). A manager given up on ends the run with status 1.
+members find it again).
+
+**When a role fails** (``docs/deploy.md``, *When a role fails*): each exit is said on the console
+with the child's own error line (an OOM kill in those words), whatever ``run.display`` shows
+(:mod:`laminar.proc.exits`). The run ends at once, with status 1 and the reason, when a role
+cannot run: a child whose configuration was refused, one that fails the same way at every start
+(:mod:`laminar.proc.restart`), the manager given up on, or the last live instance of a role given
+up on after a failure (no data role, no trainer, no rollout left: nothing could make progress).
+A run that lost only some instances of a role (one of two rollouts) goes on, and still exits with
+status 1. Its last lines name every instance that ended dead, and how.
 
 Ctrl-C or SIGTERM stops everything: SIGTERM to each child's own process (callers before what they
 call: rollouts and trainer, then the data role and relays, then the manager), its group ended as
@@ -103,6 +112,7 @@ class Supervisor:
         self.children: list[Child] = []
         self.stopping = asyncio.Event()
         self.exit_code = 0
+        self.ended: str | None = None  # why the run ended early (a role could not run)
         self.manager_address: str | None = None
         self.run_dir = Path(config.run.run_dir)
         self.resume = resume
@@ -192,9 +202,40 @@ class Supervisor:
         return serve_command(spec)
 
     def _gave_up(self, child: Child) -> None:
-        if child.role == "manager":  # the run cannot go on without it
-            self.exit_code = 1
-            self.stopping.set()
+        """A child will not be started again while the run goes on: end the run if it cannot
+        go on without it (see the module docstring), else say what is left."""
+        if child.role != "manager" and child.dead is None:  # it ended cleanly: nothing lost
+            return
+        self.exit_code = 1
+        if child.role == "manager":
+            reason = f"the manager ({child.name}) {child.dead or 'ended'}"
+        elif child.fatal is not None:
+            reason = child.fatal
+        else:
+            same = [c for c in self.children if c.role == child.role]
+            left = [c for c in same if not c.done]
+            if left:
+                self.say(
+                    f"the run goes on without {child.name} ({len(left)} of {len(same)} "
+                    f"{child.role} instances left); it will end with status 1",
+                    "bold yellow",
+                )
+                return
+            gone = ", ".join(c.name for c in same if c.dead is not None)
+            reason = f"no {child.role} instance left ({gone} ended dead)"
+        if self.ended is None:
+            self.ended = reason
+            self.say(f"ending the run: {reason}", "bold red")
+        self.stopping.set()
+
+    def _verdict(self) -> None:
+        """The last lines: every instance that ended dead, how, and why the run failed."""
+        dead = [c for c in self.children if c.dead is not None]
+        for child in dead:
+            self.say(f"{child.name} ended dead: {child.dead}", "bold red")
+        if self.exit_code:
+            why = self.ended or f"{len(dead)} role instance(s) ended dead"
+            self.say(f"run failed (exit status {self.exit_code}): {why}", "bold red")
 
     async def _stop_all(self) -> None:
         # Callers before what they call (stop_stages): rollouts and trainer, then the data role
@@ -228,24 +269,12 @@ class Supervisor:
             view = self._view(tracking)
             manager, members = self.children[0], self.children[1:]
             watchers.append(self.processes.supervise(manager))
-            if not await self._wait_ready(manager, watchers[0]):
+            if await self._wait_ready(manager, watchers[0]):
+                await self._members(view, manager, members, watchers)
+            else:
                 self.say("the manager did not start; see its output above", "bold red")
-                self.stopping.set()
-                return 1
-            self.manager_address = manager.info["address"]
-            manager.pinned_bind = self.manager_address
-            self._write_cluster_file()
-            self.say(f"manager at {self.manager_address}; starting {len(members)} more")
-            for child in members:
-                watchers.append(self.processes.supervise(child))
-            duration = self.config.run.duration_s
-            deadline = loop.time() + duration if duration else None
-            token = self.env[self.config.cluster.token_env].encode()
-            await view.run(
-                self.manager_address, token, self.config.cluster, self.stopping, deadline
-            )
-            if not self.stopping.is_set():
-                self.say(f"run budget of {duration:g} s reached; stopping")
+                self.ended = self.ended or "the manager did not start"
+                self.exit_code = 1
         finally:
             try:
                 self.stopping.set()
@@ -266,9 +295,33 @@ class Supervisor:
         assert view is not None
         view.final()
         self.say("all roles stopped")
-        if self.config.run.plots:
+        if self.config.run.plots and self.manager_address is not None:
             self._plots(view)
+        self._verdict()
         return self.exit_code
+
+    async def _members(
+        self,
+        view: RunView,
+        manager: Child,
+        members: list[Child],
+        watchers: list[asyncio.Task[None]],
+    ) -> None:
+        """Once the manager is ready: start every other role, then watch the run until it is
+        stopped, its budget is spent, or a role it needs ended."""
+        self.manager_address = manager.info["address"]
+        manager.pinned_bind = self.manager_address
+        self._write_cluster_file()
+        self.say(f"manager at {self.manager_address}; starting {len(members)} more")
+        for child in members:
+            watchers.append(self.processes.supervise(child))
+        duration = self.config.run.duration_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + duration if duration else None
+        token = self.env[self.config.cluster.token_env].encode()
+        await view.run(self.manager_address, token, self.config.cluster, self.stopping, deadline)
+        if not self.stopping.is_set():
+            self.say(f"run budget of {duration:g} s reached; stopping")
 
     def _trainer_metrics(self) -> Path | None:
         """The trainer's metrics file, read from its config section (not its model: that would

@@ -14,13 +14,8 @@ owns the life of its process, one incarnation after another:
   ``echo``; its log file is 0600. Starting it, reading it and its ready line are
   :mod:`laminar.proc.spawn`'s, shared with :class:`laminar.harness.launch.ProcessCluster`.
 * **exit**: noticed on a pidfd of the process, not by its output closing (what it started inherits
-  its stdout and stderr, so after a kill -9 the pipes stay open as long as they live; CPython
-  3.11's ``Process.wait()`` resolves only once they close). ``waitid(WNOWAIT)`` reads the status
-  and leaves the reaping to the event loop's child watcher. Without pidfds (``pidfd_open``
-  failing: a kernel before 5.3, gVisor, seccomp) or without ``waitid(P_PIDFD)`` (a kernel before
-  5.4), a thread blocks in ``waitid(P_PID, WNOWAIT)`` instead. If the loop reaped the process
-  first, its return code is the loop's. A status that cannot be known is said as such and counts
-  as a failure.
+  its pipes; :mod:`laminar.proc.exitwait`). A status that cannot be known is said as such and
+  counts as a failure.
 * **end of group**: what the process left in its group gets a moment to end by itself
   (:data:`SETTLE_S`: a vLLM engine kills itself once its rollout is gone), then SIGTERM, SIGKILL
   after ``run.shutdown_grace_s``, and the supervisor says so
@@ -32,10 +27,16 @@ owns the life of its process, one incarnation after another:
   (:func:`laminar.proc.procfs.kill_group`). Then
   the process's pipes are closed, so one that escaped the group still holding them costs no file
   descriptors per restart.
+* **why**: the last lines of each incarnation's output are kept (bounded), and so is the
+  kernel's count of OOM kills in its memory cgroup at its start; once it has exited and what it
+  wrote before has been read (until its pipes close or go quiet, a moment at most), its
+  :class:`~laminar.proc.exits.Exit` gives its error line, whether the OOM killer struck, and how
+  long it had been ready (:mod:`laminar.proc.exits`).
 * **restart**: by the role's ``restart`` policy (``on-failure``: any non-zero exit or a signal,
-  kill -9 included; ``max_restarts`` times, with a growing pause), decided and said once, as soon
-  as the exit status is known. A child given up on is reported to the supervisor (the manager's
-  end stops the run).
+  kill -9 included; ``max_restarts`` times, with a growing pause), decided and said once, with
+  the error line, as soon as the exit is known; a failure that will repeat is not retried
+  (:mod:`laminar.proc.restart`). A child given up on is reported to the supervisor, which
+  decides whether the run goes on.
 * **stop** (:meth:`ChildProcesses.stop`): SIGTERM to each child's own process (it stops what it
   started); its watcher sees it exit and ends its group as above; a child still running after
   the grace period gets SIGKILL to its whole group. **sweep**: last, whatever is left in a
@@ -57,7 +58,7 @@ import asyncio
 import contextlib
 import os
 import signal
-import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ from typing import IO, Any
 from laminar.config import RoleSpec
 from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot
+from laminar.proc.exits import Exit, OomCounter, OutputTail, oom_rose, ready_for
+from laminar.proc.exitwait import exit_status, open_pidfd, returncode
 from laminar.proc.gpus import gpu_env
 from laminar.proc.procfs import INCARNATION_ENV, kill_group, signal_marked
 from laminar.proc.restart import decide, keep_running
@@ -82,6 +85,11 @@ from laminar.proc.spawn import (
 #: Seconds what a child left behind gets to end by itself before SIGTERM (a vLLM engine's watch
 #: kills it 1 s after its rollout is gone, see :mod:`laminar.engines.vllm_worker`).
 SETTLE_S = 2.0
+#: After an exit, how long the output may stay silent before what the process wrote is taken as
+#: read, and how long reading it may take at most (what it started may hold its pipes and write
+#: on: a vLLM engine core's shutdown lines).
+QUIET_S = 0.2
+DRAIN_S = 2.0
 
 
 @dataclass
@@ -103,6 +111,14 @@ class Child:
     exit: asyncio.Future[int | None] | None = None  # the current process's exit status
     incarnation: str | None = None  # the current process's mark (procfs.INCARNATION_ENV=...)
     watcher: asyncio.Task[None] | None = None  # owns the child for the whole run
+    # Why it ends (laminar.proc.exits, laminar.proc.restart):
+    tail: OutputTail = field(default_factory=OutputTail)  # the current incarnation's last lines
+    ready_at: float | None = None  # when the current incarnation became ready (time.monotonic)
+    oom: OomCounter | None = None  # OOM kills in its memory cgroup, counted from its start
+    last_exit: Exit | None = None  # the previous incarnation's end
+    dead: str | None = None  # given up on after a failure: how it ended ("exited with ...")
+    fatal: str | None = None  # its end ends the run: why ("X's configuration was refused")
+    done: bool = False  # given up on: it will not be started again
 
 
 def _child_setup(cpus: tuple[int, ...], parent: int) -> Callable[[], None]:
@@ -128,95 +144,6 @@ def open_log(path: Path) -> IO[str]:
 
 def processes(pids: list[int]) -> str:
     return f"{len(pids)} process{'es' if len(pids) != 1 else ''} (pid {', '.join(map(str, pids))})"
-
-
-# -- noticing an exit ------------------------------------------------------------------------------
-
-
-def open_pidfd(proc: asyncio.subprocess.Process) -> int | None:
-    """A pidfd of a child just started; None without pidfds, or if the loop reaped it already
-    (then its returncode is set). Unless reaped, the pid still names this very process: we are
-    its parent."""
-    try:
-        fd = os.pidfd_open(proc.pid)
-    except OSError:
-        return None
-    if proc.returncode is not None:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _status(info: Any) -> int | None:
-    if info is None or info.si_pid == 0:
-        return None
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
-async def _readable(fd: int) -> None:
-    loop = asyncio.get_running_loop()
-    ready = loop.create_future()
-    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
-    try:
-        await ready
-    finally:
-        loop.remove_reader(fd)
-
-
-async def _returncode(proc: asyncio.subprocess.Process, timeout: float = 5.0) -> int | None:
-    """The status the event loop's child watcher read (it reaped the process, or is about to).
-    Polled: ``proc.wait()`` would also wait for the pipes to close (CPython 3.11)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while proc.returncode is None and loop.time() < deadline:  # noqa: ASYNC110
-        await asyncio.sleep(0.05)
-    return proc.returncode
-
-
-async def _waitid_thread(proc: asyncio.subprocess.Process) -> int | None:
-    """Wait for the exit in a thread (``waitid(P_PID, WNOWAIT)``: the loop still reaps it)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[int | None] = loop.create_future()
-
-    def settle(code: int | None) -> None:
-        if not done.done():
-            done.set_result(code)
-
-    def wait() -> None:
-        try:
-            code = _status(os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT))
-        except OSError:  # ECHILD: the loop reaped it first
-            code = None
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, code)
-
-    # A daemon thread, not the loop's executor: it must not hold up the loop's shutdown.
-    threading.Thread(target=wait, name=f"waitid-{proc.pid}", daemon=True).start()
-    code = await done
-    return code if code is not None else await _returncode(proc)
-
-
-async def exit_status(child: Child) -> int | None:
-    """Wait until the child's current process has exited, whatever holds its pipes; its exit
-    status (negative: the signal), or None if it cannot be known. Closes the child's pidfd."""
-    proc = child.process
-    assert proc is not None
-    fd = child.pidfd
-    if fd is None:
-        return await _waitid_thread(proc)
-    try:
-        await _readable(fd)  # readable once it has exited
-        # It has exited, so this does not block (WNOHANG all the same).
-        info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOWAIT | os.WNOHANG)  # noqa: ASYNC222
-    except ChildProcessError:  # the loop reaped it first: it has the status
-        info = None
-    except (OSError, AttributeError):  # EINVAL: no waitid(P_PIDFD) before Linux 5.4
-        return await _waitid_thread(proc)
-    finally:
-        os.close(fd)
-        child.pidfd = None
-    code = _status(info)
-    return code if code is not None else await _returncode(proc)
 
 
 # -- the children's processes ----------------------------------------------------------------------
@@ -262,6 +189,8 @@ class ChildProcesses:
 
     async def _start(self, child: Child) -> asyncio.subprocess.Process:
         child.ready.clear()
+        child.ready_at = None
+        child.tail = OutputTail()
         if child.log is None:
             child.log = open_log(self.log_dir / f"{child.name}.log")
         mark = uuid.uuid4().hex
@@ -279,6 +208,7 @@ class ChildProcesses:
         child.exit = asyncio.get_running_loop().create_future()
         self.groups.add(proc.pid)
         child.pidfd = open_pidfd(proc)
+        child.oom = await asyncio.to_thread(OomCounter.of, proc.pid)
         return proc
 
     def _line(self, child: Child, text: str) -> None:
@@ -287,9 +217,11 @@ class ChildProcesses:
         except LaminarError:  # not one it can be joined on: kept in its log, never taken
             info = None
         if info is None:
+            child.tail.add(text)
             self.echo(child, text)
             return
         child.info = info
+        child.ready_at = time.monotonic()
         child.ready.set()
 
     async def _end_group(self, child: Child, gid: int) -> None:
@@ -320,7 +252,7 @@ class ChildProcesses:
         """Release the process's pipes once the loop has reaped it (closing the transport of a
         process not yet reaped would kill it or reap it behind the loop's back)."""
         if proc.returncode is None:
-            await _returncode(proc)
+            await returncode(proc)
         if proc.returncode is not None:
             transport = getattr(proc, "_transport", None)
             with contextlib.suppress(Exception):
@@ -341,7 +273,9 @@ class ChildProcesses:
         try:
             code = await exit_status(child)
             child.exit.set_result(code)
-            restart = not self.stopping.is_set() and self.decide(child, code)
+            restart = False
+            if not self.stopping.is_set():
+                restart = self.decide(child, await self._exit(child, code, pumps))
             await self._end_group(child, proc.pid)
             # The group is gone, so are the pipes' writers (bar one that left the group)
             await asyncio.wait(pumps, timeout=2.0)
@@ -357,6 +291,20 @@ class ChildProcesses:
                 child.pidfd = None
             if exited:
                 await self._close(proc)
+
+    async def _exit(self, child: Child, code: int | None, pumps: list[asyncio.Task[None]]) -> Exit:
+        """How the incarnation ended, once what it wrote before its exit has been read: its
+        pipes closed, or its output quiet for :data:`QUIET_S` (its exit is seen on a pidfd, which
+        may come before the last of its output is read), within :data:`DRAIN_S`."""
+        loop = asyncio.get_running_loop()
+        ready_s = ready_for(child.ready_at)
+        deadline = loop.time() + DRAIN_S
+        while loop.time() < deadline:
+            done, _ = await asyncio.wait(pumps, timeout=QUIET_S)
+            if len(done) == len(pumps) or time.monotonic() - child.tail.last_at >= QUIET_S:
+                break
+        oom = await asyncio.to_thread(oom_rose, child.oom) if code != 0 else None
+        return Exit(code, child.tail.error_line(code), oom, ready_s)
 
     async def _watch(self, child: Child) -> None:
         """Own one child for the whole run: its incarnations, the pause between them (the
@@ -374,10 +322,10 @@ class ChildProcesses:
         if child.process is not None:
             await asyncio.to_thread(kill_group, child.process.pid, self.mark)
 
-    def decide(self, child: Child, code: int | None) -> bool:
-        """Whether the child is started again, by its restart policy; says which. An unknown
-        status counts as a failure."""
-        return decide(child, code, self.say)
+    def decide(self, child: Child, exit: Exit) -> bool:
+        """Whether the child is started again, by its restart policy; says which, and why it
+        failed. An unknown status counts as a failure."""
+        return decide(child, exit, self.say)
 
     # -- stopping --
 

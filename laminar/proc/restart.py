@@ -1,63 +1,120 @@
-"""When a role instance that exited is started again: one policy for every launcher.
+"""When a role instance that exited is started again, and when its end ends the run: one
+policy for every launcher.
 
 ``laminar run`` starts role instances in two ways, as children of its own process
 (:mod:`laminar.proc.children`) or inside Ray actors (:mod:`laminar.devmode.ray_launch`), and a
 user must get the same behaviour from both: the role's ``restart`` policy (``never``,
 ``on-failure``: any non-zero exit or a signal, kill -9 included; ``always``), at most
 ``max_restarts`` restarts, a growing pause between them (so a role that dies at start does not
-spin), the same words said about each decision, and a child given up on reported to the
-supervisor. So the decision and the loop that applies it live here, and each launcher brings only
-what differs: how one incarnation is run (``life``) and how its processes are killed when
-supervising it fails (``kill``).
+spin), the same words said about each decision (the exit status with the child's own error line,
+:mod:`laminar.proc.exits`), and a child given up on reported to the supervisor. So the decision
+and the loop that applies it live here, and each launcher brings only what differs: how one
+incarnation is run (``life``, which reports its :class:`~laminar.proc.exits.Exit`) and how its
+processes are killed when supervising it fails (``kill``).
+
+**A failure that will repeat is not retried** (``docs/deploy.md``, *When a role fails*): the child
+is given up on at once, marked as ending the run (``Child.fatal``), when
+
+* it exited with :data:`~laminar.proc.exits.EX_CONFIG`: ``laminar serve`` refused its
+  configuration before it was ready, and would refuse it again;
+* it failed the same way as its previous incarnation (the same exit status and the same reason,
+  numbers aside: :meth:`~laminar.proc.exits.Exit.signature`), this time before it became ready or
+  within :data:`EARLY_S` of it. Its configuration, its model or its data fail it at every start,
+  and further restarts would only spend ``max_restarts`` on the same line (each a whole start of
+  the role, its engine's included) while the run idles. The previous failure may have
+  come at any time (a rollout that dies at its first weight update did so minutes in, then at
+  once after its restart: the update was waiting for it). Two in a row is enough: the second
+  shows that a fresh start changed nothing. A failure without a known reason (no error line, a
+  SIGKILL that was not the OOM killer's) is never "the same way": its cause may well be outside.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
+
+from laminar.proc.exits import EX_CONFIG, Exit, describe
 
 if TYPE_CHECKING:
     from laminar.proc.children import Child
 
+__all__ = ["EARLY_S", "decide", "describe", "keep_running", "repeats", "restart_pause"]
+
 #: The first pause before a restart (seconds); it doubles with each restart, up to the cap.
 FIRST_PAUSE_S = 0.5
 MAX_PAUSE_S = 5.0
+#: A failure this soon after the instance became ready still counts as failing at its start.
+EARLY_S = 60.0
 
 
-def describe(code: int | None) -> str:
-    """An exit status in words: ``code 3``, ``signal 9 (SIGKILL)``, ``unknown status``."""
-    if code is None:
-        return "unknown status"
-    if code >= 0:
-        return f"code {code}"
-    with contextlib.suppress(ValueError):
-        return f"signal {-code} ({signal.Signals(-code).name})"
-    return f"signal {-code}"
+def repeats(previous: Exit | None, current: Exit) -> bool:
+    """Whether ``current`` fails the same way as ``previous`` did, at its start (see the module
+    docstring)."""
+    if previous is None or current.signature() is None:
+        return False
+    early = current.ready_s is None or current.ready_s < EARLY_S
+    return early and previous.signature() == current.signature()
 
 
-def decide(child: Child, code: int | None, say: Callable[[str, str], None]) -> bool:
-    """Whether ``child`` is started again after exiting with ``code`` (negative: the signal;
-    None: unknown, which counts as a failure), by its role's policy; counts the restart and says
-    which way it went."""
-    how = describe(code)
+def _final(child: Child, previous: Exit | None, exit: Exit) -> str | None:
+    """Why restarting ``child`` cannot help after ``exit`` (None: it may)."""
+    if exit.code == EX_CONFIG:
+        child.fatal = f"{child.name}'s configuration was refused"
+        return "its configuration was refused (a restart would be refused the same way)"
+    if repeats(previous, exit):
+        child.fatal = f"{child.name} fails the same way at every start"
+        when = (
+            "before it was ready"
+            if exit.ready_s is None
+            else f"{exit.ready_s:.0f} s after it was ready"
+        )
+        return f"it failed the same way twice in a row, {when} (a restart would fail again)"
+    return None
+
+
+def decide(child: Child, exit: Exit | int | None, say: Callable[[str, str], None]) -> bool:
+    """Whether ``child`` is started again after ``exit`` (an exit status alone is taken as an
+    :class:`Exit` without a reason; None: unknown, which counts as a failure), by its role's
+    policy and the rule for failures that repeat; counts the restart, says which way it went
+    with the child's error line, and records why a child not restarted ended dead
+    (``child.dead``) and whether that ends the run (``child.fatal``)."""
+    if not isinstance(exit, Exit):
+        exit = Exit(exit)
+    how = exit.words()
+    previous, child.last_exit = child.last_exit, exit
+    if exit.failed:
+        final = _final(child, previous if previous and previous.failed else None, exit)
+        if final is not None:
+            child.dead = f"exited with {how}"
+            say(f"{child.name} exited with {how}; not restarting: {final}", "bold red")
+            return False
     policy = child.spec.restart
-    wanted = policy == "always" or (policy == "on-failure" and code != 0)
+    wanted = policy == "always" or (policy == "on-failure" and exit.failed)
     if not wanted or child.restarts >= child.spec.max_restarts:
+        if exit.failed:
+            child.dead = f"exited with {how}"
         say(
             f"{child.name} exited with {how}; not restarting "
             f"(policy {policy}, {child.restarts} restarts)",
-            "bold red",
+            "bold red" if exit.failed else "bold",
         )
+        _hint(child, exit, say)
         return False
     child.restarts += 1
     say(
         f"{child.name} exited with {how}; restarting ({child.restarts}/{child.spec.max_restarts})",
         "bold yellow",
     )
+    _hint(child, exit, say)
     return True
+
+
+def _hint(child: Child, exit: Exit, say: Callable[[str, str], None]) -> None:
+    hint = exit.hint()
+    if hint is not None:
+        say(f"{child.name}: {hint}", "yellow")
 
 
 def restart_pause(restarts: int) -> float:
@@ -76,9 +133,9 @@ async def keep_running(
 ) -> None:
     """Own ``child`` for the whole run: one incarnation after another (``life`` runs one and
     returns whether to start it again, having called :func:`decide`), the growing pause between
-    them, until the run stops. A child not restarted while the run goes on is reported to
-    ``gave_up``. Supervising never dies silently: an unexpected error is said, the child's
-    processes killed (``kill``), and the child given up on."""
+    them, until the run stops. A child not restarted while the run goes on is marked ``done``
+    and reported to ``gave_up``. Supervising never dies silently: an unexpected error is said,
+    the child's processes killed (``kill``), and the child given up on, dead."""
     try:
         while await life(child):
             with contextlib.suppress(TimeoutError):
@@ -89,11 +146,10 @@ async def keep_running(
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        say(
-            f"{child.name}: supervising it failed ({type(exc).__name__}: {exc}); "
-            "killing its processes",
-            "bold red",
-        )
+        why = f"supervising it failed ({type(exc).__name__}: {exc})"
+        say(f"{child.name}: {why}; killing its processes", "bold red")
         await kill(child)
+        child.dead = why
     if not stopping.is_set():
+        child.done = True
         gave_up(child)
