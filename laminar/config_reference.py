@@ -250,22 +250,25 @@ def _fill(
                 tables.append(sub)
                 _fill(m, key, sub, tables, f"`{key}` {variant}")
             continue
+        type_name = " or ".join(_type_name(m) for m in members) + (" or null" if nullable else "")
         item = _list_item_model(members)
-        if item is not None:  # a list of sections (run.roles): its items' keys, as key[].x
+        if item is not None:  # a list of sections (run.roles), or one among types: key[].x
             table.rows.append(
-                Row(key, f"list[{item.__name__}]", _default(info), "", info.description or "")
+                Row(key, type_name, _default(info), _constraints(info), info.description or "")
             )
             _fill(item, f"{key}[]", table, tables, within)
             continue
-        type_name = " or ".join(_type_name(m) for m in members) + (" or null" if nullable else "")
         table.rows.append(
             Row(key, type_name, _default(info), _constraints(info), info.description or "")
         )
 
 
 def _list_item_model(members: list[Any]) -> type[BaseModel] | None:
-    if len(members) == 1 and get_origin(members[0]) is list:
-        (arg,) = get_args(members[0])
+    """The model of the one list of models among ``members`` (a ``str | list[Model]`` field
+    too), if there is one."""
+    lists = [m for m in members if get_origin(m) is list]
+    if len(lists) == 1:
+        (arg,) = get_args(lists[0])
         arg, _ = _strip(arg)
         if _is_model(arg):
             return typing.cast(type[BaseModel], arg)

@@ -1,4 +1,4 @@
-"""The reward worker process: one reward call at a time, with what it can reach cut down.
+"""The reward worker process: one job at a time (a trajectory or a batch), its reach cut down.
 
 A reward function may run code the model wrote (a unit test of a generated program, say). So
 :class:`laminar.roles.data.rewards.RewardPool` never forks it from the data role (a fork shares the
@@ -15,14 +15,17 @@ what that user can (another process's ``/proc/<pid>/environ``, a token file). Ru
 as a user of its own (or in a container) when rewards execute untrusted code.
 
 Protocol, over two pipes passed by number: ``{"ready": true}`` on the results pipe once the
-reward function is loaded (a call's timeout does not count the start); then one JSON line per call
-on the jobs pipe (``[record, response]``), one JSON line per reply on the results pipe
-(``{"reward": float | null, "error": str | null, "cpu_s": float}``, ``cpu_s`` the CPU time the
-worker has used). JSON both ways, never pickle: the parent must not run whatever a reward makes
-the worker send back.
+reward functions are loaded (a call's timeout does not count the start); then one JSON line per job
+on the jobs pipe (``{"items": [{"record", "response", "ids", "version"}, ...]}``: one trajectory,
+or a batch for batched functions), one JSON line per reply on the results pipe (``{"results":
+[{"reward": float | null, "error": str | null, "extras": {name: float}}, ...], "cpu_s": float}``,
+one result per item, ``cpu_s`` the CPU time the worker has used), at most
+:data:`MAX_REPLY_BYTES` (errors are cut, then extras dropped, to fit). How the functions are called
+and what they may return is :mod:`laminar.reward_calls`. JSON both ways, never pickle: the parent
+must not run whatever a reward makes the worker send back.
 
-Standard library only (plus :mod:`laminar.plugins`): the worker starts in tens of milliseconds,
-without the data role's imports.
+Standard library only (plus :mod:`laminar.plugins` and the reward modules beside it): the worker
+starts in tens of milliseconds, without the data role's imports.
 """
 
 from __future__ import annotations
@@ -30,57 +33,55 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
-import math
-import numbers
 import os
 import resource
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from laminar.plugins import load_object
+from laminar.reward_calls import Function, Item, Result, Scorer, as_reward, clip
+
+__all__ = ["MAX_REPLY_BYTES", "WORKER_MARK", "as_reward", "encode_reply", "main"]
 
 #: Environment variable marking every process a reward worker starts (its value is new per
 #: worker): the pool kills what carries it when the worker ends, whatever group it moved to.
 WORKER_MARK = "LAMINAR_REWARD_WORKER"
-
-_MAX_ERROR = 2000  # characters of an error kept in the reply
-
-
-def as_reward(value: Any) -> tuple[float | None, str | None]:
-    """A reward function's result as a float, or why it is not one.
-
-    Accepted: any real number (``int``, ``float``, ``fractions.Fraction``, NumPy's integer and
-    floating scalars) and any 0-dimensional array with ``.item()`` (a NumPy 0-d array, a PyTorch
-    scalar tensor), if finite. Refused: bools (``True``, ``numpy.bool_``), which are more often a
-    forgotten comparison than a score: return ``float(correct)`` to mean 1.0 / 0.0."""
-    if not isinstance(value, (int, float)) and getattr(value, "shape", None) == ():
-        item = getattr(value, "item", None)
-        if callable(item):
-            value = item()
-    shown = repr(value)
-    shown = shown if len(shown) <= 200 else shown[:200] + "..."
-    if isinstance(value, bool):
-        return None, f"returned {shown}, a bool, not a number (return float(...) to score it)"
-    if not isinstance(value, numbers.Real):
-        return None, f"returned {shown}, not a number"
-    try:
-        number = float(value)
-    except (OverflowError, ValueError):
-        number = math.inf
-    if not math.isfinite(number):
-        return None, f"returned {shown}, not a finite number"
-    return number, None
+#: The most bytes a reply line may have (the pool retires a worker that sends more).
+MAX_REPLY_BYTES = 64 * 1024
+_SHORT_ERROR = 200  # characters of each error kept when a batch's reply would be too long
 
 
-def call(fn: Any, record: Any, response: Any) -> tuple[float | None, str | None]:
-    try:
-        reward, error = as_reward(fn(record, response))
-    except Exception as exc:
-        reward, error = None, f"raised {type(exc).__name__}: {exc}"
-    if error is not None and len(error) > _MAX_ERROR:
-        error = error[:_MAX_ERROR] + "..."
-    return reward, error
+def encode_reply(results: Sequence[Result], cpu_s: float) -> bytes:
+    """One reply line, within :data:`MAX_REPLY_BYTES`: a batch whose errors and extras would not
+    fit has its errors cut short, then (if that is not enough) its extras dropped, saying so on
+    stderr; rewards are never dropped."""
+
+    def encode(errors: int | None, extras: bool) -> bytes:
+        items = [
+            {
+                "reward": r.reward,
+                "error": r.error if r.error is None or errors is None else clip(r.error, errors),
+                "extras": r.extras if extras else {},
+            }
+            for r in results
+        ]
+        line = json.dumps({"results": items, "cpu_s": cpu_s}, allow_nan=False)
+        return line.encode() + b"\n"
+
+    line = encode(None, True)
+    if len(line) > MAX_REPLY_BYTES:
+        line = encode(_SHORT_ERROR, True)
+    if len(line) > MAX_REPLY_BYTES:
+        line = encode(_SHORT_ERROR, False)
+        print(
+            f"laminar reward worker: the extras of a batch of {len(results)} did not fit in one "
+            f"reply of {MAX_REPLY_BYTES} bytes: not logged",
+            file=sys.stderr,
+            flush=True,
+        )
+    return line
 
 
 def _set_limit(which: int, soft: int, hard: int) -> None:
@@ -118,6 +119,14 @@ def cpu_used() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def load(functions: list[dict[str, Any]]) -> list[Function]:
+    """The functions the pool names (``spec``, ``kind``, ``name``, ``weight``), imported here."""
+    return [
+        Function(load_object(f["spec"], what="reward"), f["kind"], f["name"], float(f["weight"]))
+        for f in functions
+    ]
+
+
 def main(argv: list[str]) -> int:
     args = json.loads(argv[0])
     _die_with(int(args["parent"]))
@@ -125,14 +134,12 @@ def main(argv: list[str]) -> int:
     sys.path[:] = args["path"]  # as the data role sees modules (what multiprocessing's spawn did)
     jobs = os.fdopen(int(args["jobs"]), "rb")
     results = os.fdopen(int(args["results"]), "wb")
-    fn = load_object(args["spec"], what="reward")
+    scorer = Scorer(load(args["functions"]), args["kwargs"], args["prompt_key"])
     results.write(b'{"ready": true}\n')  # the pool's call timeouts start from here
     results.flush()
     for line in jobs:  # EOF: the pool closed the pipe, or the data role is gone
-        record, response = json.loads(line)
-        reward, error = call(fn, record, response)
-        reply = {"reward": reward, "error": error, "cpu_s": cpu_used()}
-        results.write(json.dumps(reply).encode() + b"\n")
+        items = [Item(**item) for item in json.loads(line)["items"]]
+        results.write(encode_reply(scorer.score(items), cpu_used()))
         results.flush()
     return 0
 

@@ -109,6 +109,10 @@ class Trajectory(BaseModel):
     rollout: str = ""  # instance that finished it
     reward: float | None = None  # set by the data role's writer
     reward_error: str | None = None  # why there is no reward (raised, timed out)
+    # The numeric fields a reward returned beside its score (a dict result: verl's "acc", one
+    # entry per function of a weighted sum), by name; set by the data role's writer, logged by the
+    # trainer as each version's mean (docs/rewards.md).
+    reward_extras: dict[str, float] = Field(default_factory=dict)
     # A multi-turn episode's response holds the environment's turns too (tool output,
     # observations): [start, end) response positions the environment wrote. The model reads them
     # but is not trained on them (no loss; their logprobs are placeholders, 0). Empty: every

@@ -5,7 +5,8 @@ model and an environment take turns. The task names an :class:`Environment` subc
 (``data.env.spec``); the data role makes one instance per episode, when its first model turn ends
 (so a queued sample costs no environment), and calls::
 
-    await env.reset(record)          # the episode's record (the prompt is record[prompt_key])
+    await env.reset(record)          # the episode's record (its prompt, text or chat messages,
+                                     # is at data.prompt_key)
     step = await env.step(action)    # the model's turn as text -> Step(observation, reward, done)
 
 A model turn ends where the model writes one of the environment's ``stop`` strings (a tool call,
@@ -13,7 +14,10 @@ say; each must be one token of the model's tokenizer) or where generation ends (
 budget, the context). Every model turn is an action: the ones that end at a stop string are
 stepped as soon as they end, and the observation's tokens are appended to the response (read as
 context, never trained on: ``Trajectory.env_spans``); the last one is stepped when the trajectory
-completes. The episode's reward is the sum of its steps' rewards up to the step that said
+completes. With a chat template in use, those tokens are the template's next turn (the rest of
+the assistant's turn, the observation as a user or tool message, the generation prompt), and a
+stop string may be the template's end-of-turn token; without one, the observation's text as it is
+(``docs/data.md``). The episode's reward is the sum of its steps' rewards up to the step that said
 ``done`` (the episode also ends after ``max_turns`` actions).
 
 Why the environment runs in the data role, not in the rollout: the episode's state must outlive
@@ -66,7 +70,8 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     async def step(self, action: str) -> Step:
-        """The model's turn ``action`` (its text, the stop string included)."""
+        """The model's turn ``action`` (its text, the stop string included unless it is a
+        special token, such as a chat template's end of turn)."""
 
 
 def load_environment(spec: str) -> type[Environment]:

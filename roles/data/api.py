@@ -155,6 +155,7 @@ class DataStatus(BaseModel):
     orphaned: int = 0  # evicted: members of a group too many other members of which failed
     cancelled: int = 0  # redundant samples withdrawn: their group finished without them
     focus_skipped: int = 0  # prompts drawn and not queued (``focus``) by this incarnation
+    prompts_left_out: int = 0  # left out at load: max_prompt_tokens, overlong_prompts: skip
     focus_rates: dict[str, float] = {}  # ``focus``: class -> admit probability now
     cursor: int = 0  # the highest consume seq handed out so far
     reward_errors: int

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from laminar.config import ServiceConfig, Strict
 
-from .rewards import RewardSandbox
+from .rewards import RewardFunction, RewardKind, RewardSandbox
 
 
 class PolicySpec(Strict):
@@ -77,37 +77,97 @@ class EnvConfig(Strict):
     concurrency: Annotated[int, Field(ge=1)] = Field(
         16, description="Environment steps run at once; more wait (the wait is measured)."
     )
+    observation_role: Literal["user", "tool"] | None = Field(
+        "user",
+        description="With a chat template in use: the role of the message an observation "
+        "becomes, rendered by the template after the model's turn and followed by the "
+        "generation prompt. null: the observation's text is appended as it is (always so "
+        "without a template).",
+    )
 
 
 class DataConfig(ServiceConfig):
-    prompts: str = Field(description="Prompt dataset: .jsonl or .parquet (relative to the cwd).")
-    tokenizer: str = Field(description="Model directory (or tokenizer.json) to tokenize prompts.")
-    reward: str | None = Field(
+    prompts: str = Field(
+        description="Prompt dataset (relative to the cwd): a .jsonl, .json or .parquet file, or a "
+        "directory written by datasets' save_to_disk; verl's parquet layout reads as it is "
+        "(docs/data.md)."
+    )
+    split: str | None = Field(
         None,
-        description="Reward function: module:function or file.py:function (single-turn tasks; "
-        "a task with `env` is rewarded by its environment's steps).",
+        description="A datasets directory holding several splits (a DatasetDict): the split to "
+        "read. null: its only split, else `train`.",
+    )
+    tokenizer: str = Field(description="Model directory (or tokenizer.json) to tokenize prompts.")
+    reward: str | Annotated[list[RewardFunction], Field(min_length=1)] | None = Field(
+        None,
+        description="Reward function: module:function or file.py:function, Laminar's "
+        "reward(record, response), verl's compute_score(...) or TRL's reward_func(completions, "
+        "**kwargs) (see reward_kind); or a list of {function, weight, kind, name}, whose weighted "
+        "sum is the reward (docs/rewards.md). Single-turn tasks; a task with `env` is rewarded by "
+        "its environment's steps.",
     )
     env: EnvConfig | None = Field(
         None, description="Multi-turn episodes with an environment instead of a reward function."
     )
     max_prompt_tokens: Annotated[int, Field(ge=1)] | None = Field(
         None,
-        description="Leave out prompts longer than this many tokens (a curriculum, or a bound on "
-        "the prompt part of the context); null: keep all. Those left out are counted "
+        description="Leave out prompts longer than this many tokens, chat template applied (a "
+        "curriculum, or a bound on the prompt part of the context: verl's max_prompt_length "
+        "with filter_overlong_prompts); null: keep all. Those left out are counted "
         "(`prompts_left_out` in the stats).",
     )
     max_model_len: Annotated[int, Field(ge=2)] | None = Field(
         None,
         description="The rollouts' context length; unset, it is taken from the same file's "
         "rollout.engine.max_model_len (laminar.config.DERIVED). Set: a prompt "
-        "that leaves no room for a response (tokens >= this) is an error at load naming the "
-        "record (to leave such prompts out instead, set max_prompt_tokens below it); a prompt "
-        "that fits but leaves less than sampling.max_tokens gets a response cut at the limit "
-        "(finish reason length, counted in the log). null in both: not checked at load; a "
-        "rollout's engine refuses such a prompt and its trajectories are recorded as failed.",
+        "that leaves no room for a response (tokens >= this) is left out or refused at load "
+        "(overlong_prompts); a prompt that fits but leaves less than sampling.max_tokens gets a "
+        "response cut at the limit (finish reason length, counted in the log). null in both: "
+        "not checked at load; a rollout's engine refuses such a prompt and its trajectories are "
+        "recorded as failed.",
     )
-    id_key: str = Field("id", description="Record field holding the prompt's unique id.")
-    prompt_key: str = Field("prompt", description="Record field holding the prompt text.")
+    overlong_prompts: Literal["skip", "refuse"] = Field(
+        "skip",
+        description="Prompts that leave no room for a response (tokens >= max_model_len). skip: "
+        "leave them out, counted (`prompts_left_out` in the stats and the status) and logged "
+        "once with the first ids; refuse: the data role does not start, naming the first.",
+    )
+    id_key: str | None = Field(
+        None,
+        description="Record field holding the prompt's unique id (every record must have it); a "
+        "dotted path reaches into nested fields (verl's `extra_info.index`). null: the field "
+        "`id`, or, when no record has one (verl's layout), each prompt's row number (0, 1, ...).",
+    )
+    prompt_key: str = Field(
+        "prompt",
+        description="Record field holding the prompt (a dotted path may name a nested field): "
+        "a string, or a list of chat messages ({role, content}) rendered with the chat template.",
+    )
+    chat_template: str = Field(
+        "auto",
+        description="auto: the model's chat template (tokenizer_config.json's chat_template, or "
+        "chat_template.jinja beside it), if it has one; a path (relative to the cwd): that Jinja "
+        "template file; none: no template (a prompt of messages is then an error). A template "
+        "renders each prompt of messages with the generation prompt; the text is encoded "
+        "without adding special tokens again.",
+    )
+    string_prompts: Literal["text", "user"] = Field(
+        "text",
+        description="A prompt that is a plain string. text: tokenized as it is, without the "
+        "template (TRL's standard records; the tokenizer adds its special tokens, as for any "
+        "text). user: one user message rendered with the chat template (as verl does with "
+        "every prompt; needs a template).",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="A system message put first in every templated prompt that has none of its "
+        "own (needs a chat template).",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template (e.g. enable_thinking: false), as "
+        "verl's apply_chat_template_kwargs.",
+    )
     samples_per_prompt: Annotated[int, Field(ge=1)] = Field(
         4, description="Trajectories per prompt (a group, for group-relative advantages)."
     )
@@ -165,7 +225,29 @@ class DataConfig(ServiceConfig):
         1, description="Worker processes running the reward function."
     )
     reward_timeout_s: Annotated[float, Field(gt=0)] = Field(
-        10.0, description="A reward call running longer is killed (the trajectory gets no reward)."
+        10.0,
+        description="A reward call running longer is killed (the trajectory gets no reward; a "
+        "batched call's whole batch gets none).",
+    )
+    reward_kind: RewardKind = Field(
+        "auto",
+        description="The reward function's convention: laminar (record, response), verl "
+        "(data_source, solution_str, ground_truth, extra_info, by keyword), trl (batched: "
+        "prompts, completions, completion_ids, the record's fields as lists, trainer_state). "
+        "auto: from its parameter names; a signature that fits none, or several, is an error at "
+        "start naming the function.",
+    )
+    reward_batch: Annotated[int, Field(ge=1, le=64)] = Field(
+        16,
+        description="The most trajectories per call of a batched reward (trl, or any async "
+        "def): a free worker takes the trajectories waiting to be scored, up to this many, "
+        "without waiting for more. Other rewards are called once per trajectory.",
+    )
+    reward_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for every reward call (verl's "
+        "custom_reward_function.reward_kwargs); a function without **kwargs gets those it "
+        "declares.",
     )
     reward_sandbox: RewardSandbox = Field(
         default_factory=RewardSandbox,
@@ -189,6 +271,17 @@ class DataConfig(ServiceConfig):
     sampler: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="fifo"))
     eviction: PolicySpec = Field(default_factory=lambda: PolicySpec(kind="none"))
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+
+    @model_validator(mode="after")
+    def _chat_settings(self) -> DataConfig:
+        if self.chat_template == "none" and (
+            self.system_prompt is not None or self.string_prompts == "user"
+        ):
+            raise ValueError(
+                "data.system_prompt and data.string_prompts: user need a chat template, and "
+                "data.chat_template is none"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_scorer(self) -> DataConfig:

@@ -17,6 +17,11 @@ the data role does with it:
   ends the episode with that reason: the trajectory completes and is recorded without a reward.
 * **Rewards** are the sum of the step rewards up to ``done``; the trajectory's last action (ended
   by EOS or the budget, not a stop token) is stepped when the trajectory is scored.
+* **Observations as the template writes them.** With a chat template in use (``data.chat_template``
+  and ``env.observation_role``), an observation's tokens are the template's next turn after the
+  model's: the rest of the assistant's turn, the observation as a user or tool message, and the
+  generation prompt (:meth:`ChatTemplate.observation_ids`). Without one, the observation's text
+  is encoded as it is. ``docs/agents.md``, ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from laminar.errors import ConfigError
 from laminar.tools.env import Environment, Step, load_environment, model_spans
 
 from .api import EnvStepReply
+from .chat import ChatTemplate
 from .config import EnvConfig
 
 _RECENT = 1000  # step latencies kept for the heartbeat's percentiles
@@ -64,12 +70,26 @@ class Episodes:
         tokenizer: Any,
         registry: CollectorRegistry,
         clock: Clock,
+        *,
+        chat: ChatTemplate | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
         self.env_class = load_environment(config.spec)
         self.tokenizer = tokenizer
         self.stop_ids = self._stop_ids(tokenizer)
+        # observations become messages only with a template and a role for them
+        self.chat = chat if config.observation_role is not None else None
+        if self.chat is not None:  # a template that cannot write the turn fails now, not per step
+            try:
+                self.chat.observation_ids("observation", self._role, None)
+            except Exception as exc:
+                raise ConfigError(
+                    f"environment {config.spec}: {self.chat.source} cannot render an observation "
+                    f"as a {self._role!r} message after the model's turn ({type(exc).__name__}: "
+                    f"{exc}); set data.env.observation_role to another role, or null to append "
+                    "observations as plain text"
+                ) from None
         self._live: dict[str, _Episode] = {}
         self._slots = asyncio.Semaphore(config.concurrency)
         self._recent: deque[float] = deque(maxlen=_RECENT)
@@ -86,6 +106,10 @@ class Episodes:
             "laminar_env_step_errors", "Environment steps that failed (episode ended)",
             registry=registry,
         )  # fmt: skip
+
+    @property
+    def _role(self) -> str:
+        return self.config.observation_role or "user"
 
     def _stop_ids(self, tokenizer: Any) -> list[int]:
         ids = []
@@ -119,15 +143,14 @@ class Episodes:
                 if episode.env is None or episode.stepped != turn:  # new, lost, out of step
                     await self._replay(episode, record, tokens, actions[:turn])
                 observation, wait = await self._step(episode, self._text(tokens, actions[turn]))
-            except EpisodeError as exc:
-                answer = EnvStepReply(done=True, error=str(exc))
-            else:
                 step_s = self.clock.time() - t0 - wait
                 if episode.done:
                     answer = EnvStepReply(done=True, wait_s=wait, step_s=step_s)
                 else:
-                    ids = self.tokenizer.encode(observation, add_special_tokens=False).ids
+                    ids = self._observation_ids(episode, observation, tokens[actions[turn][1] - 1])
                     answer = EnvStepReply(observation_token_ids=ids, wait_s=wait, step_s=step_s)
+            except EpisodeError as exc:
+                answer = EnvStepReply(done=True, error=str(exc))
             episode.answers = {turn: answer}  # only the newest turn can be asked again
             return answer
 
@@ -229,6 +252,19 @@ class Episodes:
             raise
         except Exception as exc:  # the environment's own failure: this episode alone
             raise EpisodeError(f"environment {what} raised {type(exc).__name__}: {exc}") from None
+
+    def _observation_ids(self, episode: _Episode, observation: str, last: int) -> list[int]:
+        """The tokens that carry ``observation`` after a model turn ending with token ``last``.
+        A template that fails on it ends the episode (recorded, as a failed step is)."""
+        if self.chat is None:
+            return list(self.tokenizer.encode(observation, add_special_tokens=False).ids)
+        try:
+            return self.chat.observation_ids(observation, self._role, last)
+        except Exception as exc:  # this observation's content: this episode alone
+            episode.error = (
+                f"the chat template could not render the observation: {type(exc).__name__}: {exc}"
+            )
+            raise EpisodeError(episode.error) from None
 
     def _text(self, tokens: list[int], span: tuple[int, int]) -> str:
         return str(self.tokenizer.decode(tokens[span[0] : span[1]], skip_special_tokens=True))

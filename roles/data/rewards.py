@@ -1,44 +1,32 @@
 """Reward functions as plug-ins, run in worker processes with a hard timeout and cut-down rights.
 
-A task's reward is a plain function ``reward(record: dict, response: str) -> float`` named as
-``module:function`` (importable) or ``path/to/file.py:function``. It is user code, and it may run
-code the model wrote: it may be slow, raise, loop forever, leak memory, fork, or go looking for
-the cluster token. So it never runs on the data role's event loop or even in its process. Each
-:class:`RewardPool` worker is an exec'd process (:mod:`laminar.reward_worker`) serving one job at a
-time over a pair of pipes; the parent waits with ``loop.add_reader`` (no thread per job).
+A task's reward is a function named as ``module:function`` (importable) or
+``path/to/file.py:function``, in one of three conventions: Laminar's ``reward(record, response)``,
+verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` or TRL's batched
+``reward_func(completions, **columns) -> list``; several may be combined with weights. The pool
+loads each one here first, so a missing or unusable function fails the role's start with a clear
+error, and settles its convention (:mod:`laminar.reward_kinds`: ``auto`` reads the parameters);
+the workers are told the kind (:mod:`laminar.reward_calls` calls it). A batched function (TRL's,
+or any ``async def``) gets up to ``batch`` trajectories per call; the others one. The user's
+guide is ``docs/rewards.md``.
 
-What a worker gets (:class:`RewardSandbox`): an environment without the cluster token, without any
-other ``LAMINAR_*`` variable (the run's and the role's process marks aside), without any variable
-holding the token's value and without those named in ``drop_env``; a process group of its own;
-resource limits (address space, CPU time, optionally processes) that what it starts inherits. A
-job that overruns ``timeout_s`` gets its worker's whole process group killed, then every process
-still carrying the worker's mark (one that called ``setsid`` too), and the worker replaced: a
-reward that forks leaves nothing behind (nor when the data role dies: ``laminar run`` then kills
-what carries the role's incarnation mark). Replies are JSON read without blocking, at most 64
-KiB; one that is not a well-formed reply retires the worker (never unpickled: a worker's bytes are
-not code the role runs).
-
+The workers are separate processes with cut-down rights (:mod:`.reward_workers`): a reward
+that raises, hangs, forks or leaks costs its trajectory's reward and a worker, never the role.
 Outcomes are values, never exceptions: :class:`RewardResult` has either a reward or the reason
 there is none ("raised ValueError: ...", "timed out after 5.0s", "returned 'abc', not a number",
-"worker died (exit -9)"). The data role records the reason beside the trajectory. Rewards may be
-NumPy (or 0-d tensor) scalars; bools are refused (see :func:`laminar.reward_worker.as_reward`).
+"worker died (exit -9)"), and the numeric extras of a dict result. The data role records them
+beside the trajectory. Rewards may be NumPy (or 0-d tensor) scalars; bools are refused (see
+:func:`laminar.reward_calls.as_reward`). A record that is not JSON fails its trajectory alone;
+the rest of its batch is scored.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import math
-import os
-import secrets
-import signal
-import subprocess
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -46,54 +34,56 @@ from laminar.config import Strict
 from laminar.errors import ConfigError
 from laminar.executor import LOOP_DEFAULT, Executor
 from laminar.plugins import load_object
-from laminar.proc import procfs
-from laminar.reward_worker import WORKER_MARK
+from laminar.reward_calls import NAME
+from laminar.reward_kinds import detect_kind, is_async
 
-MAX_REPLY_BYTES = 64 * 1024
-MALFORMED = "worker sent a malformed reply"
-#: Seconds a new worker may take to start and load the reward (not counted in ``timeout_s``).
-STARTUP_S = 60.0
+from .reward_workers import (
+    RewardResult,
+    RewardSandbox,
+    RewardWorker,
+    WorkerFailed,
+    exit_text,
+)
 
-#: Thread pools a worker starts with one thread unless the environment says otherwise: a worker
-#: runs one call at a time (``reward_workers`` is the parallelism), and every idle thread's
-#: arena counts against ``memory_mib``.
-ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+__all__ = [
+    "RewardFunction",
+    "RewardItem",
+    "RewardKind",
+    "RewardPool",
+    "RewardResult",
+    "RewardSandbox",
+    "load_function",
+]
+
+RewardKind = Literal["auto", "laminar", "verl", "trl"]
 
 
-class RewardSandbox(Strict):
-    """What a reward worker may use. Limits are per process, inherited by what it starts."""
+class RewardFunction(Strict):
+    """One of several reward functions: the reward is their weighted sum."""
 
-    memory_mib: Annotated[int, Field(ge=64)] | None = Field(
-        8192,
-        description="Address-space limit (RLIMIT_AS) of each reward worker process, MiB: an "
-        "allocation beyond it raises MemoryError in the reward (no reward, the worker lives on). "
-        "Virtual memory, so a reward importing torch or CUDA libraries needs more; null: none.",
+    function: str = Field(description="module:function or file.py:function.")
+    weight: Annotated[float, Field(allow_inf_nan=False)] = Field(
+        1.0, description="Its weight in the sum (TRL's reward_weights)."
     )
-    cpu_s: Annotated[int, Field(ge=1)] | None = Field(
-        600,
-        description="CPU seconds any reward worker process may use (RLIMIT_CPU). A worker past "
-        "half of it is replaced after its call, so every call has at least half; a call over it "
-        "is killed (SIGXCPU, no reward). Bounds what a reward leaves running too; null: none.",
+    kind: RewardKind | None = Field(
+        None, description="Its convention (see data.reward_kind); null: data.reward_kind."
     )
-    max_processes: Annotated[int, Field(ge=1)] | None = Field(
+    name: Annotated[str, Field(pattern=f"^{NAME.pattern}$")] | None = Field(
         None,
-        description="RLIMIT_NPROC of the workers (a fork-bomb guard). The kernel counts every "
-        "process and thread of the user, not only the worker's, and not at all for root: set it "
-        "only when the data role runs as a user of its own. null: none.",
-    )
-    drop_env: list[str] = Field(
-        default_factory=list,
-        description="More environment variables kept from reward workers: names or fnmatch "
-        "patterns (e.g. `AWS_*`, `WANDB_API_KEY`). The cluster token's variable, any variable "
-        "holding its value and every `LAMINAR_*` (but the run's and the role's process marks) are "
-        "always dropped.",
+        description="What its score is logged as (`reward/<name>`, its extras "
+        "`reward/<name>/<field>`); null: the function's name. Unique.",
     )
 
 
 @dataclass(frozen=True, slots=True)
-class RewardResult:
-    reward: float | None
-    error: str | None = None
+class RewardItem:
+    """One trajectory to score: its record, the response text, its token ids (TRL's
+    ``completion_ids``) and the version that generated it (TRL's ``trainer_state.global_step``)."""
+
+    record: Mapping[str, Any]
+    response: str
+    token_ids: Sequence[int] = ()
+    version: int = 0
 
 
 def load_function(spec: str) -> Callable[..., Any]:
@@ -104,214 +94,86 @@ def load_function(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def worker_env(token_env: str, drop: list[str], mark: str) -> dict[str, str]:
-    """The data role's environment, less what a reward must not see (see :class:`RewardSandbox`)."""
-    token = os.environ.get(token_env) or None
-    env = {}
-    marks = (procfs.MARK_ENV, procfs.INCARNATION_ENV)  # how a run ends what a reward left
-    for name, value in os.environ.items():
-        secret = name == token_env or (name.startswith("LAMINAR_") and name not in marks)
-        if secret or (token and token in value) or any(fnmatchcase(name, p) for p in drop):
-            continue
-        env[name] = value
-    for name in ONE_THREAD:
-        env.setdefault(name, "1")
-    name, _, value = mark.partition("=")
-    env[name] = value
-    return env
-
-
-class WorkerFailed(Exception):
-    """The worker cannot answer: it died (``died``: the message comes from its exit status), or
-    broke the protocol, or did not start."""
-
-    def __init__(self, message: str = "", *, died: bool = False) -> None:
-        super().__init__(message)
-        self.died = died
-
-
-def _exit_text(code: int | None) -> str:
-    if code == -signal.SIGXCPU:
-        return f"worker died (exit {code}: SIGXCPU, over its CPU limit cpu_s)"
-    return f"worker died (exit {code})" if code is not None else "worker died"
-
-
-async def _ready(fd: int, *, write: bool) -> None:
-    loop = asyncio.get_running_loop()
-    ready = loop.create_future()
-    if write:
-        add, remove = loop.add_writer, loop.remove_writer
-    else:
-        add, remove = loop.add_reader, loop.remove_reader
-    add(fd, lambda: ready.done() or ready.set_result(None))
-    try:
-        await ready
-    finally:
-        remove(fd)
-
-
-class _Worker:
-    def __init__(
-        self, spec: str, sandbox: RewardSandbox, token_env: str, executor: Executor
-    ) -> None:
-        self.executor = executor  # where :meth:`finish` blocks
-        self.mark = f"{WORKER_MARK}={secrets.token_hex(8)}"
-        jobs_r, self.jobs = os.pipe()
-        self.results, results_w = os.pipe()
-        args = {
-            "parent": os.getpid(),
-            "jobs": jobs_r,
-            "results": results_w,
-            "spec": spec,
-            "path": sys.path,
-            "limits": sandbox.model_dump(include={"memory_mib", "cpu_s", "max_processes"}),
-        }
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "laminar.reward_worker", json.dumps(args)],
-                env=worker_env(token_env, sandbox.drop_env, self.mark),
-                stdin=subprocess.DEVNULL,
-                stdout=2,  # a reward's print() goes to the role's stderr, never its stdout
-                pass_fds=(jobs_r, results_w),
-                process_group=0,  # its own group: killed whole on a timeout
-            )
-        except BaseException:
-            for fd in (self.jobs, self.results):
-                os.close(fd)
-            raise
-        finally:
-            os.close(jobs_r)
-            os.close(results_w)
-        os.set_blocking(self.jobs, False)
-        os.set_blocking(self.results, False)
-        self.ready = False  # its ready line is read before its first job is sent
-        self.ending: asyncio.Future[int | None] | None = None  # once it is being ended
-
-    async def start(self) -> None:
-        """Wait for its ready line (the reward function loaded), at most ``STARTUP_S``: a call's
-        timeout counts the call, not the interpreter starting on a busy machine."""
-        if self.ready:
-            return
-        try:
-            async with asyncio.timeout(STARTUP_S):
-                line = await self._line()
-        except TimeoutError:
-            raise WorkerFailed(f"worker did not start within {STARTUP_S:g}s") from None
-        try:
-            self.ready = json.loads(line) == {"ready": True}
-        except ValueError:
-            pass
-        if not self.ready:
-            raise WorkerFailed(MALFORMED)
-
-    async def call(self, payload: bytes) -> tuple[float | None, str | None, float]:
-        """Send one job, read its reply: ``(reward, error, cpu_s used)``."""
-        view = memoryview(payload)
-        while view:
-            try:
-                view = view[os.write(self.jobs, view) :]
-            except BlockingIOError:
-                await _ready(self.jobs, write=True)
-            except OSError:  # EPIPE: it is gone
-                raise WorkerFailed(died=True) from None
-        line = await self._line()
-        try:
-            reply = json.loads(line)
-            reward, error, cpu = reply["reward"], reply["error"], float(reply["cpu_s"])
-        except (ValueError, TypeError, KeyError):
-            raise WorkerFailed(MALFORMED) from None
-        number = isinstance(reward, (int, float)) and not isinstance(reward, bool)
-        if (
-            not (reward is None or (number and math.isfinite(reward)))
-            or not (error is None or isinstance(error, str))
-            or (reward is None) == (error is None)
-        ):
-            raise WorkerFailed(MALFORMED)
-        return (None if reward is None else float(reward)), error, cpu
-
-    async def _line(self) -> bytes:
-        """One line from the results pipe, without blocking the loop; nothing may follow it (the
-        worker waits for its next job), and it is at most ``MAX_REPLY_BYTES``."""
-        buffer = bytearray()
-        while (end := buffer.find(b"\n")) < 0:
-            try:
-                chunk = os.read(self.results, MAX_REPLY_BYTES)
-            except BlockingIOError:
-                await _ready(self.results, write=False)
-                continue
-            if not chunk:
-                raise WorkerFailed(died=True)
-            buffer += chunk
-            if len(buffer) > MAX_REPLY_BYTES:
-                raise WorkerFailed(f"worker sent a reply over {MAX_REPLY_BYTES} bytes")
-        if end != len(buffer) - 1:
-            raise WorkerFailed(MALFORMED)
-        return bytes(buffer[:end])
-
-    def kill_group(self) -> None:
-        """SIGKILL its process group, at once. Only while it is not reaped: until then its pid,
-        which names the group, cannot be anyone else's."""
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-
-    def finish(self, died: bool = False) -> int | None:
-        """End it and everything it started; its exit status. Blocks (reaps, reads ``/proc``):
-        run it in the pool's executor. A worker that died gets a moment to report its own status
-        first."""
-        if died:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=1.0)
-        self.kill_group()
-        procfs.signal_marked(self.mark, signal.SIGKILL)  # what left the group or outlived it
-        code = self.process.wait()
-        os.close(self.jobs)
-        os.close(self.results)
-        return code
-
-    def end(self, died: bool = False) -> asyncio.Future[int | None]:
-        """End it (once, however many ask): its group killed at once unless it died by itself,
-        the rest (:meth:`finish`) in the executor. Await the result for its exit status."""
-        if self.ending is None:
-            if not died:
-                self.kill_group()
-            self.ending = asyncio.ensure_future(self.executor.run(self.finish, died))
-        return self.ending
-
-
 class RewardPool:
+    """Workers scoring trajectories with the reward function(s) named by ``spec``: one
+    ``module:function`` (its convention ``kind``, ``auto``: from its parameters), or several
+    :class:`RewardFunction` whose weighted sum is the reward. ``batch``: the most trajectories
+    per call of a batched function (TRL's, or ``async def``); ``kwargs``: passed to every call
+    (verl's ``reward_kwargs``); ``prompt_key``: the record field TRL's ``prompts`` come from."""
+
     def __init__(
         self,
-        spec: str,
+        spec: str | Sequence[RewardFunction],
         *,
+        kind: RewardKind = "auto",
+        batch: int = 16,
+        kwargs: Mapping[str, Any] | None = None,
+        prompt_key: str = "prompt",
         workers: int = 1,
         timeout_s: float = 10.0,
         sandbox: RewardSandbox | None = None,
         token_env: str = "LAMINAR_TOKEN",
         executor: Executor = LOOP_DEFAULT,
     ) -> None:
-        load_function(spec)  # fail fast, in the parent, with a clear error
-        self.spec = spec
+        functions = [RewardFunction(function=spec)] if isinstance(spec, str) else list(spec)
+        kwargs = dict(kwargs or {})
+        try:
+            json.dumps(kwargs, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"data.reward_kwargs must be JSON values: {exc}") from None
+        self.functions = [self._settle(f, kind, kwargs) for f in functions]  # fail fast, here
+        names = [f["name"] for f in self.functions]
+        if len(set(names)) != len(names):
+            raise ConfigError(
+                f"reward functions {names}: each needs a name of its own (set `name`): their "
+                "scores are logged under it"
+            )
+        batched = any(f["kind"] == "trl" or f["async"] for f in self.functions)
+        self.batch_size = batch if batched else 1
+        self._ids = any(f["kind"] == "trl" for f in self.functions)  # TRL's completion_ids
+        self._scoring = {
+            "functions": [
+                {k: f[k] for k in ("spec", "kind", "name", "weight")} for f in self.functions
+            ],
+            "kwargs": kwargs,
+            "prompt_key": prompt_key,
+        }
         self.timeout_s = timeout_s
         self.sandbox = sandbox or RewardSandbox()
         self.token_env = token_env
         self.executor = executor  # where ended workers are reaped (the data role's, or the loop's)
-        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
-        self._all: set[_Worker] = set()
+        self._idle: asyncio.Queue[RewardWorker] = asyncio.Queue()
+        self._all: set[RewardWorker] = set()
         self._ending: set[asyncio.Future[int | None]] = set()  # workers being finished
         self._closed = False
         for _ in range(workers):
             self._add_worker()
 
+    @staticmethod
+    def _settle(f: RewardFunction, kind: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Load ``f`` here (a missing or unusable function fails the start, naming it) and
+        settle its convention and name."""
+        fn = load_function(f.function)
+        name = f.name or f.function.rpartition(":")[2]
+        if NAME.fullmatch(name) is None:
+            raise ConfigError(f"reward {f.function}: {name!r} is not a metric name; set `name`")
+        return {
+            "spec": f.function,
+            "kind": detect_kind(fn, f.function, f.kind or kind, kwargs),
+            "name": name,
+            "weight": f.weight,
+            "async": is_async(fn),
+        }
+
     def _add_worker(self) -> None:
         if self._closed:  # a call that ends after close() replaces nothing
             return
-        worker = _Worker(self.spec, self.sandbox, self.token_env, self.executor)
+        worker = RewardWorker(self._scoring, self.sandbox, self.token_env, self.executor)
         self._all.add(worker)
         self._idle.put_nowait(worker)
 
-    def _retire(self, worker: _Worker, died: bool = False) -> asyncio.Future[int | None]:
-        """Replace ``worker`` now and end it (:meth:`_Worker.end`)."""
+    def _retire(self, worker: RewardWorker, died: bool = False) -> asyncio.Future[int | None]:
+        """Replace ``worker`` now and end it (:meth:`RewardWorker.end`)."""
         self._all.discard(worker)
         ending = worker.end(died)
         self._ending.add(ending)
@@ -319,22 +181,52 @@ class RewardPool:
         self._add_worker()
         return ending
 
-    async def score(self, record: dict[str, Any], response: str) -> RewardResult:
-        try:
-            payload = json.dumps([record, response], allow_nan=False).encode() + b"\n"
-        except (TypeError, ValueError) as exc:
-            return RewardResult(None, f"the record cannot be sent to the reward (not JSON: {exc})")
+    async def score(self, record: Mapping[str, Any], response: str) -> RewardResult:
+        (result,) = await self.score_batch([RewardItem(record, response)])
+        return result
+
+    async def score_batch(self, items: Sequence[RewardItem]) -> list[RewardResult]:
+        """A result per item, in order: calls of at most :attr:`batch_size` items each; an item
+        whose record is not JSON gets its reason without holding up the others."""
+        results: list[RewardResult | None] = [None] * len(items)
+        sendable: list[tuple[int, bytes]] = []
+        for i, item in enumerate(items):
+            job = {
+                "record": item.record,
+                "response": item.response,
+                "ids": list(item.token_ids) if self._ids else [],
+                "version": item.version,
+            }
+            try:
+                sendable.append((i, json.dumps(job, allow_nan=False).encode()))
+            except (TypeError, ValueError) as exc:
+                why = f"the record cannot be sent to the reward (not JSON: {exc})"
+                results[i] = RewardResult(None, why)
+        for start in range(0, len(sendable), self.batch_size):
+            chunk = sendable[start : start + self.batch_size]
+            got = await self._call([line for _, line in chunk])
+            for (i, _), result in zip(chunk, got, strict=True):
+                results[i] = result
+        done = [r for r in results if r is not None]
+        assert len(done) == len(items)  # every item sent or refused, each chunk answered whole
+        return done
+
+    async def _call(self, lines: list[bytes]) -> list[RewardResult]:
+        """One job of ``lines`` (JSON items) on an idle worker."""
+        n = len(lines)
+        payload = b'{"items": [' + b", ".join(lines) + b"]}\n"
         worker = await self._idle.get()
         try:
             await worker.start()
             async with asyncio.timeout(self.timeout_s):
-                reward, error, cpu = await worker.call(payload)
+                results, cpu = await worker.call(payload, n)
         except TimeoutError:
             await self._retire(worker)  # returns once nothing of it is left
-            return RewardResult(None, f"timed out after {self.timeout_s}s")
+            batch = f" (one call for a batch of {n})" if n > 1 else ""
+            return [RewardResult(None, f"timed out after {self.timeout_s}s{batch}")] * n
         except WorkerFailed as exc:
             code = await self._retire(worker, died=exc.died)
-            return RewardResult(None, _exit_text(code) if exc.died else str(exc))
+            return [RewardResult(None, exit_text(code) if exc.died else str(exc))] * n
         except BaseException:  # cancelled: the job may still run, this worker is not reusable
             self._retire(worker)
             raise
@@ -343,7 +235,7 @@ class RewardPool:
             self._retire(worker)
         else:
             self._idle.put_nowait(worker)
-        return RewardResult(reward, error)
+        return results
 
     async def close(self) -> None:
         self._closed = True

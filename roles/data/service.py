@@ -77,7 +77,7 @@ from .episodes import Episodes
 from .focus import Focus
 from .leasing import HANDOFF_GRACE_S, Leasing, trajectory_seed
 from .members import WATCH_RETRY_S, RolloutWatch
-from .prompts import fingerprint, load_tokenizer, read_records, tokenize_records
+from .prompts import REASONS, LoadedPrompts, load_prompts
 from .reports import Reports
 from .rewards import RewardPool
 from .rounds import RoundGate
@@ -115,7 +115,7 @@ class DataService(Service, DataApi):
         self.buffer: ExperienceBuffer | None = None
         self.tokenizer: Any = None
         self._counts: dict[str, int] = {}
-        self._left_out = 0  # prompts left out at load (max_prompt_tokens)
+        self._left_out = 0  # prompts left out at load (max_prompt_tokens, overlong_prompts)
         self._m_failed = Gauge(
             "laminar_data_failed_trajectories",
             "Trajectories recorded as failed (never handed out again), by kind",
@@ -189,21 +189,12 @@ class DataService(Service, DataApi):
 
     async def on_start(self) -> None:
         c = self.config
-        self.tokenizer = load_tokenizer(c.tokenizer)
-        records = read_records(c.prompts)
-        rows = tokenize_records(
-            records,
-            self.tokenizer,
-            id_key=c.id_key,
-            prompt_key=c.prompt_key,
-            source=c.prompts,
-            max_prompt_tokens=c.max_prompt_tokens,
-            max_model_len=c.max_model_len,
-        )
-        self._left_out = len(records) - len(rows)
-        if self._left_out:
-            self.log.info("prompts left out", longer_than=c.max_prompt_tokens,
-                          left_out=self._left_out, kept=len(rows))  # fmt: skip
+        # off the loop: reading, rendering (transformers' import, when a template is used) and
+        # tokenizing a large dataset take seconds
+        loaded = await self.ctx.executor("data-load").run(load_prompts, c)
+        self.tokenizer, rows = loaded.tokenizer, loaded.prompts.rows
+        self._left_out = len(loaded.prompts.left_out)
+        self._log_prompts(loaded)
         if c.max_model_len is not None:
             room = c.max_model_len - c.sampling.max_tokens
             cut = sum(len(ids) > room for _, _, ids in rows)
@@ -211,10 +202,6 @@ class DataService(Service, DataApi):
                 self.log.info("responses of some prompts will stop at the context limit",
                               prompts=cut, max_model_len=c.max_model_len,
                               max_tokens=c.sampling.max_tokens)  # fmt: skip
-        extra = f"{c.samples_per_prompt}/{c.seed}"
-        if c.max_prompt_tokens is not None:  # another prompt set: another dataset
-            extra += f"/{c.max_prompt_tokens}"
-        print_ = fingerprint(c.prompts, c.tokenizer, extra=extra)
         self.store = await self._db(
             functools.partial(
                 Store, c.store, synchronous=c.store_synchronous, now=store_clock(self.ctx.clock)
@@ -232,7 +219,7 @@ class DataService(Service, DataApi):
             on_group=self._observe_group if self.focus is not None else None,
         )
         try:
-            await self._db(self.store.load_prompts, rows, print_)
+            await self._db(self.store.load_prompts, rows, loaded.fingerprint)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         # The rounds that deferred them died with the previous incarnation (``rounds``).
@@ -241,6 +228,10 @@ class DataService(Service, DataApi):
         if c.reward is not None:
             self.rewards = RewardPool(
                 c.reward,
+                kind=c.reward_kind,
+                batch=c.reward_batch,
+                kwargs=c.reward_kwargs,
+                prompt_key=c.prompt_key,
                 workers=c.reward_workers,
                 timeout_s=c.reward_timeout_s,
                 sandbox=c.reward_sandbox,
@@ -248,7 +239,9 @@ class DataService(Service, DataApi):
                 executor=self.ctx.executor("reward-reaper", workers=c.reward_workers),
             )
         if c.env is not None:
-            self.episodes = Episodes(c.env, self.tokenizer, self.ctx.registry, self.ctx.clock)
+            self.episodes = Episodes(
+                c.env, self.tokenizer, self.ctx.registry, self.ctx.clock, chat=loaded.chat
+            )
             self.leasing.use_episodes(self.episodes.stop_ids)
         self.sampling.open(self.buffer, self.rewards, self.tokenizer, self.episodes)
         for tid in await self._db(self.store.unscored):  # completed before a crash, not scored
@@ -262,6 +255,30 @@ class DataService(Service, DataApi):
             mgr = self.ctx.connect(MembershipApi, self.ctx.manager)
             events = functools.partial(self.watch.events, mgr)
             self.ctx.follow("watch-rollouts", events, self.watch.on_event, backoff=WATCH_RETRY_S)
+
+    def _log_prompts(self, loaded: LoadedPrompts) -> None:
+        """What loading the prompts decided, once: ids, the template, what was left out."""
+        c, prompts = self.config, loaded.prompts
+        if loaded.row_ids:
+            self.log.info("no record has an `id` field: prompt ids are row numbers")
+        if loaded.chat is not None and prompts.as_text:
+            self.log.info("plain-text prompts are tokenized without the chat template "
+                          "(data.string_prompts: user renders them as user messages)",
+                          prompts=prompts.as_text)  # fmt: skip
+        if loaded.stop_warning is not None:
+            self.log.warning(loaded.stop_warning)
+        if prompts.left_out:
+            by = {r: sum(x.reason == r for x in prompts.left_out) for r in REASONS}
+            self.log.info(
+                "prompts left out",
+                left_out=len(prompts.left_out),
+                kept=len(prompts.rows),
+                longer_than_max_prompt_tokens=by["max_prompt_tokens"],
+                no_room_within_max_model_len=by["max_model_len"],
+                max_prompt_tokens=c.max_prompt_tokens,
+                max_model_len=c.max_model_len,
+                first=[f"{x.prompt_id} ({x.tokens} tokens)" for x in prompts.left_out[:5]],
+            )
 
     async def on_stop(self) -> None:
         # our tasks (scoring, counts, the watch) and the reports under way have ended: the host
@@ -342,6 +359,7 @@ class DataService(Service, DataApi):
             mean_reward=store.mean_reward(),
             held=self.buffer.held if self.buffer is not None else 0,
             focus_skipped=self.focus.skipped if self.focus is not None else 0,
+            prompts_left_out=self._left_out,
             focus_rates=self.focus.rates() if self.focus is not None else {},
             leases={k: len(v) for k, v in store.leases().items()},
         )

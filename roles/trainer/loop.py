@@ -25,8 +25,9 @@ version:
    (:func:`laminar.schedules.may_publish`: ``one_step`` holds version ``v`` until batch ``v``
    has been sampled, the global barrier every rollout switches at), else hold it;
 7. **record** one metrics line (``metrics_file``, TensorBoard/W&B through
-   :class:`TrainerTracking`) and keep it for ``status``; **evaluate** when ``eval_every_s`` has
-   passed and the compute measures anything.
+   :class:`TrainerTracking`; each numeric extra of the batch's rewards as its mean,
+   ``reward/<name>``: :func:`reward_extras`) and keep it for ``status``; **evaluate** when
+   ``eval_every_s`` has passed and the compute measures anything.
 
 Time comes only from the service's clock; blocking work runs in the compute's executor.
 """
@@ -34,6 +35,7 @@ Time comes only from the service's clock; blocking work runs in the compute's ex
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ from laminar.context import ServiceContext
 from laminar.rl.screen import ExcludeScope, screen_batch
 from laminar.schedules import may_publish
 from laminar.tracking import TrackingConfig, TrainerTracking
+from laminar.trajectory import Trajectory
 from laminar.weights.config import PublishConfig
 from laminar.weights.publisher import WeightPublisher
 
@@ -53,6 +56,17 @@ from .step import Compute, Progress, StepResult
 
 # the fields of a version's record its log line carries
 LOGGED = "version tokens train_s reward_mean staleness_max mismatch_kl clip_frac".split()
+
+
+def reward_extras(batch: Sequence[Trajectory]) -> dict[str, float]:
+    """The numeric extras of the batch's rewards (``Trajectory.reward_extras``), each as its mean
+    over the trajectories that have it, keyed ``reward/<name>`` (TensorBoard and W&B show them
+    as ``train/reward/<name>``)."""
+    values: dict[str, list[float]] = {}
+    for t in batch:
+        for name, value in t.reward_extras.items():
+            values.setdefault(name, []).append(value)
+    return {f"reward/{name}": sum(v) / len(v) for name, v in sorted(values.items())}
 
 
 @dataclass(frozen=True)
@@ -213,6 +227,7 @@ class TrainLoop:
             "excluded": screened.excluded_count,
             "skipped_steps": result.skipped_steps,
             "reward_generated": got.reward_generated,  # filtered groups' rewards too
+            **reward_extras(batch),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": max(staleness),
             "staleness_counts": {str(k): staleness.count(k) for k in sorted(set(staleness))},

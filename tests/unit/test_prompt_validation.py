@@ -96,6 +96,7 @@ async def test_the_data_role_refuses_to_start_on_a_prompt_that_cannot_fit(
         reward="tests.support.task:reward_len",
         store=str(tmp_path / "data.sqlite"),
         max_model_len=32,
+        overlong_prompts="refuse",
     )
     ctx = ServiceContext(
         role="data", instance="data-x", cluster=cluster, config=config, options=options

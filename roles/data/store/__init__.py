@@ -28,8 +28,9 @@ role is in this package):
 * ``failures`` — samples that are ``done`` without a trajectory: refused by an engine, an invalid
   completion, or quarantined after killing rollouts. Never handed out again.
 * ``partials`` — acknowledged in-flight tokens, as chunks keyed by (trajectory, start offset).
-* ``trajectories`` — the experience buffer: finished trajectories, their reward, whether the
-  trainer consumed them (in ``consume_seq`` order) and whether eviction dropped them.
+* ``trajectories`` — the experience buffer: finished trajectories, their reward (and its
+  extras), whether the trainer consumed them (in ``consume_seq`` order) and whether eviction
+  dropped them.
 * ``base`` — ``meta``: counters: the prompt cursor and epoch, the next queue sequence number, how
   many trajectories were dropped for staleness (``stale_dropped``), as uninformative groups
   (``filtered``) and as members of a group with a failed member (``orphaned``).

@@ -59,7 +59,8 @@ CREATE TABLE IF NOT EXISTS trajectories (
     consumed INTEGER NOT NULL DEFAULT 0,
     evicted INTEGER NOT NULL DEFAULT 0,
     body BLOB NOT NULL,                -- msgpack of the Trajectory as generated
-    consume_seq INTEGER                -- order of consumption (1, 2, ...); NULL until consumed
+    consume_seq INTEGER,               -- order of consumption (1, 2, ...); NULL until consumed
+    reward_extras TEXT                 -- JSON object, name -> number: the extras of a dict reward
 );
 CREATE INDEX IF NOT EXISTS trajectories_ready ON trajectories (scored, consumed, evicted);
 CREATE TABLE IF NOT EXISTS cancelled (  -- redundant samples whose group finished without them
@@ -138,6 +139,7 @@ MIGRATIONS = (
     ("samples", "strikes", "INTEGER NOT NULL DEFAULT 0"),
     ("samples", "progress", "INTEGER NOT NULL DEFAULT 0"),
     ("partials", "env_spans", "TEXT"),
+    ("trajectories", "reward_extras", "TEXT"),
 )
 
 SAMPLE_COLUMNS = (

@@ -1,16 +1,17 @@
 """The ``trajectories`` table: the experience buffer.
 
-Finished trajectories (msgpack body), their reward (NULL until scored), whether the trainer
-consumed them and whether eviction dropped them. ``consume_seq`` numbers consumed trajectories
-1, 2, 3, ... in the order the trainer got them (the trainer's *cursor*: after a crash it asks
-again from its last committed cursor and gets the ones it had taken but not committed, in the
-same order). NULL until consumed; the counter is ``MAX(consume_seq)``, so it is as durable as the
-rows.
+Finished trajectories (msgpack body), their reward (NULL until scored) and its numeric extras
+(``reward_extras``, JSON: a dict reward's other fields), whether the trainer consumed them and
+whether eviction dropped them. ``consume_seq`` numbers consumed trajectories 1, 2, 3, ... in the
+order the trainer got them (the trainer's *cursor*: after a crash it asks again from its last
+committed cursor and gets the ones it had taken but not committed, in the same order). NULL
+until consumed; the counter is ``MAX(consume_seq)``, so it is as durable as the rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -19,6 +20,9 @@ from laminar.trajectory import Trajectory
 
 from .base import StoreBase
 from .failures import UNKNOWN, Rejection
+
+# What a scored trajectory is read back from (``Trajectories._decode``'s arguments, in order).
+SCORED = "body, reward, reward_error, reward_extras"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,26 +136,41 @@ class Trajectories(StoreBase):
             r[0] for r in self.db.execute("SELECT trajectory_id FROM trajectories WHERE scored = 0")
         ]
 
-    def set_rewards(self, results: Iterable[tuple[str, float | None, str | None]]) -> None:
+    def set_rewards(
+        self,
+        results: Iterable[tuple[str, float | None, str | None]],
+        extras: Mapping[str, Mapping[str, float]] | None = None,
+    ) -> None:
+        """Record (trajectory id, reward, why there is none) and, by trajectory id, the numeric
+        extras of a dict reward (``Trajectory.reward_extras``)."""
+        extras = extras or {}
+
+        def row(tid: str, reward: float | None, error: str | None) -> tuple[object, ...]:
+            more = extras.get(tid)
+            return reward, error, json.dumps(dict(more)) if more else None, tid
+
         with self._transaction():
             self.db.executemany(
-                "UPDATE trajectories SET reward = ?, reward_error = ?, scored = 1 "
-                "WHERE trajectory_id = ?",
-                ((reward, error, tid) for tid, reward, error in results),
+                "UPDATE trajectories SET reward = ?, reward_error = ?, reward_extras = ?, "
+                "scored = 1 WHERE trajectory_id = ?",
+                (row(*r) for r in results),
             )
 
     def trajectory(self, tid: str) -> Trajectory:
         row = self.db.execute(
-            "SELECT body, reward, reward_error FROM trajectories WHERE trajectory_id = ?", (tid,)
+            f"SELECT {SCORED} FROM trajectories WHERE trajectory_id = ?", (tid,)
         ).fetchone()
         if row is None:
             raise KeyError(tid)
         return self._decode(*row)
 
     @staticmethod
-    def _decode(body: bytes, reward: float | None, error: str | None) -> Trajectory:
+    def _decode(
+        body: bytes, reward: float | None, error: str | None, extras: str | None
+    ) -> Trajectory:
         t = Trajectory.model_validate(msgpack.unpackb(body))
-        return t.model_copy(update={"reward": reward, "reward_error": error})
+        update = {"reward": reward, "reward_error": error}
+        return t.model_copy(update={**update, "reward_extras": json.loads(extras or "{}")})
 
     # -- consumption -------------------------------------------------------------------------
 
@@ -180,8 +199,7 @@ class Trajectories(StoreBase):
             seq = self.consume_cursor()
             for tid in tids:
                 row = self.db.execute(
-                    "SELECT body, reward, reward_error FROM trajectories "
-                    "WHERE trajectory_id = ? AND consumed = 0",
+                    f"SELECT {SCORED} FROM trajectories WHERE trajectory_id = ? AND consumed = 0",
                     (tid,),
                 ).fetchone()
                 if row is None:
@@ -197,9 +215,9 @@ class Trajectories(StoreBase):
     def consumed_after(self, after: int, limit: int) -> list[tuple[int, Trajectory]]:
         """Already consumed trajectories with consume seq > ``after``, in consume order."""
         return [
-            (seq, self._decode(body, reward, error))
-            for seq, body, reward, error in self.db.execute(
-                "SELECT consume_seq, body, reward, reward_error FROM trajectories "
+            (seq, self._decode(*scored))
+            for seq, *scored in self.db.execute(
+                f"SELECT consume_seq, {SCORED} FROM trajectories "
                 "WHERE consume_seq > ? ORDER BY consume_seq LIMIT ?",
                 (after, limit),
             )
