@@ -225,12 +225,23 @@ class RunConfig(Strict):
     plots: bool = Field(True, description="Draw <run_dir>/plots/*.png when the run ends.")
 
 
-# (section, key) -> where its default comes from when the section leaves it unset: the data role
-# checks prompt lengths at load against the rollouts' context length (issue 15: one over-long
-# prompt used to kill every rollout in turn).
+# (section, dotted key) -> where its default comes from when the section leaves it unset: the data
+# role checks prompt lengths at load against the rollouts' context length (one over-long prompt
+# used to kill every rollout in turn); the trainer publishes in the dtype the rollouts' engines
+# run (what they would cast every version to anyway).
 DERIVED: dict[tuple[str, str], tuple[str, ...]] = {
     ("data", "max_model_len"): ("rollout", "engine", "max_model_len"),
+    ("trainer", "publish.dtype"): ("rollout", "engine", "dtype"),
 }
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    """``a.b.c`` = value as nested mappings."""
+    *parents, leaf = key.split(".")
+    out: dict[str, Any] = {leaf: value}
+    for part in reversed(parents):
+        out = {part: out}
+    return out
 
 
 class LaminarConfig(BaseModel):
@@ -262,12 +273,17 @@ class LaminarConfig(BaseModel):
         another section, so one fact (the rollouts' context length) is written once."""
         data = _deep_merge(self.section(name), overrides or {})
         for (section, key), path in DERIVED.items():
-            if section == name and key not in data:
-                value: Any = self.section(path[0])
-                for part in path[1:]:
-                    value = value.get(part) if isinstance(value, dict) else None
-                if value is not None:
-                    data[key] = value
+            *parents, leaf = key.split(".")
+            place: Any = data
+            for part in parents:
+                place = place.get(part, {}) if isinstance(place, dict) else None
+            if section != name or not isinstance(place, dict) or leaf in place:
+                continue
+            value: Any = self.section(path[0])
+            for part in path[1:]:
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is not None:
+                data = _deep_merge(data, _nested(key, value))
         try:
             return model.model_validate(data)
         except ValidationError as exc:

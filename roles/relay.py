@@ -13,9 +13,9 @@ Three owned tasks and a listener:
   that already holds a prefix answers ``have`` and the transfer resumes there.
 
 Local rollouts ask ``latest`` (or follow ``versions``) and get the version's segment name and
-manifest; they map the segment themselves, so the bytes never cross a socket on this machine. The
-last ``keep`` verified versions stay mapped-able; an older segment is unlinked, which does not
-disturb a rollout that already mapped it.
+manifest; they map the segment themselves, so the bytes never cross a socket on this machine. At
+most ``keep`` versions are held, the one arriving included (the newest verified one always stays);
+an older segment is unlinked, which does not disturb a rollout that already mapped it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,12 @@ class RelayConfig(ServiceConfig):
         "(ucx:// if ucxx is importable, else tcp://, on weights_host with a free port).",
     )
     weights_host: str = Field("127.0.0.1", description="Host for weights_bind=auto.")
-    keep: Annotated[int, Field(ge=1)] = Field(2, description="Verified versions kept in memory.")
+    keep: Annotated[int, Field(ge=1)] = Field(
+        2,
+        description="Versions held in memory, counting one being received (the newest verified "
+        "one always stays, so keep 1 holds two during a transfer): a relay needs about keep x "
+        "one version's bytes.",
+    )
     transfer_timeout_s: Annotated[float, Field(gt=0)] = Field(
         120.0, description="Timeout of one version's push to the next relay in the chain."
     )

@@ -153,6 +153,25 @@ def map_segment(name: str, offset: int, size: int) -> memoryview:
     return memoryview(mapped)[offset : offset + size]
 
 
+def drop_pages(view: memoryview, offset: int, nbytes: int) -> None:
+    """Unmap this process's resident pages of ``view[offset : offset + nbytes]``, a view of a
+    read-only segment mapping; the bytes stay in the segment and fault back in on the next read.
+
+    For a reader that streams a large segment once (an engine loading a weight version): without
+    it, every page read stays in the reader's resident set until the whole mapping goes, so the
+    reader briefly held a second copy of the version on top of its own. Only pages wholly inside
+    the range are dropped; a view that is not of an mmap is left alone."""
+    mapped = view.obj
+    if not isinstance(mapped, mmap.mmap) or nbytes <= 0:
+        return
+    base = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
+    start = np.frombuffer(view, dtype=np.uint8).ctypes.data - base + offset
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, (start + nbytes) // page * page
+    if last > first:
+        mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
 def map_writable(name: str) -> memoryview:
     """Map the whole of segment ``name`` read-write: for cooperating processes of one job that
     each fill their own part of a buffer its owner made (a sharded trainer's ranks staging a

@@ -13,6 +13,7 @@ from ..engines.kvcache import format_bytes
 from ..proc.cpus import CpuSlot, plan_cpus
 from .facts import MachineFacts
 from .findings import Finding, Severity
+from .memory import check_role_memory
 from .needs import RolloutNeed, RunNeeds
 from .probe import ImportFacts
 
@@ -141,6 +142,30 @@ def check_memory(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     return out or [Finding("ok", "memory", nodes)]
 
 
+#: vLLM's CPU attention kernels take head sizes that are multiples of this (32: its AMX and
+#: AVX-512 kernels, 16: a vector kernel); any other fails the engine's first step
+CPU_HEAD_MULTIPLE = 16
+
+
+def check_head_size(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
+    """A model whose head size vLLM's CPU attention cannot run kills its engine at the first
+    step, on every restart: refuse it before anything starts."""
+    if _on_gpu(facts):
+        return []
+    out = []
+    for r in needs.vllm_rollouts:
+        if r.head_dim is not None and r.head_dim % CPU_HEAD_MULTIPLE:
+            out.append(Finding(
+                "blocker", "head-size",
+                f"{r.section}: the model {r.model} has attention heads of {r.head_dim}; vLLM's "
+                f"CPU attention runs head sizes that are multiples of {CPU_HEAD_MULTIPLE} only",
+                "use a model whose head_dim (hidden_size / num_attention_heads) is a multiple "
+                f"of {CPU_HEAD_MULTIPLE}, or run the rollouts on GPUs",
+            ))  # fmt: skip
+            break
+    return out
+
+
 def check_kv_cache(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     """Whether each vLLM rollout's cache holds what its limits ask: one ``max_model_len``
     sequence at least (vLLM refuses to start otherwise), ``max_num_seqs`` of them to run full."""
@@ -191,9 +216,10 @@ def check_shm(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     if not needs.relays or needs.version_bytes is None:
         why = "no relay" if not needs.relays else "model size unknown"
         return [Finding("ok", "shm", f"{have} ({why})")]
-    need = needs.relays * (needs.relay_keep + 1) * needs.version_bytes
-    what = (f"{have}; {needs.relays} relay(s) x (keep {needs.relay_keep} + 1 receiving) x "
-            f"{format_bytes(needs.version_bytes)} = {format_bytes(need)}")  # fmt: skip
+    need = needs.relays * max(needs.relay_keep, 2) * needs.version_bytes
+    held = max(needs.relay_keep, 2)
+    what = (f"{have}; {needs.relays} relay(s) x {held} versions (relay.keep, the arriving one "
+            f"included) x {format_bytes(needs.version_bytes)} = {format_bytes(need)}")  # fmt: skip
     fix = ("enlarge /dev/shm (`mount -o remount,size=8G /dev/shm`; docker: --shm-size; "
            "k8s: the shm emptyDir's sizeLimit), or lower relay.keep")  # fmt: skip
     if facts.shm_free_bytes < need:
@@ -357,9 +383,13 @@ def check_data(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
         if p.is_file() and p.stat().st_size > 0:
             out.append(Finding("ok", "data", f"{path} ({key}), {format_bytes(p.stat().st_size)}"))
             continue
-        what = "is empty" if p.is_file() else "does not exist"
+        if p.is_dir() and any(p.iterdir()):  # a datasets save_to_disk directory
+            out.append(Finding("ok", "data", f"{path} ({key}), a directory"))
+            continue
+        what = "is empty" if p.exists() else "does not exist"
         fix = (PREPARE_HINT if "runs/" in path
-               else f"point {key} at a .jsonl or .parquet file of prompts")  # fmt: skip
+               else f"point {key} at a .jsonl or .parquet file of prompts, or a directory "
+                    "written by datasets' save_to_disk")  # fmt: skip
         out.append(Finding("blocker", "data", f"{path} ({key}) {what}", fix))
     return out
 
@@ -388,6 +418,8 @@ CHECKS = (
     check_cores,
     check_scheduler,
     check_memory,
+    check_role_memory,
+    check_head_size,
     check_kv_cache,
     check_shm,
     check_disk,

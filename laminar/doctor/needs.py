@@ -14,9 +14,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..config import LaminarConfig, RoleSpec
-from ..engines.kvcache import DTYPE_BYTES, kv_bytes_per_token, model_config, rollout_kv_bytes
+from ..engines.kvcache import (
+    DTYPE_BYTES,
+    head_dim,
+    kv_bytes_per_token,
+    model_config,
+    rollout_kv_bytes,
+)
 from ..errors import ConfigError
 from .findings import Mode
+from .memory import (
+    REWARD_WORKER_BYTES,
+    RUNTIME_BYTES,
+    ModelSize,
+    RoleMemory,
+    model_size,
+    publish_bytes,
+    rollout_memory,
+    trainer_memory,
+)
 
 #: optimizer state kept per parameter in a trainer checkpoint, in fp32 copies of the weights
 OPTIMIZER_COPIES = {"adamw": 2, "sgd": 0}
@@ -97,6 +113,7 @@ class RolloutNeed:
     max_model_len: int = 0
     max_num_seqs: int = 0
     weights_bytes: int | None = None  # in the engine's dtype
+    head_dim: int | None = None  # the attention's head size (None: not known)
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,7 @@ class RunNeeds:
     data_files: tuple[tuple[str, str], ...] = ()  # (config key, path)
     disk: tuple[tuple[str, int, str], ...] = ()  # (path, bytes needed there, for what)
     environment: str | None = None  # data.env.spec: multi-turn episodes whose tools may be jailed
+    memory: tuple[RoleMemory, ...] = ()  # each process's predicted peak (:mod:`.memory`)
 
     @property
     def disk_or_cwd(self) -> tuple[tuple[str, int, str], ...]:
@@ -147,6 +165,10 @@ def needs_from_config(
     disk: list[tuple[str, int, str]] = []
     checkpoint: tuple[str, str, int, int] | None = None  # model, dir, keep, optimizer copies
     environment: str | None = None
+    trainers: list[tuple[str, Any]] = []  # (instance, TrainerConfig) of torch trainers
+    relay_names: list[str] = []
+    small: list[tuple[str, int]] = []  # (instance, bytes) of the roles that hold no model
+    tokens: list[int] = []  # the longest sequence a data role can send (prompt + response)
 
     def model_ref(path: str, key: str, weights: bool) -> None:
         keys, had = model_refs.setdefault(path, ([], False))
@@ -159,6 +181,8 @@ def needs_from_config(
         cfg = config.role_config(section, config_model, spec.config)
         names = [f"{section}-{i}" for i in range(spec.count)]
         processes += [(name, section) for name in names]
+        if role in ("manager", "sim_trainer"):
+            small += [(name, RUNTIME_BYTES[role]) for name in names]
         if role == "rollout":
             engine = cfg.engine
             if isinstance(engine, VllmEngineConfig):
@@ -168,16 +192,22 @@ def needs_from_config(
             else:
                 rollouts += [RolloutNeed(n, section, engine.backend) for n in names]
         elif role == "relay":
+            relay_names += names
             relays += spec.count
             keep = max(keep, cfg.keep)
             ucx_required |= cfg.weights_bind.startswith("ucx://")
         elif role == "trainer" and hasattr(cfg, "model"):
+            trainers += [(name, cfg) for name in names]
             model_ref(cfg.model, f"{section}.model", True)
             checkpoint = (cfg.model, cfg.checkpoint.dir, cfg.checkpoint.keep,
                           OPTIMIZER_COPIES.get(cfg.optim.name, 2))  # fmt: skip
         elif hasattr(cfg, "weight_bytes"):  # the emulated trainer publishes this many bytes
             version_bytes = int(cfg.weight_bytes)
         elif role == "data":
+            workers = cfg.reward_workers * REWARD_WORKER_BYTES
+            small += [(name, RUNTIME_BYTES["data"] + workers) for name in names]
+            longest = (cfg.max_prompt_tokens or cfg.max_model_len or 0) + cfg.sampling.max_tokens
+            tokens.append(min(longest, cfg.max_model_len or longest))
             data_files.append((f"{section}.prompts", cfg.prompts))
             model_ref(cfg.tokenizer, f"{section}.tokenizer", False)
             if getattr(cfg, "env", None) is not None:
@@ -193,6 +223,9 @@ def needs_from_config(
         # keep + 1: a new checkpoint is complete before the oldest is pruned
         each = (fp32 or 0) * (1 + copies)
         disk.append((ckpt_dir, (ckpt_keep + 1) * each, f"{ckpt_keep}+1 checkpoints"))
+    memory = _memory(models, trainers, rollouts, relay_names, keep, small, tokens, version_bytes)
+    if trainers:
+        version_bytes = _published(models, trainers[0][1]) or version_bytes
     if mode == "run":
         disk.append((config.run.run_dir, 0, "logs, data store"))
     return RunNeeds(
@@ -209,7 +242,56 @@ def needs_from_config(
         data_files=tuple(data_files),
         disk=tuple(disk),
         environment=environment,
+        memory=tuple(memory),
     )
+
+
+def _size(models: tuple[ModelDir, ...], path: str) -> ModelSize | None:
+    model = next((m for m in models if m.path == path), None)
+    if model is None or not model.has_config:
+        return None
+    try:
+        return model_size(path, model_config(path))
+    except ConfigError:
+        return None
+
+
+def _published(models: tuple[ModelDir, ...], trainer: Any) -> int | None:
+    size = _size(models, trainer.model)
+    return publish_bytes(size, trainer.publish.dtype) if size is not None else None
+
+
+def _memory(
+    models: tuple[ModelDir, ...],
+    trainers: list[tuple[str, Any]],
+    rollouts: list[RolloutNeed],
+    relays: list[str],
+    keep: int,
+    small: list[tuple[str, int]],
+    tokens: list[int],
+    version_bytes: int | None,
+) -> list[RoleMemory]:
+    """Each process's predicted peak (:mod:`.memory`); the roles whose model is missing are
+    left out (the models check says so)."""
+    out: list[RoleMemory] = []
+    longest = max(tokens, default=0) or max((r.max_model_len for r in rollouts), default=1024)
+    for name, cfg in trainers:
+        size = _size(models, cfg.model)
+        if size is not None:
+            published = publish_bytes(size, cfg.publish.dtype)
+            out += trainer_memory(name, size, cfg, longest, published)
+            version_bytes = published
+    for name in relays:
+        held = max(keep, 2) * (version_bytes or 0)
+        out.append(RoleMemory(name, {"versions": held, "runtime": RUNTIME_BYTES["relay"]}))
+    for r in rollouts:
+        if r.backend == "vllm":
+            size = _size(models, r.model) if r.model else None
+            out.append(rollout_memory(r.name, size, r.weights_bytes, r.kv_bytes))
+        else:
+            out.append(RoleMemory(r.name, {"runtime": RUNTIME_BYTES["sim_rollout"]}))
+    out += [RoleMemory(name, {"runtime": n}) for name, n in small]
+    return out
 
 
 def _vllm_need(engine: Any, section: str) -> dict[str, Any]:
@@ -227,9 +309,11 @@ def _vllm_need(engine: Any, section: str) -> dict[str, Any]:
     elif engine.kv_cache_bytes is not None:
         out.update(kv_bytes=int(engine.kv_cache_bytes), kv_key=f"{section}.engine.kv_cache_bytes")
     try:
-        per_token = kv_bytes_per_token(model_config(engine.model), engine.dtype)
+        hf = model_config(engine.model)
+        per_token = kv_bytes_per_token(hf, engine.dtype)
     except ConfigError:
         return out
+    out["head_dim"] = head_dim(hf)
     out["kv_per_token"] = per_token
     if "kv_bytes" not in out:
         out.update(kv_bytes=rollout_kv_bytes(engine), kv_key="derived")

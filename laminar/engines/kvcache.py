@@ -43,14 +43,28 @@ def model_config(model_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read it ({exc})") from None
 
 
+def _language(config: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal wrappers keep the language model's sizes in ``text_config``."""
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
+def head_dim(config: dict[str, Any]) -> int | None:
+    """The attention's head size of an HF ``config.json`` (None: the config does not say)."""
+    config = _language(config)
+    try:
+        heads = int(config["num_attention_heads"])
+        return int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
 def kv_bytes_per_token(config: dict[str, Any], dtype: str = "auto") -> int:
     """Bytes of K and V one token occupies across all layers, for an HF ``config.json``.
 
     ``dtype`` is the engine's (``auto`` = the model's own ``torch_dtype``/``dtype``).
     """
-    text = config.get("text_config")
-    if isinstance(text, dict):  # multimodal wrappers keep the language model's sizes here
-        config = {**config, **text}
+    config = _language(config)
     try:
         layers = int(config["num_hidden_layers"])
         heads = int(config["num_attention_heads"])

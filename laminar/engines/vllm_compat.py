@@ -41,6 +41,8 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from ..proc.heap import release_freed_heap
+
 # The vLLM release these accessors were written and tested against (major.minor).
 TESTED_MINOR = "0.32"
 
@@ -220,8 +222,39 @@ def device_type(runner: Any) -> str:
 
 
 def reload_weights(runner: Any, weights: Iterable[tuple[str, Any]]) -> None:
-    """Load HF-named tensors into the running model in place."""
+    """Load HF-named tensors into the running model in place (and, on CPU, the kernels' own
+    copies of tied weights: :func:`repack_tied`)."""
     runner.reload_weights(weights_iterator=iter(weights))
+    if device_type(runner) == "cpu":
+        repack_tied(runner.get_model())
+    release_freed_heap()  # the reload's freed layers (laminar.proc.heap)
+
+
+def repack_tied(model: Any) -> list[str]:
+    """Rebuild the CPU GEMM packing of every module whose weight another module shares; the
+    names of those repacked.
+
+    Why: vLLM's CPU linear layers compute with a packed copy of their weight (oneDNN or SGL
+    kernels, ``layer.cpu_linear``), made once the weights are loaded. A tied head (Qwen3, Llama
+    3.2) is a separate module holding the embedding's weight, which a checkpoint names once, under
+    the embedding: an in-place reload loads and repacks the embedding, and the head kept
+    computing with the packed copy of the first weights (logprobs off by 1e-3 after one update,
+    growing with every version). Repacking every module of a shared weight costs one extra pack
+    of the embedding per load."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    owners: dict[int, list[tuple[str, Any]]] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and getattr(weight, "ndim", 0) == 2 and weight.numel():
+            owners.setdefault(id(weight), []).append((name, module))
+    repacked = []
+    for shared in owners.values():
+        if len(shared) > 1:
+            for name, module in shared:
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+                repacked.append(name)
+    return repacked
 
 
 def model(runner: Any) -> Any:

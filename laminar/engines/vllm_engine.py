@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -59,26 +58,12 @@ from ..service import signals_end_the_start
 from ..trajectory import SamplingParams
 from ..weights.manifest import WeightManifest
 from .base import Engine, EngineError, EngineOutput, EngineStats
+from .checkpoint import CheckpointTensors, checkpoint_tensors, eos_token_ids
 from .configs import VllmEngineConfig
 from .vllm_compat import envs_uncached, scheduler_stats_only, token_prompt
 from .vllm_migration import VllmKvMigration
 
 log = structlog.get_logger("laminar.engines.vllm")
-
-
-def eos_token_ids(model_dir: str) -> list[int]:
-    """The model's end-of-sequence ids (generation_config.json, else config.json).
-
-    With ``skip_tokenizer_init`` vLLM does not know the EOS token, so without this it would never
-    stop early; we pass these as stop token ids (the stop token is kept in the output).
-    """
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [eos] if isinstance(eos, int) else [int(e) for e in eos]
-    return []
 
 
 def on_cpu() -> bool:
@@ -234,10 +219,13 @@ class VllmEngine(VllmKvMigration, Engine):
         self._shm: set[str] = set()  # the engine's shared-memory queues (see start)
         self._front_end_problem: str | None = None  # see vllm_compat.scheduler_stats_only
         self._ipc: Path | None = None  # vLLM's socket files (see start)
+        self._checkpoint: CheckpointTensors | None = None  # what a version must fit (see start)
+        self._left_out: set[str] = set()  # published names last left out of a load
 
     async def start(self) -> None:
         cfg = self.config
         self.eos_token_ids = eos_token_ids(cfg.model)
+        self._checkpoint = checkpoint_tensors(cfg.model)
         from vllm import envs
         from vllm.v1.metrics.loggers import PrometheusStatLogger
 
@@ -447,7 +435,28 @@ class VllmEngine(VllmKvMigration, Engine):
         if key is not None:  # aborted before the connector loaded it (else a no-op)
             await self._llm.collective_rpc("laminar_drop_kv", args=(key,))
 
+    def _fitted(self, manifest: WeightManifest) -> WeightManifest:
+        """``manifest`` less the tensors the engine's checkpoint does not have; raises
+        :class:`IncompatibleWeights` for a version that cannot be loaded whole
+        (:mod:`.checkpoint`)."""
+        if self._checkpoint is None:
+            return manifest
+        shapes = {t.name: tuple(t.shape) for t in manifest.tensors}
+        extra = set(self._checkpoint.fit(shapes, manifest.version))
+        if not extra:
+            return manifest
+        if extra != self._left_out:
+            self._left_out = extra
+            log.warning(
+                "published tensors the engine's checkpoint does not have are not loaded",
+                version=manifest.version,
+                names=sorted(extra),
+            )
+        kept = [t for t in manifest.tensors if t.name not in extra]
+        return manifest.model_copy(update={"tensors": kept})
+
     async def _load_shared(self, segment: str, manifest: WeightManifest) -> None:
+        manifest = self._fitted(manifest)
         results = await self._llm.collective_rpc(
             "laminar_load_shared", args=(segment, manifest.model_dump())
         )
@@ -459,6 +468,11 @@ class VllmEngine(VllmKvMigration, Engine):
     async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         from .vllm_worker import pack_tensor
 
-        packed = [pack_tensor(name, tensor) for name, tensor in weights]
+        named = list(weights)
+        if self._checkpoint is not None:
+            shapes = {name: tuple(tensor.shape) for name, tensor in named}
+            extra = set(self._checkpoint.fit(shapes))
+            named = [(name, tensor) for name, tensor in named if name not in extra]
+        packed = [pack_tensor(name, tensor) for name, tensor in named]
         await self._llm.collective_rpc("laminar_load_weights", args=(packed,))
         await self._llm.reset_prefix_cache()

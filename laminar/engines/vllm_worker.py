@@ -95,7 +95,7 @@ class LaminarWorkerExtension:
             view = map_verified(segment, version)
         except (SegmentGone, CorruptVersion) as exc:
             return str(exc)
-        weights = tensors_from(version, view)
+        weights = tensors_from(version, view, release=True)
         if vllm_compat.device_type(self.model_runner) == "cuda":
             # Shared memory -> pinned staging -> this GPU, tensor by tensor, on the stream the
             # loaders then use; each TP rank uploads whole tensors and vLLM's weight loaders

@@ -43,3 +43,8 @@ class PolicyLossConfig(Strict):
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the reference policy.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+
+
+#: ``trainer.logprobs: auto`` takes logprobs a chunk of positions at a time (the logits never
+#: whole) from this vocabulary size up, on any device: such logits outweigh the activations
+CHUNKED_VOCAB = 32768

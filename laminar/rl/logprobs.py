@@ -11,10 +11,12 @@ model's dtype.
 Three ways to the same numbers (``method``):
 
 * ``chunked`` (the default here, and the trainer's on CUDA: ``trainer.logprobs: auto``; on a
-  CPU the trainer uses ``full``, which measured faster there): :class:`ChunkedLogprobs`, a
-  hand-written autograd function over the
-  model's logits that works through them a few hundred positions at a time, in float32, and
-  keeps only the logits themselves (in the model's dtype) for the backward pass. The plain way
+  CPU the trainer uses ``full``, which measured faster there for small vocabularies): for a
+  model whose logits are its hidden states times a linear head (:func:`linear_head`: Qwen,
+  Llama, Mistral, Phi-3, OLMo-2), :class:`ChunkedLinearLogprobs` runs the decoder and then the
+  head a few hundred positions at a time, so the logits never exist whole; for any other,
+  :class:`ChunkedLogprobs` works through the model's logits a chunk at a time, in float32,
+  keeping only the logits themselves (in the model's dtype) for the backward pass. The plain way
   keeps five or six float32 copies of ``[B, T, vocab]`` alive until backward (the upcast, the
   log-softmax, its exponent, the entropy's product): with a 152k vocabulary that is 6 GB per copy
   for one micro-batch of 10k tokens, more than the 0.5B model and its optimizer together.
@@ -29,11 +31,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .batch import PackedBatch
 
-#: elements of float32 work per chunk (256 MiB): the positions per chunk are this over the vocab
-CHUNK_ELEMENTS = 1 << 26
+#: elements of float32 work per chunk (64 MiB): the positions per chunk are this over the vocab;
+#: a chunk backward holds a handful of tensors this size at once
+CHUNK_ELEMENTS = 1 << 24
 
 Method = Literal["chunked", "fused", "full"]
 
@@ -54,8 +58,16 @@ def token_logprobs(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     targets = batch.input_ids[:, 1:]
+    head = linear_head(model) if method in ("chunked", "fused") else None
+    if head is not None:
+        decoder, weight = head
+        kernels = EAGER if method == "chunked" else fused_kernels()
+        hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        logp, entropy = ChunkedLinearLogprobs.apply(hidden, weight, targets, temperature, kernels)
+        return _placed(logp, entropy, batch, with_entropy)
+    out = model(**inputs, use_cache=False)
     if method == "chunked":
         logp, entropy = ChunkedLogprobs.apply(out.logits, targets, temperature, EAGER)
     elif method == "fused":
@@ -64,9 +76,16 @@ def token_logprobs(
         logp, entropy = _full(out.logits, targets, temperature, with_entropy)
     else:
         raise ValueError(f"method must be 'chunked', 'fused' or 'full', got {method!r}")
+    return _placed(logp, entropy, batch, with_entropy)
+
+
+def _placed(
+    logp: torch.Tensor, entropy: torch.Tensor | None, batch: PackedBatch, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T-1]`` predictions on the batch's grid: padding zeroed, position 0 empty."""
     valid = batch.attention_mask[:, 1:].bool()
     logp = _shift_in(torch.where(valid, logp, torch.zeros_like(logp)))
-    if not with_entropy:
+    if not with_entropy or entropy is None:
         return logp, None
     entropy = _shift_in(torch.where(valid, entropy, torch.zeros_like(entropy)))
     return logp, entropy
@@ -229,3 +248,103 @@ class ChunkedLogprobs(torch.autograd.Function):
 def _shift_in(x: torch.Tensor) -> torch.Tensor:
     """Prepend a zero column: the value predicted from position ``t - 1`` lands at ``t``."""
     return torch.nn.functional.pad(x, (1, 0), value=0.0)
+
+
+#: config attributes by which a model changes its logits after the head (soft-capping, scaling):
+#: a model with any of them set computes its logits itself (``token_logprobs`` takes them whole)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+
+
+def linear_head(model: Any) -> tuple[Any, torch.Tensor] | None:
+    """``(decoder, head weight)`` of a causal LM whose logits are its final hidden states times a
+    bias-free linear head and nothing more; None for any other (its logits are then taken
+    whole). ``model`` may offer ``linear_head()`` itself (a wrapper that runs the decoder under
+    autocast does). Not for a sharded head (FSDP2 gathers the root's parameters, the head's
+    among them, only around the whole model's forward)."""
+    own = getattr(model, "linear_head", None)
+    if callable(own):
+        return own()  # type: ignore[no-any-return]
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    get_decoder = getattr(model, "get_decoder", None)
+    if config is None or get_decoder is None or not isinstance(head, torch.nn.Linear):
+        return None
+    if head.bias is not None or isinstance(head.weight, DTensor):
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
+        return None
+    return get_decoder(), head.weight
+
+
+class ChunkedLinearLogprobs(torch.autograd.Function):
+    """``(hidden [B, T, H], weight [V, H], targets [B, T-1], temperature, kernels) -> (logp,
+    entropy)``: :class:`ChunkedLogprobs` with the head's matrix product moved inside, so the
+    logits ``[B, T, V]`` never exist whole. Each chunk's logits are made, used and dropped in
+    forward, and made again in backward, which writes the hidden states' gradient chunk by chunk
+    and adds the chunk's share to the head weight's. Why: with a vocabulary of 152k, the logits
+    of one micro-batch and their gradient were most of a trainer's transient memory (two tensors
+    of rows x positions x 152k floats); recomputing a chunk's product costs one more pass of the
+    head, a small part of a step.
+
+    Under autocast the product runs in the autocast dtype (as the head module would), the rest
+    in float32; the weight's gradient is accumulated in the weight's dtype."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        kernels: Kernels = EAGER,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, width, _ = hidden.shape
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        dtype = dtype or weight.dtype
+        flat = hidden.reshape(rows * width, -1)
+        w = weight.to(dtype)
+        flat_targets = torch.nn.functional.pad(targets, (0, 1)).reshape(-1)
+        lse = torch.empty(rows * width, dtype=torch.float32, device=hidden.device)
+        logp, entropy = torch.empty_like(lse), torch.empty_like(lse)
+        for span in _spans(rows * width, weight.shape[0]):
+            z = flat[span].to(dtype) @ w.T
+            lse[span], logp[span], entropy[span] = kernels.forward(
+                z, flat_targets[span], temperature
+            )
+        ctx.save_for_backward(hidden, weight, flat_targets, lse, entropy)
+        ctx.temperature, ctx.kernels, ctx.dtype = temperature, kernels, dtype
+        ctx.set_materialize_grads(False)
+        return logp.view(rows, width)[:, :-1], entropy.view(rows, width)[:, :-1]
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        hidden, weight, flat_targets, lse, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None
+        rows, width, _ = hidden.shape
+
+        def flat_grad(g: torch.Tensor | None) -> torch.Tensor | None:
+            return None if g is None else torch.nn.functional.pad(g, (0, 1)).reshape(-1)
+
+        g, h = flat_grad(grad_logp), flat_grad(grad_entropy)
+        flat = hidden.reshape(rows * width, -1)
+        w = weight.to(ctx.dtype)
+        grad_hidden = torch.empty_like(flat)
+        grad_weight = torch.zeros_like(weight)
+        for span in _spans(rows * width, weight.shape[0]):
+            x = flat[span].to(ctx.dtype)
+            ds = ctx.kernels.backward(
+                x @ w.T,
+                flat_targets[span],
+                lse[span],
+                entropy[span],
+                None if g is None else g[span],
+                None if h is None else h[span],
+                ctx.temperature,
+            )
+            grad_hidden[span] = (ds @ w).to(grad_hidden.dtype)
+            grad_weight.add_((ds.T @ x).to(weight.dtype))
+        return grad_hidden.view(hidden.shape), grad_weight, None, None, None

@@ -16,8 +16,9 @@ virtual time like on real time (``clock``, ``executor``; outside a role: the run
 and default executor).
 
 Versions are never queued: if the trainer stages v+1 while v is still on its way, v+1 replaces any
-version not yet started, and rollouts only ever want the newest anyway. Two or three staging
-buffers are reused (one being sent, one being filled), so the steady state allocates nothing.
+version not yet started, and rollouts only ever want the newest anyway. Staging buffers are
+reused (the newest acked version's, one being filled, one spare at most), so the steady state
+allocates nothing and holds no buffer it will not use again.
 
 Version numbers are never reused: a push offers its version with ``refuse_older``, and a master
 relay that already holds a newer one (published before the trainer restarted from an older
@@ -190,7 +191,7 @@ class WeightPublisher:
             keep |= self._unfinished
             for version in [v for v in self._in_use if v not in keep]:
                 array = self._in_use.pop(version)
-                if len(self._free) < 2:
+                if not self._free:  # one spare: the next version's, never a pile of them
                     self._free.append(array)
                 elif (segment := self._segments.pop(id(array), None)) is not None:
                     segment.close()  # its name; the array's mapping lives while referenced

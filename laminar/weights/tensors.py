@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from ..transport.shm import drop_pages
 from .manifest import WeightManifest, layout
 from .shared import CorruptVersion, map_verified
 
@@ -50,9 +51,13 @@ def copy_into(
 
 
 def tensors_from(
-    manifest: WeightManifest, buffer: memoryview
+    manifest: WeightManifest, buffer: memoryview, *, release: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views of ``buffer`` as named tensors (read-only buffers are fine: loaders only read)."""
+    """Views of ``buffer`` as named tensors (read-only buffers are fine: loaders only read).
+
+    ``release``: ``buffer`` maps a segment read once (a relay's version, loaded by an engine):
+    each tensor's pages leave this process's resident set once the next one is asked for
+    (:func:`~laminar.transport.shm.drop_pages`; a loader that still reads it faults them back)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch warns about non-writable buffers
         for entry in manifest.tensors:
@@ -62,3 +67,5 @@ def tensors_from(
                 continue
             raw = buffer[entry.offset : entry.offset + entry.nbytes]
             yield entry.name, torch.frombuffer(raw, dtype=dtype).reshape(entry.shape)
+            if release:
+                drop_pages(buffer, entry.offset, entry.nbytes)

@@ -113,7 +113,13 @@ class VersionBuffer:
 
 
 class VersionStore:
-    """The newest versions this process holds: the last ``keep`` complete ones, plus in-progress.
+    """The newest versions this process holds: at most ``keep``, counting one being received.
+
+    Why the arriving version counts: a version is allocated whole when its transfer starts, so a
+    store that kept ``keep`` complete versions beside it held ``keep + 1`` versions' memory at
+    every transfer. Room is made when a transfer starts, oldest first, but the newest complete
+    version always stays (rollouts load it meanwhile): with ``keep`` 1, that one and the arriving
+    one are held until the transfer completes.
 
     ``changed`` pulses whenever a version is added or completes, for forwarders and watchers.
     """
@@ -134,6 +140,7 @@ class VersionStore:
                 return existing
             self.versions.pop(manifest.version).close()  # re-published differently: start over
         check_chunks(manifest, chunks)
+        self._make_room()
         vb = VersionBuffer(manifest, chunks, self.shared)
         self.versions[manifest.version] = vb
         self.notify()
@@ -165,6 +172,16 @@ class VersionStore:
         """The event the next change sets. Take it before looking at the store and wait on it
         after, so a change that lands in between (while the caller awaited) is not missed."""
         return self._changed
+
+    def _make_room(self) -> None:
+        """Drop versions, oldest first, until one more fits in ``keep``; never the newest
+        complete one."""
+        latest = self.latest()
+        for version in sorted(self.versions):
+            if len(self.versions) < self.keep:
+                return
+            if self.versions[version] is not latest:
+                self.versions.pop(version).close()
 
     def _evict(self) -> None:
         done = sorted(v for v, vb in self.versions.items() if vb.verified)

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from laminar.proc.heap import release_freed_heap
 from laminar.rl import (
     LossStats,
     PackedBatch,
@@ -65,12 +66,14 @@ from laminar.rl import (
     screen_batch,
     token_logprobs,
 )
+from laminar.rl.config import CHUNKED_VOCAB
 from laminar.trajectory import Trajectory
 from laminar.weights.manifest import WeightManifest
 
 from .checkpoint import load_training_state
 from .config import TrainerConfig
 from .device import Precision, load_policy, resolve_device
+from .published import published_keys, resolve_dtype
 from .sharding import (
     full,
     full_tensors,
@@ -122,6 +125,8 @@ class PolicyTrainer:
         self.sharded = config.sharding == "fsdp" and world > 1
         self.model = self._load(config.model, config.activation_checkpointing, config.compile)
         self.model.train()
+        self.publish_dtype = resolve_dtype(config.publish.dtype)
+        published_keys(self.model)  # a model whose checkpoint layout cannot be published: now
         o = config.optim
         self.optimizer: torch.optim.Optimizer
         if o.name == "sgd":
@@ -129,12 +134,16 @@ class PolicyTrainer:
                 self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay
             )
         else:
+            # fused: one kernel per parameter, no temporaries of its size (the update of a large
+            # vocabulary's embedding otherwise allocated two more copies of it); not for
+            # sharded parameters, whose DTensors take the per-tensor path
             self.optimizer = torch.optim.AdamW(
                 self.model.parameters(),
                 lr=o.lr,
                 betas=o.betas,
                 eps=o.eps,
                 weight_decay=o.weight_decay,
+                fused=not self.sharded,
             )
         # a publish's background copy; the optimizer step waits for it (:mod:`.staging`)
         self.fence = Fence(f"weights-copy-r{rank}")
@@ -162,11 +171,11 @@ class PolicyTrainer:
 
     def weight_specs(self) -> list[tuple[str, torch.dtype, list[int]]]:
         """Name, dtype and whole shape of each tensor :meth:`weights` yields (nothing gathered)."""
-        return weight_specs(self.model)
+        return weight_specs(self.model, self.publish_dtype)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights as whole host tensors, one at a time (what the publisher stages)."""
-        return full_tensors(self.model)
+        """The published weights (:mod:`.published`) as whole host tensors, one at a time."""
+        return full_tensors(self.model, self.publish_dtype)
 
     def copy_out(
         self, manifest: WeightManifest, view: memoryview, then: Callable[[], object] | None = None
@@ -188,7 +197,7 @@ class PolicyTrainer:
         return self.fence.start(copy, self.device)
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """All the weights at once (checkpoint tests, evaluation helpers)."""
+        """All the published weights at once (tests, evaluation helpers)."""
         return list(self.weights())
 
     def training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -199,7 +208,7 @@ class PolicyTrainer:
             return self.model.state_dict(), optimizer_state_by_name(
                 self.optimizer.state_dict(), names
             )
-        model_state = dict(self.weights())
+        model_state = {k: full(v.detach()).cpu() for k, v in self.model.state_dict().items()}
         optim_state = gathered_optimizer_state(self.model, self.optimizer)
         return (model_state, optim_state) if self.rank == 0 else ({}, {})
 
@@ -250,13 +259,16 @@ class PolicyTrainer:
     # -- the update --------------------------------------------------------------------------
 
     def logprobs_method(self) -> str:
-        """``trainer.logprobs``, with ``auto`` resolved for this rank's device: ``chunked`` on
-        CUDA (memory is what limits a GPU's micro-batches), ``full`` on CPU (where it measured
-        faster: docs/benchmarks.md, *The trainer on a GPU*). Read at every call, so a changed
-        config applies at the next step."""
+        """``trainer.logprobs``, with ``auto`` resolved for this rank's device and model:
+        ``chunked`` on CUDA (memory is what limits a GPU's micro-batches) and for a vocabulary of
+        :data:`CHUNKED_VOCAB` or more (whose logits outweigh the model's activations), ``full``
+        for a small vocabulary on CPU (where it measured faster: docs/benchmarks.md, *The trainer
+        on a GPU*). Read at every call, so a changed config applies at the next step."""
         method = self.config.logprobs
         if method == "auto":
-            return "chunked" if self.device.type == "cuda" else "full"
+            vocab = int(getattr(self.model.config, "vocab_size", 0) or 0)
+            large = self.device.type == "cuda" or vocab >= CHUNKED_VOCAB
+            return "chunked" if large else "full"
         return method
 
     def _run(self, model: torch.nn.Module) -> Any:
@@ -384,6 +396,7 @@ class PolicyTrainer:
             dist.all_reduce(summed)
             stats = LossStats.from_tensor(summed.cpu())
         means = stats.as_means()
+        release_freed_heap()  # the step's activations and temporaries (laminar.proc.heap)
         return StepResult(
             stats=means,
             grad_norm=float(sum(norms) / len(norms)) if norms else None,

@@ -104,7 +104,8 @@ class TrainerConfig(ServiceConfig):
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="`bf16`: forward and backward under bf16 autocast; weights, gradients and "
-        "optimizer states stay fp32 (the master copy), so published weights are fp32 too.",
+        "optimizer states stay fp32 (the master copy); versions are published in "
+        "publish.dtype.",
     )
     activation_checkpointing: bool = Field(
         False,
@@ -120,12 +121,14 @@ class TrainerConfig(ServiceConfig):
     logprobs: Literal["auto", "chunked", "fused", "full"] = Field(
         "auto",
         description="How token logprobs and entropies are taken from the logits: `chunked` "
-        "works through them a few hundred positions at a time in float32 and keeps only the "
-        "logits for backward (on a GPU: about half the peak memory); `fused`: the same with its "
-        "chunk functions compiled by torch.compile (needs Triton on CUDA, a C++ compiler on "
-        "CPU); `full` upcasts and log-softmaxes the whole [batch, length, vocab] at once "
-        "(several float32 copies alive until backward; on a CPU the fastest); `auto`: chunked "
-        "on CUDA, full on CPU. Same numbers (laminar/rl/logprobs.py).",
+        "works through them a few hundred positions at a time in float32 (for a model whose "
+        "logits are a plain linear head, the head too, so the logits never exist whole; else "
+        "only the logits are kept for backward); `fused`: the same with its chunk functions "
+        "compiled by torch.compile (needs Triton on CUDA, a C++ compiler on CPU); `full` "
+        "upcasts and log-softmaxes the whole [batch, length, vocab] at once (several float32 "
+        "copies alive until backward; on a CPU with a small vocabulary the fastest); `auto`: "
+        "chunked on CUDA and for vocabularies of 32768 or more, else full. Same numbers "
+        "(laminar/rl/logprobs.py).",
     )
     data_parallel: Annotated[int, Field(ge=1, le=64)] = Field(
         1, description="Data-parallel ranks (processes; gloo on CPU, NCCL on GPU)."

@@ -78,3 +78,19 @@ class Precision:
     def __call__(self, **inputs: Any) -> Any:
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.enabled):
             return self.model(**inputs)
+
+    def linear_head(self) -> tuple[Any, torch.Tensor] | None:
+        """The model's decoder (called under the same autocast) and its head's weight, for
+        :func:`laminar.rl.logprobs.linear_head`; None when its logits are not a plain product."""
+        from laminar.rl.logprobs import linear_head
+
+        head = linear_head(self.model)
+        if head is None:
+            return None
+        decoder, weight = head
+
+        def run(**inputs: Any) -> Any:
+            with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.enabled):
+                return decoder(**inputs)
+
+        return run, weight

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from laminar.weights.manifest import WeightManifest
 
 from .device import for_training, layer_classes
+from .published import entry_dtype, published_dtype, published_state
 
 __all__ = [
     "full",
@@ -174,22 +175,28 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each parameter and buffer whole, on the host, one at a time (every rank must iterate)."""
-    for name, value in model.state_dict().items():
-        yield name, full(value.detach()).cpu()
+def full_tensors(
+    model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each published tensor whole, on the host, in its published dtype, one at a time (every
+    rank must iterate): :mod:`.published`."""
+    for name, value in published_state(model):
+        whole = full(value.detach())
+        yield name, whole.to("cpu", published_dtype(whole.dtype, dtype))
 
 
 def _spans(
     model: torch.nn.Module, manifest: WeightManifest, rank: int, world: int
-) -> Iterator[tuple[torch.Tensor, int, int]]:
-    """(tensor, byte offset, bytes) of ``rank``'s part of each tensor in a version buffer laid
-    out by ``manifest``: a ``Shard(0)`` parameter's rows ``[start, end)`` are one contiguous
-    byte range of the whole tensor, so the ranks' parts tile the buffer. Tensors every rank
-    holds whole (buffers) are rank 0's. ``model`` may be any rank's: only shapes are read."""
+) -> Iterator[tuple[torch.Tensor, int, int, torch.dtype]]:
+    """(tensor, byte offset, bytes, published dtype) of ``rank``'s part of each published tensor
+    in a version buffer laid out by ``manifest``: a ``Shard(0)`` parameter's rows ``[start,
+    end)`` are one contiguous byte range of the whole tensor, so the ranks' parts tile the
+    buffer. Tensors every rank holds whole (buffers) are rank 0's. ``model`` may be any rank's:
+    only shapes are read."""
     entries = {e.name: e for e in manifest.tensors}
-    for name, value in model.state_dict().items():
+    for name, value in published_state(model):
         entry = entries[name]
+        dtype = entry_dtype(entry)
         if entry.nbytes == 0:
             continue
         if isinstance(value, DTensor):
@@ -198,20 +205,20 @@ def _spans(
             start, end = _rows(value.shape[0], rank, world)
             row = entry.nbytes // value.shape[0]
             if end > start:
-                yield value, entry.offset + start * row, (end - start) * row
+                yield value, entry.offset + start * row, (end - start) * row, dtype
         elif rank == 0:
-            yield value, entry.offset, entry.nbytes
+            yield value, entry.offset, entry.nbytes, dtype
 
 
 def own_rows(
     model: torch.nn.Module, manifest: WeightManifest, rank: int, world: int
-) -> list[tuple[int, torch.Tensor]]:
-    """This rank's rows of every tensor at their byte offsets (a :data:`.staging.CopyPlan`):
-    written by every rank, they make the whole version with nothing gathered. References only:
-    the bytes move when the plan is copied."""
+) -> list[tuple[int, torch.Tensor, torch.dtype]]:
+    """This rank's rows of every tensor at their byte offsets, with their published dtype (a
+    :data:`.staging.CopyPlan`): written by every rank, they make the whole version with nothing
+    gathered. References only: the bytes move when the plan is copied."""
     return [
-        (offset, (value.to_local() if isinstance(value, DTensor) else value).detach())
-        for value, offset, _ in _spans(model, manifest, rank, world)
+        (offset, (value.to_local() if isinstance(value, DTensor) else value).detach(), dtype)
+        for value, offset, _, dtype in _spans(model, manifest, rank, world)
     ]
 
 
@@ -220,12 +227,14 @@ def row_spans(
 ) -> list[tuple[int, int]]:
     """Where ``rank``'s rows go (byte offset, bytes), in the order that rank's :func:`own_rows`
     lists them: what rank 0 receives from a rank on another host."""
-    return [(offset, size) for _, offset, size in _spans(model, manifest, rank, world)]
+    return [(offset, size) for _, offset, size, _ in _spans(model, manifest, rank, world)]
 
 
-def weight_specs(model: torch.nn.Module) -> list[tuple[str, torch.dtype, list[int]]]:
+def weight_specs(
+    model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> list[tuple[str, torch.dtype, list[int]]]:
     """Name, dtype and whole shape of each tensor :func:`full_tensors` yields, gathering nothing."""
-    return [(k, v.dtype, list(v.shape)) for k, v in model.state_dict().items()]
+    return [(k, published_dtype(v.dtype, dtype), list(v.shape)) for k, v in published_state(model)]
 
 
 def lockstep(per_rank: list[list[list[int]]]) -> int:

@@ -30,35 +30,40 @@ import torch
 from laminar.clock import get_clock
 from laminar.weights.manifest import WeightManifest
 
-#: What a copy does: each source tensor's bytes, in full, at a byte offset of the version buffer.
-CopyPlan = list[tuple[int, torch.Tensor]]
+from .published import entry_dtype, published_state
+
+#: What a copy does: each source tensor, cast to a dtype, in full, at a byte offset of the version
+#: buffer.
+CopyPlan = list[tuple[int, torch.Tensor, torch.dtype]]
 
 
 def whole_tensors(model: torch.nn.Module, manifest: WeightManifest) -> CopyPlan:
-    """Every tensor of ``model``'s state dict at its place in ``manifest`` (a replicated model:
-    this rank holds them all)."""
-    state = model.state_dict()
+    """Every published tensor of ``model`` at its place in ``manifest`` (a replicated model: this
+    rank holds them all)."""
+    state = dict(published_state(model))
     plan: CopyPlan = []
     for entry in manifest.tensors:
         tensor = state[entry.name].detach()
-        if tensor.numel() * tensor.element_size() != entry.nbytes:
+        dtype = entry_dtype(entry)
+        if tensor.numel() * dtype.itemsize != entry.nbytes:
             raise ValueError(f"{entry.name} has changed size since the version was planned")
         if entry.nbytes:
-            plan.append((entry.offset, tensor))
+            plan.append((entry.offset, tensor, dtype))
     return plan
 
 
 @torch.no_grad()
 def copy_plan(plan: CopyPlan, view: memoryview) -> int:
-    """Copy each source's bytes into ``view`` at its offset; returns the bytes written."""
+    """Copy each source into ``view`` at its offset, cast to its dtype; returns the bytes
+    written."""
     if not plan:
         return 0
     flat = torch.frombuffer(view, dtype=torch.uint8)
     written = 0
-    for offset, tensor in plan:
-        src = tensor.contiguous().reshape(-1).view(torch.uint8)
-        flat[offset : offset + src.numel()].copy_(src)
-        written += src.numel()
+    for offset, tensor, dtype in plan:
+        nbytes = tensor.numel() * dtype.itemsize
+        flat[offset : offset + nbytes].view(dtype).copy_(tensor.reshape(-1))
+        written += nbytes
     return written
 
 

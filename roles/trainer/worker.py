@@ -59,8 +59,9 @@ def send_rows(trainer: PolicyTrainer, total: int) -> Future[None]:
     group = staging_group()
 
     def send() -> None:
-        for _, rows in plan:
-            dist.send(rows.contiguous().cpu().reshape(-1).view(torch.uint8), 0, group=group)
+        for _, rows, dtype in plan:
+            sent = rows.to("cpu", dtype).contiguous().reshape(-1).view(torch.uint8)
+            dist.send(sent, 0, group=group)
 
     return trainer.fence.start(send, trainer.device)
 

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from laminar.transport import Frame, FrameError, TransportOptions, connect, listen
-from laminar.transport.shm import SHM_TAG_ENV, SharedBuffer, map_segment, segment_name
+from laminar.transport.shm import (
+    SHM_TAG_ENV,
+    SharedBuffer,
+    drop_pages,
+    map_segment,
+    segment_name,
+)
 
 from ..conftest import session_segments
 
@@ -77,3 +83,31 @@ def test_the_session_tag_starts_the_random_part_and_receivers_still_map_it(monke
     monkeypatch.setenv(SHM_TAG_ENV, "not-hex")
     with pytest.raises(ValueError, match=SHM_TAG_ENV):
         segment_name()
+
+
+def _shmem_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_drop_pages_leaves_the_resident_set_and_the_bytes_intact() -> None:
+    size = 64 << 20
+    segment = SharedBuffer(size)
+    try:
+        source = np.frombuffer(segment.view, dtype=np.uint8)
+        source[:] = np.arange(size, dtype=np.uint64).astype(np.uint8)
+        view = map_segment(segment.name, 0, size)
+        mapped = np.frombuffer(view, dtype=np.uint8)
+        before = _shmem_kib()
+        total = int(mapped.sum(dtype=np.uint64))  # every page of the reader's mapping faulted in
+        read = _shmem_kib() - before
+        assert read >= (size >> 10) * 0.9, read
+        drop_pages(view, 0, size)
+        assert _shmem_kib() - before <= read * 0.1
+        assert int(mapped.sum(dtype=np.uint64)) == total  # and they come back, unchanged
+        drop_pages(memoryview(bytearray(16)), 0, 16)  # not a mapping: nothing to drop
+    finally:
+        segment.close()

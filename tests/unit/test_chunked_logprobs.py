@@ -127,3 +127,51 @@ def test_fused_kernels_give_the_eager_values_and_gradients(monkeypatch: pytest.M
         out[name] = (logp.detach(), entropy.detach(), x.grad.float())
     for got, want in zip(out["fused"], out["eager"], strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32 sums in another order
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("chunk", [1 << 26, 100])
+def test_the_head_inside_the_chunks_gives_the_logits_paths_numbers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, family: str, chunk: int
+) -> None:
+    """A linear head (tied or not) is applied a chunk at a time; logprobs, entropies and every
+    parameter's gradient (the head's and the embedding's included) are the whole-logits path's."""
+    import transformers
+
+    from laminar.rl.logprobs import linear_head
+    from tests.support.models import tiny_model
+
+    monkeypatch.setattr(lp_module, "CHUNK_ELEMENTS", chunk)
+    from laminar.rl import pack
+
+    path = tiny_model(tmp_path / "m", family, vocab=96)
+    rows = [([1, 5, 9], [10, 11, 12, 2]), ([1, 7], [3]), ([1, 4, 4, 4, 8], [20, 21])]
+    batch = pack([traj(p, r) for p, r in rows], [1.0, -1.0, 0.5], pad_id=0)
+    grads = {}
+    for method in ("full", "chunked"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert linear_head(model) is not None
+        logp, entropy = token_logprobs(model, batch, temperature=0.8, with_entropy=True,
+                                       method=method)  # fmt: skip
+        assert entropy is not None
+        (logp.sum() + 0.1 * entropy.sum()).backward()
+        grads[method] = (logp.detach(), entropy.detach(),
+                         {n: p.grad for n, p in model.named_parameters()})  # fmt: skip
+    torch.testing.assert_close(grads["chunked"][0], grads["full"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads["chunked"][1], grads["full"][1], atol=1e-5, rtol=1e-5)
+    for name, grad in grads["full"][2].items():  # float32 rounding, to each tensor's scale
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(grads["chunked"][2][name], grad, atol=1e-5 * scale, rtol=1e-4)
+
+
+def test_a_model_that_transforms_its_logits_keeps_the_logits_path(tmp_path) -> None:
+    import transformers
+
+    from laminar.rl.logprobs import linear_head
+    from tests.support.models import tiny_model
+
+    gemma = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model(tmp_path / "g", "gemma2", vocab=96), dtype=torch.float32
+    )
+    assert gemma.config.final_logit_softcapping  # soft-capped: not a plain product
+    assert linear_head(gemma) is None

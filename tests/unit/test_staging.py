@@ -117,7 +117,10 @@ def _background(seed: int, gate: threading.Event, writes: list[int]):  # type: i
         def run() -> None:
             gate.wait()
             copy_plan(
-                [(e.offset, t) for e, (_, t) in zip(manifest.tensors, _weights(seed), strict=True)],
+                [
+                    (e.offset, t, t.dtype)
+                    for e, (_, t) in zip(manifest.tensors, _weights(seed), strict=True)
+                ],
                 view,
             )
             writes.append(seed)
