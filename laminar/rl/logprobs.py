@@ -176,6 +176,12 @@ def fused_kernels() -> Kernels:
     return _FUSED
 
 
+def _flat(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``[B, T-1]`` per prediction -> ``[B * T]`` per position, 0 at each sequence's last (it
+    predicts nothing): the row layout the chunk functions work in."""
+    return None if x is None else torch.nn.functional.pad(x, (0, 1)).reshape(-1)
+
+
 def _spans(positions: int, vocab: int) -> list[slice]:
     """Pieces of ``positions`` rows of ``[positions, vocab]``, each about ``CHUNK_ELEMENTS``."""
     step = max(1, CHUNK_ELEMENTS // vocab)
@@ -204,7 +210,8 @@ class ChunkedLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, width, vocab = logits.shape
         flat = logits.reshape(rows * width, vocab)
-        flat_targets = torch.nn.functional.pad(targets, (0, 1)).reshape(-1)
+        flat_targets = _flat(targets)
+        assert flat_targets is not None
         lse = torch.empty(rows * width, dtype=torch.float32, device=logits.device)
         logp, entropy = torch.empty_like(lse), torch.empty_like(lse)
         for span in _spans(rows * width, vocab):
@@ -225,10 +232,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             return None, None, None, None
         rows, width, vocab = logits.shape
 
-        def flat(g: torch.Tensor | None) -> torch.Tensor | None:  # [B, T-1] -> [B * T], 0 last
-            return None if g is None else torch.nn.functional.pad(g, (0, 1)).reshape(-1)
-
-        g, h = flat(grad_logp), flat(grad_entropy)
+        g, h = _flat(grad_logp), _flat(grad_entropy)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         out = grad.view(rows * width, vocab)
         source = logits.reshape(rows * width, vocab)
@@ -304,7 +308,8 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         dtype = dtype or weight.dtype
         flat = hidden.reshape(rows * width, -1)
         w = weight.to(dtype)
-        flat_targets = torch.nn.functional.pad(targets, (0, 1)).reshape(-1)
+        flat_targets = _flat(targets)
+        assert flat_targets is not None
         lse = torch.empty(rows * width, dtype=torch.float32, device=hidden.device)
         logp, entropy = torch.empty_like(lse), torch.empty_like(lse)
         for span in _spans(rows * width, weight.shape[0]):
@@ -326,10 +331,7 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
             return None, None, None, None, None
         rows, width, _ = hidden.shape
 
-        def flat_grad(g: torch.Tensor | None) -> torch.Tensor | None:
-            return None if g is None else torch.nn.functional.pad(g, (0, 1)).reshape(-1)
-
-        g, h = flat_grad(grad_logp), flat_grad(grad_entropy)
+        g, h = _flat(grad_logp), _flat(grad_entropy)
         flat = hidden.reshape(rows * width, -1)
         w = weight.to(ctx.dtype)
         grad_hidden = torch.empty_like(flat)

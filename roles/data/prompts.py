@@ -55,7 +55,6 @@ __all__ = [
     "prepare_prompts",
     "read_records",
     "resolve_id_key",
-    "tokenize_records",
 ]
 
 EPOCH_SUFFIX = re.compile(r"~e\d+$")  # what the store appends to a prompt id after epoch 0
@@ -191,34 +190,6 @@ def resolve_id_key(records: list[dict[str, Any]], id_key: str | None) -> str | N
     if id_key is not None:
         return id_key
     return DEFAULT_ID_KEY if any(has_field(r, DEFAULT_ID_KEY) for r in records) else None
-
-
-def tokenize_records(
-    records: list[dict[str, Any]],
-    tokenizer: Any,
-    *,
-    id_key: str | None,
-    prompt_key: str,
-    source: str,
-    max_prompt_tokens: int | None = None,
-    max_model_len: int | None = None,
-    overlong: Literal["skip", "refuse"] = "refuse",
-    chat: ChatTemplate | None = None,
-    string_prompts: Literal["text", "user"] = "text",
-) -> list[Row]:
-    """The rows of :func:`prepare_prompts`."""
-    return prepare_prompts(
-        records,
-        tokenizer,
-        id_key=id_key,
-        prompt_key=prompt_key,
-        source=source,
-        max_prompt_tokens=max_prompt_tokens,
-        max_model_len=max_model_len,
-        overlong=overlong,
-        chat=chat,
-        string_prompts=string_prompts,
-    ).rows
 
 
 def prepare_prompts(

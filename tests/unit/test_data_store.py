@@ -16,7 +16,7 @@ from laminar.roles.data.buffer import (
     MaxSize,
     make_policy,
 )
-from laminar.roles.data.prompts import read_records, tokenize_records
+from laminar.roles.data.prompts import prepare_prompts, read_records
 from laminar.roles.data.store import Store
 from laminar.trajectory import PartialChunk, SamplingParams, Trajectory
 
@@ -203,18 +203,18 @@ def test_prompt_files_jsonl_and_parquet_with_clear_errors(tmp_path):
             return type("E", (), {"ids": [ord(c) for c in text]})()
 
     with pytest.raises(ConfigError, match="duplicate prompt id 'a'"):
-        tokenize_records(
+        prepare_prompts(
             [{"id": "a", "prompt": "x"}] * 2, Tok(), id_key="id", prompt_key="prompt", source="f"
         )
     with pytest.raises(ConfigError, match="lacks"):
-        tokenize_records([{"id": "a"}], Tok(), id_key="id", prompt_key="prompt", source="f")
+        prepare_prompts([{"id": "a"}], Tok(), id_key="id", prompt_key="prompt", source="f")
     two = [{"id": "a", "prompt": "xy"}, {"id": "b", "prompt": "xyz"}]
-    kept = tokenize_records(two, Tok(), id_key="id", prompt_key="prompt", source="f",
-                            max_prompt_tokens=2)  # fmt: skip
+    kept = prepare_prompts(two, Tok(), id_key="id", prompt_key="prompt", source="f",
+                           max_prompt_tokens=2).rows  # fmt: skip
     assert [pid for pid, _, _ in kept] == ["a"]
     with pytest.raises(ConfigError, match="no prompts of at most 1 tokens"):
-        tokenize_records(two, Tok(), id_key="id", prompt_key="prompt", source="f",
-                         max_prompt_tokens=1)  # fmt: skip
+        prepare_prompts(two, Tok(), id_key="id", prompt_key="prompt", source="f",
+                        max_prompt_tokens=1)  # fmt: skip
 
 
 # -- the experience buffer: consume cursor, whole groups, staleness ------------------------------

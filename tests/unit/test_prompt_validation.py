@@ -15,7 +15,7 @@ import pytest
 
 from laminar.context import ServiceContext
 from laminar.errors import ConfigError
-from laminar.roles.data.prompts import read_records, tokenize_records
+from laminar.roles.data.prompts import prepare_prompts, read_records
 from laminar.roles.data.service import DataConfig, DataService
 from laminar.roles.data.store import Store
 from tests.support.task import write_prompts, write_tokenizer
@@ -27,9 +27,9 @@ class CharTokenizer:
 
 
 def tokenize(records, **kw):
-    return tokenize_records(
+    return prepare_prompts(
         records, CharTokenizer(), id_key="id", prompt_key="prompt", source="f.jsonl", **kw
-    )
+    ).rows
 
 
 def test_a_prompt_id_like_the_epoch_suffix_is_refused():
