@@ -10,9 +10,12 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.laminar-installed
 EXAMPLE ?= examples/arith/config.yaml
-# the example's name (examples/NAME/config.yaml) and what `make run` prepares for it
+# the example's name (examples/NAME/config.yaml) and what `make run` prepares for it: the prompts
+# file its config reads (runs/NAME/train.jsonl, or train.parquet for the verl-format chat example)
+# and its warm start
 NAME    := $(notdir $(patsubst %/,%,$(dir $(EXAMPLE))))
-PREPARE := $(if $(wildcard examples/$(NAME)/task.py),runs/$(NAME)/train.jsonl runs/models/$(NAME)-sft/config.json)
+DATA    := $(firstword $(shell sed -n 's/^ *prompts: *\([^ #]*\).*/\1/p' $(EXAMPLE) 2>/dev/null))
+PREPARE := $(if $(wildcard examples/$(NAME)/task.py),$(DATA) runs/models/$(NAME)-sft/config.json)
 
 .PHONY: setup run run-tool test lint bench clean
 
@@ -68,7 +71,7 @@ bench: $(STAMP)
 # start.
 .SECONDARY:  # keep every prepared file (make would delete a pattern rule's intermediates)
 
-runs/%/train.jsonl: | $(STAMP)
+runs/%/train.jsonl runs/%/train.parquet: | $(STAMP)
 	$(PY) examples/$*/task.py generate --out runs/$* --train 20000 --test 500 --seed 0
 
 runs/models/%-init/config.json: | $(STAMP)

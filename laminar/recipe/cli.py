@@ -30,11 +30,12 @@ def cmd_model_init(args: argparse.Namespace) -> int:
         max_len=args.max_len,
         tie_embeddings=args.tie_embeddings,
     )
-    out = init_model(task.alphabet, args.out, shape, seed=args.seed)
+    out = init_model(task.alphabet, args.out, shape, seed=args.seed, chat=task.chat)
     model, tok = load_model(out)
+    chat = "" if task.chat is None else f", chat template {task.chat.name}"
     print(
         f"wrote {out}: Qwen2 {count_parameters(model) / 1e6:.2f} M parameters, "
-        f"vocab {tok.get_vocab_size()}, head dim {args.hidden // args.heads}"
+        f"vocab {tok.get_vocab_size()}, head dim {args.hidden // args.heads}{chat}"
     )
     return 0
 
@@ -173,7 +174,9 @@ def register(sub: Any) -> None:
 
     model = sub.add_parser("model", help="create task models (HF format)")
     model_sub = model.add_subparsers(dest="model_command", required=True)
-    init = model_sub.add_parser("init", help="a small random Qwen2 model + char tokenizer")
+    init = model_sub.add_parser(
+        "init", help="a small random Qwen2 model + char tokenizer (a chat task's: + its template)"
+    )
     task_arg(init)
     init.add_argument("--out", required=True, help="model directory to write")
     shape = ModelShape()

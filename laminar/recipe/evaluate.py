@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from .attention import fast_attention
+from .chat import check_chat_model
 from .episodes import check_stop, greedy_episodes, left_padded, stopping_criteria
 from .model import load_model
 from .tasks import Record, Task, read_jsonl
@@ -50,6 +52,15 @@ def greedy_budget(demo_length: int) -> int:
     """Response tokens a greedy evaluation allows a record whose demonstration is
     ``demo_length`` tokens: twice that, plus slack (an environment's tokens count too)."""
     return 2 * demo_length + 16
+
+
+def record_steps(record: Record) -> int | None:
+    """A record's chain length for per-bucket reports: its ``steps``, or in verl's layout its
+    ``extra_info.steps``; None if it has neither."""
+    steps = record.get("steps")
+    if steps is None and isinstance(record.get("extra_info"), dict):
+        steps = record["extra_info"].get("steps")
+    return None if steps is None else int(steps)
 
 
 def bucket_of(steps: int) -> str:
@@ -91,15 +102,17 @@ def greedy_responses(
     batch_size: int = 32,
     synced: bool = False,
     stop: Callable[[], bool] | None = None,
+    end: str = EOS,
 ) -> list[list[int]]:
-    """Greedy response token ids (EOS and padding stripped) of each prompt, in input order.
+    """Greedy response token ids (the end token ``end`` and padding stripped) of each prompt, in
+    input order; a response ends at ``end`` (a chat task's end of turn: :attr:`Task.end_token`).
 
     ``synced``: the model is sharded (FSDP) and every rank generates the same prompts; each keeps
     stepping until all are done, so their all-gathers stay paired (HF's ``synced_gpus``).
     ``stop``: asked at every decoding step; true raises :class:`EvalStopped`."""
     import torch
 
-    eos, pad = special_id(tok, EOS), special_id(tok, PAD)
+    eos, pad = special_id(tok, end), special_id(tok, PAD)
     encoded = [tok.encode(p).ids for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: (len(encoded[i]), budgets[i]))
     out: list[list[int]] = [[] for _ in prompts]
@@ -144,6 +157,7 @@ def evaluate(
     if threads > 0:
         torch.set_num_threads(threads)
     model, tok = load_model(model_dir)
+    check_chat_model(Path(model_dir), task)
     records = eval_records(task, n, seed, data)
     return evaluate_model(task, model, tok, records, batch_size, name=str(model_dir))
 
@@ -180,8 +194,9 @@ def evaluate_model(
         model.train(was_training)
     groups: dict[str, list[float]] = {}
     for record, reward in zip(records, rewards, strict=True):
-        if "steps" in record:
-            groups.setdefault(bucket_of(int(record["steps"])), []).append(reward)
+        steps = record_steps(record)
+        if steps is not None:
+            groups.setdefault(bucket_of(steps), []).append(reward)
     buckets = {
         label: {"n": len(vals), "accuracy": round(sum(vals) / len(vals), 3)}
         for label, vals in sorted(groups.items(), key=lambda kv: bucket_start(kv[0]))
@@ -211,6 +226,11 @@ def task_rewards(
     """Greedy rewards of ``records``, their responses' token ids, and (multi-turn tasks: greedy
     episodes, :mod:`.episodes`) each episode's tool calls."""
     if task.environment is not None:
+        if task.chat is not None:
+            raise ConfigError(
+                f"task {task.spec!r}: the recipe evaluates multi-turn tasks on text prompts only, "
+                "not chat ones (CHAT_TEMPLATE with an ENVIRONMENT)"
+            )
         episodes = greedy_episodes(model, tok, task.environment, records, budgets,
                                    max_turns=task.max_turns, batch_size=batch_size,
                                    synced=synced, stop=stop)  # fmt: skip
@@ -219,8 +239,10 @@ def task_rewards(
             [e.response for e in episodes],
             [e.calls for e in episodes],
         )
-    prompts = [r["prompt"] for r in records]
-    responses = greedy_responses(model, tok, prompts, budgets, batch_size, synced, stop)
+    prompts = [task.prompt_text(r) for r in records]
+    responses = greedy_responses(
+        model, tok, prompts, budgets, batch_size, synced, stop, end=task.end_token
+    )
     rewards = [
         float(task.reward(r, tok.decode(ids))) for r, ids in zip(records, responses, strict=True)
     ]

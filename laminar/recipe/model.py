@@ -8,8 +8,8 @@ MLP 384, ~0.4 M parameters, float32. The vocabulary is the task's character
 tokenizer (see :mod:`laminar.recipe.tokenizer`), already a multiple of 16.
 
 The directory holds ``config.json``, ``generation_config.json`` (EOS/pad ids), ``model.safetensors``
-and the tokenizer files. It is written atomically (temp dir, then rename), so a crash never leaves
-a half-written model behind.
+and the tokenizer files (a chat task's with its chat template: :mod:`.chat`). It is written
+atomically (temp dir, then rename), so a crash never leaves a half-written model behind.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from .tokenizer import EOS, PAD, build_tokenizer, load_tokenizer, save_tokenizer, special_id
+
+if TYPE_CHECKING:
+    from .chat import ChatFormat
 
 #: head dims vLLM's CPU attention backend accepts (hidden_size / num_attention_heads)
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 256)
@@ -57,7 +60,7 @@ class ModelShape:
             )
 
 
-def qwen2_config(vocab_size: int, eos_id: int, pad_id: int, shape: ModelShape) -> Any:
+def qwen2_config(vocab_size: int, eos_id: int | list[int], pad_id: int, shape: ModelShape) -> Any:
     """The ``transformers.Qwen2Config`` of a model of this shape."""
     from transformers import Qwen2Config
 
@@ -106,11 +109,13 @@ def save_model_dir(
     out: str | Path,
     tok: Any = None,
     extra: dict[str, str] | None = None,
+    chat: ChatFormat | None = None,
 ) -> Path:
     """Save an HF causal LM + tokenizer files + generation config atomically into ``out``.
 
-    The tokenizer comes from ``tokenizer_src`` (a model dir whose files are copied) or ``tok``;
-    ``extra`` maps more file names to their text (e.g. a training summary).
+    The tokenizer comes from ``tokenizer_src`` (a model dir whose files are copied) or ``tok``
+    (with ``chat``, a chat model's: see :func:`.tokenizer.save_tokenizer`); ``extra`` maps more
+    file names to their text (e.g. a training summary).
     """
     from transformers import GenerationConfig
 
@@ -122,7 +127,7 @@ def save_model_dir(
             eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id, do_sample=False
         ).save_pretrained(tmp)
         if tok is not None:
-            save_tokenizer(tok, tmp)
+            save_tokenizer(tok, tmp, chat)
         elif tokenizer_src is not None:
             for name in TOKENIZER_FILES:
                 if (tokenizer_src / name).is_file():
@@ -138,17 +143,29 @@ def save_model_dir(
     return final
 
 
-def init_model(alphabet: str, out: str | Path, shape: ModelShape, seed: int = 0) -> Path:
-    """Build the tokenizer and a randomly initialised Qwen2 model; write both to ``out``."""
+def init_model(
+    alphabet: str, out: str | Path, shape: ModelShape, seed: int = 0, chat: ChatFormat | None = None
+) -> Path:
+    """Build the tokenizer and a randomly initialised Qwen2 model; write both to ``out``.
+
+    With ``chat`` (a chat task's format, :mod:`.chat`) the tokenizer also has the format's
+    special tokens and the characters of its role names, the directory carries its template, and
+    the model's ``eos_token_id`` lists the end of turn first, then ``<eos>`` (an instruct model's
+    pair: the rollouts' engine stops at either)."""
     import torch
     from transformers import Qwen2ForCausalLM
 
     shape.validate()
-    tok = build_tokenizer(alphabet)
-    config = qwen2_config(tok.get_vocab_size(), special_id(tok, EOS), special_id(tok, PAD), shape)
+    if chat is None:
+        tok = build_tokenizer(alphabet)
+        eos: int | list[int] = special_id(tok, EOS)
+    else:
+        tok = build_tokenizer(alphabet + chat.text, chat.special_tokens)
+        eos = [special_id(tok, chat.end_of_turn), special_id(tok, EOS)]
+    config = qwen2_config(tok.get_vocab_size(), eos, special_id(tok, PAD), shape)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
-    return save_model_dir(model, None, out, tok=tok)
+    return save_model_dir(model, None, out, tok=tok, chat=chat)
 
 
 def check_model_dir(directory: str | Path) -> Path:

@@ -7,10 +7,11 @@ response lengths is).
 
 What it does: draws training records from the task (an endless stream from the ``train`` split,
 or a fixed ``demos.jsonl`` with ``prompt``/``response``), tokenizes ``prompt`` + ``response`` +
-EOS, and trains with the loss on response tokens only. Batches hold ``batch_size`` sequences of
-similar length (a pool is sorted by length, cut into batches, and the batches shuffled), so the
-heavy-tailed lengths do not turn most of each batch into padding. AdamW, linear warmup then cosine
-decay to ``min_lr_ratio``, gradient-norm clipping.
+EOS (a chat task's prompt rendered with its template, the response ending with the end of turn:
+:mod:`.chat`), and trains with the loss on response tokens only. Batches hold ``batch_size``
+sequences of similar length (a pool is sorted by length, cut into batches, and the batches
+shuffled), so the heavy-tailed lengths do not turn most of each batch into padding. AdamW,
+linear warmup then cosine decay to ``min_lr_ratio``, gradient-norm clipping.
 
 The budget is ``steps`` or ``minutes`` (whichever ends first when both are given). With a time
 budget the learning-rate schedule follows the elapsed fraction of the budget, so a run of M
@@ -63,10 +64,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .chat import check_chat_model
 from .model import check_model_dir, save_model_dir
 from .tasks import Record, Task, read_jsonl
 from .ticker import Ticker
-from .tokenizer import EOS, PAD, load_tokenizer, special_id
+from .tokenizer import PAD, load_tokenizer, special_id
 
 IGNORE = -100
 #: where a run that missed its ``stop_at`` target writes its model (beside OUT, never OUT itself)
@@ -268,7 +270,7 @@ def _pairs(task: Task, cfg: SftConfig, step: Callable[[], int]) -> Iterator[tupl
         while True:
             rng.shuffle(rows)
             for row in rows:
-                yield row["prompt"], row["response"]
+                yield task.prompt_text(row), row["response"]
     stages = task.sft_curriculum if cfg.curriculum else []
     chunk = 0
     while True:
@@ -276,15 +278,16 @@ def _pairs(task: Task, cfg: SftConfig, step: Callable[[], int]) -> Iterator[tupl
         knobs = curriculum_knobs(stages, step())
         records: list[Record] = task.train_records(pool, cfg.seed * 1_000_003 + chunk, **knobs)
         for record in records:
-            yield record["prompt"], task.demonstration(record)
+            yield task.prompt_text(record), task.sft_target(record)
         chunk += 1
 
 
 def _batches(
     task: Task, tok: Any, cfg: SftConfig, step: Callable[[], int]
 ) -> Iterator[tuple[list[list[int]], list[int]]]:
-    """Batches of ``(token ids, prompt lengths)``, of similar total length within a batch."""
-    eos = special_id(tok, EOS)
+    """Batches of ``(token ids, prompt lengths)``, of similar total length within a batch; each
+    response ends with the task's end token (``<eos>``, a chat task's end of turn)."""
+    eos = special_id(tok, task.end_token)
     rng = random.Random(cfg.seed + 1)
     pairs = _pairs(task, cfg, step)
     pool_size = cfg.batch_size * cfg.pool_batches
@@ -326,6 +329,7 @@ def train_sft(task: Task, model_dir: str | Path, out: str | Path, cfg: SftConfig
 
     cfg.validate()
     src = check_model_dir(model_dir)
+    check_chat_model(src, task)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)

@@ -4,9 +4,15 @@ A *task* is a plain Python module (see ``examples/arith/task.py``) with:
 
 * ``ALPHABET: str`` — every character a prompt or response may contain (builds the tokenizer);
 * ``generate(n, seed[, split])`` — ``n`` records, dicts with at least ``id``, ``prompt``,
-  ``answer`` (and, for per-bucket reports, ``steps``); deterministic in its arguments;
-* ``demonstration(record) -> str`` — the target response for supervised warm start;
-* ``reward(record, response) -> float`` — the verifier.
+  ``answer`` (and, for per-bucket reports, ``steps``), or a chat task's rows in verl's layout
+  (``steps`` in ``extra_info``); deterministic in its arguments;
+* ``demonstration(record) -> str`` — the target response for supervised warm start (its length
+  also sizes an evaluation's token budget);
+* optionally ``sft_demonstration(record) -> str`` — the warm start's target instead, when the
+  task teaches it more than one way to answer (``examples/chat``: some answers skip the working);
+* ``reward(record, response) -> float`` — the verifier;
+* optionally ``CHAT_TEMPLATE = "chatml"`` — a chat task: each record's ``prompt`` is a list of
+  messages, rendered with that template (:mod:`.chat`), and responses end with its end of turn.
 
 Why a module and not a class: the reward runs in other processes (the data role), which import it
 by ``module:function`` or ``file.py:function``; a module-level function is importable and picklable
@@ -33,6 +39,8 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import ConfigError
+from .chat import ChatFormat, chat_format, check_messages, render_prompt
+from .tokenizer import EOS
 
 Record = dict[str, Any]
 TEST_SEED_OFFSET = 1_000_003
@@ -98,6 +106,33 @@ class Task:
     def demonstration(self, record: Record) -> str:
         return str(self.module.demonstration(record))
 
+    def sft_target(self, record: Record) -> str:
+        """What SFT trains on for ``record``: the task's ``sft_demonstration`` if it has one,
+        else its :meth:`demonstration`."""
+        own = getattr(self.module, "sft_demonstration", None)
+        return self.demonstration(record) if own is None else str(own(record))
+
+    @cached_property
+    def chat(self) -> ChatFormat | None:
+        """The chat format of a chat task (its ``CHAT_TEMPLATE``), None for a text task."""
+        name = getattr(self.module, "CHAT_TEMPLATE", None)
+        return None if name is None else chat_format(name, f"task {self.spec!r}")
+
+    @property
+    def end_token(self) -> str:
+        """The token a response ends with: the chat format's end of turn, else ``<eos>``."""
+        return EOS if self.chat is None else self.chat.end_of_turn
+
+    def prompt_text(self, record: Record) -> str:
+        """The text the model is given for ``record``: its prompt, or for a chat task its
+        messages rendered with the template and its generation prompt."""
+        prompt = record["prompt"]
+        if self.chat is None:
+            return str(prompt)
+        index = record.get("extra_info", {}).get("index") if "id" not in record else None
+        where = f"task {self.spec!r}, record {record.get('id', index)!r}"
+        return render_prompt(self.chat, check_messages(prompt, where))
+
     @property
     def environment(self) -> Any:
         """The task's ``ENVIRONMENT`` (a ``laminar.tools.env.Environment`` subclass: a
@@ -132,7 +167,7 @@ class Task:
 
     @cached_property
     def _held_out_prompts(self) -> frozenset[str]:
-        return frozenset(r["prompt"] for r in self.test_records(HELD_OUT))
+        return frozenset(_prompt_key(r) for r in self.test_records(HELD_OUT))
 
     def test_records(self, n: int, seed: int = 0) -> list[Record]:
         """``n`` held-out records (never produced by :meth:`train_records`)."""
@@ -148,13 +183,18 @@ class Task:
         exclude = self._held_out_prompts
         want = n
         while want <= 64 * n:
-            out = [
-                r for r in self.module.generate(want, seed, **knobs) if r["prompt"] not in exclude
-            ]
+            records = self.module.generate(want, seed, **knobs)
+            out = [r for r in records if _prompt_key(r) not in exclude]
             if len(out) >= n:
                 return out[:n]
             want *= 2
         raise ConfigError(f"task {self.spec!r}: almost every generated prompt is a test prompt")
+
+
+def _prompt_key(record: Record) -> str:
+    """A record's prompt as a string to compare (a chat prompt's messages as JSON)."""
+    prompt = record["prompt"]
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
 def load_task(spec: str) -> Task:

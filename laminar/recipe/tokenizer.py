@@ -18,11 +18,14 @@ The vocabulary is padded with ``<reserved_i>`` special tokens to a multiple of
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily: building the CLI parser must stay light
     from tokenizers import Tokenizer
+
+    from .chat import ChatFormat
 
 PAD = "<pad>"
 EOS = "<eos>"
@@ -48,11 +51,13 @@ def _byte_symbol(char: str) -> str:
     return byte_level.pre_tokenize_str(char)[0][0]
 
 
-def build_tokenizer(alphabet: str) -> Tokenizer:
-    """A character-level tokenizer: ids 0..2 are ``<pad>``, ``<eos>``, ``<unk>``; then the alphabet.
+def build_tokenizer(alphabet: str, specials: Sequence[str] = ()) -> Tokenizer:
+    """A character-level tokenizer: ids 0..2 are ``<pad>``, ``<eos>``, ``<unk>``; then ``specials``
+    (a chat format's, e.g. ``<|im_start|>``), then the alphabet.
 
     ``alphabet`` is a string of ASCII characters (duplicates ignored). Characters outside it
-    encode to ``<unk>`` (one id per ASCII character).
+    encode to ``<unk>`` (one id per ASCII character). A special token written in the text
+    encodes to its own id.
     """
     from tokenizers import (
         AddedToken,
@@ -68,7 +73,8 @@ def build_tokenizer(alphabet: str) -> Tokenizer:
     if not chars:
         raise ValueError("the alphabet is empty")
     symbols = [_byte_symbol(c) for c in chars]
-    tokens = list(SPECIALS) + symbols
+    extra = [t for t in dict.fromkeys(specials) if t not in SPECIALS]
+    tokens = [*SPECIALS, *extra, *symbols]
     size = -(-len(tokens) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     reserved = [f"<reserved_{i}>" for i in range(size - len(tokens))]
     vocab = {token: i for i, token in enumerate(tokens + reserved)}
@@ -82,24 +88,31 @@ def build_tokenizer(alphabet: str) -> Tokenizer:
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in (*SPECIALS, *reserved)]
+        [AddedToken(t, special=True, normalized=False) for t in (*SPECIALS, *extra, *reserved)]
     )
     return tok
 
 
-def save_tokenizer(tok: Tokenizer, directory: str | Path) -> None:
-    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``."""
+def save_tokenizer(tok: Tokenizer, directory: str | Path, chat: ChatFormat | None = None) -> None:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``; with
+    ``chat``, its template goes into ``tokenizer_config.json`` and its end of turn is the EOS
+    token there (as an instruct model's is)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
-    special = {"pad_token": PAD, "eos_token": EOS, "unk_token": UNK}
-    config = {
+    special: dict[str, Any] = {"pad_token": PAD, "eos_token": EOS, "unk_token": UNK}
+    if chat is not None:
+        special["eos_token"] = chat.end_of_turn
+        special["additional_special_tokens"] = list(chat.special_tokens)
+    config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": 1_000_000,
         "clean_up_tokenization_spaces": False,
         "padding_side": "left",
         **special,
     }
+    if chat is not None:
+        config["chat_template"] = chat.template
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
