@@ -56,6 +56,7 @@ run-tool:
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -n 3 --dist loadgroup --durations=30
 
 bench: $(STAMP)

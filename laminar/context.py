@@ -182,7 +182,7 @@ class ServiceContext:
     async def members(self, role: str | None = None) -> list[Member]:
         """Alive members of the cluster (of one ``role``), as the manager sees them now."""
         if self.manager is None:
-            raise PeerUnavailable(f"{self.instance} runs standalone: no manager to ask for peers")
+            raise PeerUnavailable("the manager", f"{self.instance} runs standalone: none to ask")
         status = await self.connect(MembershipApi, self.manager).status.call()
         return [
             m for m in status.members if m.state == "alive" and (role is None or m.role == role)

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 #: Innermost frames said for a stall: enough to show the caller of a blocking call.
@@ -162,7 +162,7 @@ def entry(frames: traceback.StackSummary) -> tuple[str, str] | None:
     return inner.filename, inner.name
 
 
-def loop_machinery(frames: traceback.StackSummary) -> bool:
+def loop_machinery(frames: Sequence[traceback.FrameSummary]) -> bool:
     """Whether the innermost frames are the event loop's own: asyncio's loop waiting in its
     selector or running a callback that has no Python frame, or uvloop's loop (all C below
     ``run``). A selector wait called by other code (``multiprocessing``'s ``join``) is not."""

@@ -87,15 +87,16 @@ class MetricsServer:
 
         self._httpd = make_server(host, port, self._app, Server, handler_class=_Quiet)
         self._httpd.daemon_threads = True
-        bound = self._httpd.server_address
-        self.address = f"{bound[0]}:{bound[1]}"
+        host_bound, port_bound = self._httpd.server_address[:2]
+        shown = host_bound.decode() if isinstance(host_bound, bytes) else host_bound
+        self.address = f"{shown}:{port_bound}"
         threading.Thread(
             target=self._httpd.serve_forever, name=f"metrics {self.address}", daemon=True
         ).start()
 
     def _app(self, environ: dict[str, Any], start: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO") != "/healthz":
-            return self._metrics(environ, start)  # type: ignore[no-any-return]
+            return self._metrics(environ, start)
         ok = self._loop_answers()
         silent = f"the event loop ran nothing for {HEALTH_WAIT_S} s"
         body = {"ok": True} if ok else {"ok": False, "error": silent}

@@ -179,7 +179,7 @@ def _closing(stream: AsyncIterator[Any]) -> contextlib.AbstractAsyncContextManag
     """Close an async generator on the way out: a cancelled follow then tells the server at
     once (and runs the generator's ``finally``), rather than whenever the GC gets to it."""
     if hasattr(stream, "aclose"):
-        return contextlib.aclosing(stream)  # type: ignore[type-var]
+        return contextlib.aclosing(stream)
     return contextlib.nullcontext()
 
 

@@ -34,6 +34,7 @@ name, and its extras are under ``<name>/<field>``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
 import numbers
@@ -227,12 +228,12 @@ class Scorer:
         for index, (function, sig) in enumerate(zip(self.functions, self._sigs, strict=True)):
             if function.kind == "trl":
                 call = _Call(index, function, list(range(len(items))))
-                call.start(lambda f=function, s=sig, c=call: f.fn(**self._trl(s, items, c)))
+                call.start(functools.partial(self._trl_call, function, sig, items, call))
                 calls.append(call)
                 continue
             for i, item in enumerate(items):
                 call = _Call(index, function, [i])
-                call.start(lambda f=function, s=sig, it=item: self._single(f, s, it))
+                call.start(functools.partial(self._single, function, sig, item))
                 calls.append(call)
         # Sync functions ran above, outside any event loop (one may call asyncio.run itself);
         # what they left to await runs now, all of it concurrently.
@@ -265,6 +266,11 @@ class Scorer:
         if "ground_truth" in accepted(sig, {"ground_truth": None}):
             passed["ground_truth"] = _ground_truth(record)
         return f.fn(**accepted(sig, passed))
+
+    def _trl_call(
+        self, function: Function, sig: inspect.Signature | None, items: Sequence[Item], call: _Call
+    ) -> Any:
+        return function.fn(**self._trl(sig, items, call))
 
     def _trl(self, sig: inspect.Signature | None, items: Sequence[Item], call: _Call) -> Any:
         records = [item.record for item in items]

@@ -131,7 +131,7 @@ class Calls:
         else:
             call_id = frame.meta["i"]
             self.running[call_id] = task
-            task.add_done_callback(lambda _t, i=call_id: self._done(i))
+            task.add_done_callback(lambda _task: self._done(call_id))
 
     def _done(self, call_id: int) -> None:
         self.running.pop(call_id, None)

@@ -175,7 +175,7 @@ class RpcClient:
 
     def _on_frame(self, frame: Frame) -> None:
         """A reply or stream item, from the event loop as it arrives: straight to its waiter."""
-        waiter = self._pending.get(frame.meta.get("i"))  # type: ignore[arg-type]
+        waiter = self._pending.get(frame.meta.get("i"))
         if isinstance(waiter, asyncio.Queue):
             waiter.put_nowait(frame)
         elif waiter is not None and not waiter.done():
@@ -363,7 +363,7 @@ class RpcClient:
     def _result(self, frame: Frame, reply_type: type[BaseModel] | None) -> Any:
         if frame.meta.get("k") == K_ERROR:
             e = frame.meta.get("e") or {}
-            cls = REMOTE_ERROR_KINDS.get(e.get("kind"), REMOTE_ERROR_KINDS["remote"])
+            cls = REMOTE_ERROR_KINDS.get(str(e.get("kind")), REMOTE_ERROR_KINDS["remote"])
             raise cls(
                 str(e.get("role", "?")),
                 str(e.get("instance", "?")),
@@ -408,7 +408,7 @@ class RemoteRef:
         if len(args) != 1 or not isinstance(args[0], spec.request):
             got = ", ".join(type(a).__name__ for a in args) or "nothing"
             raise TypeError(f"{spec.name} expects one {spec.request.__name__}, got {got}")
-        return cast(BaseModel, args[0])
+        return args[0]
 
     async def call(self, *args: Any) -> Any:
         if self._spec.kind != "call":

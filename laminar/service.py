@@ -44,7 +44,7 @@ from typing import Any, ClassVar, TypeVar
 from .config import ServiceConfig
 from .context import ServiceContext
 from .endpoint import check_contracts, local_notifies
-from .errors import CallTimeout, PeerUnavailable, RemoteError, StartInterrupted
+from .errors import RpcError, StartInterrupted
 from .membership import Heartbeat, JoinRequest, LeaveRequest, MembershipApi
 from .metrics import RpcMetrics, start_metrics_server
 from .rpc import RpcServer
@@ -261,7 +261,7 @@ class ServiceHost:
             async with self._membership_calls:  # a join or heartbeat under way is answered first
                 if self._membership_task is not None:
                     self._membership_task.cancel()  # and none follows the leave
-                with contextlib.suppress(PeerUnavailable, CallTimeout, RemoteError):
+                with contextlib.suppress(RpcError):
                     mgr = ctx.connect(MembershipApi, self.manager)
                     await mgr.leave.options(timeout=1.0).call(LeaveRequest(instance=ctx.instance))
         if self.server is not None:
@@ -304,7 +304,7 @@ class ServiceHost:
                             Heartbeat(instance=ctx.instance, stats=self.service.stats())
                         )
                     joined = not ack.rejoin
-            except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+            except RpcError as exc:
                 if not complained:
                     ctx.log.warning(
                         "manager unreachable; retrying", manager=manager, error=str(exc)

@@ -132,7 +132,7 @@ class ArrayPool:
                     f"a list of {count} values cannot be sent as {array.dtype.name}: {exc}"
                 ) from exc
             pool[offset : offset + converted.nbytes] = converted.view(np.uint8)
-        return memoryview(pool)
+        return pool.data
 
 
 def decode_array(data: bytes, pool: memoryview | None) -> list[Any]:

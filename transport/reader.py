@@ -34,7 +34,7 @@ _NO_ZERO_FILL = 1 << 20  # above this, allocate with np.empty: zero-filling woul
 
 def default_allocator(meta: dict[str, Any], sizes: list[int]) -> list[memoryview]:
     return [
-        memoryview(np.empty(n, dtype=np.uint8)) if n >= _NO_ZERO_FILL else memoryview(bytearray(n))
+        np.empty(n, dtype=np.uint8).data if n >= _NO_ZERO_FILL else memoryview(bytearray(n))
         for n in sizes
     ]
 

@@ -22,7 +22,7 @@ import math
 import socket
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
@@ -162,7 +162,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     # -- limits can be raised after the handshake --
 
-    @property  # type: ignore[override]
+    @property
     def limits(self) -> Limits:
         return self._limits
 
@@ -176,13 +176,13 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it
-        self._transport = transport  # type: ignore[assignment]
+        self._transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple):
             self.peer_host = str(peer[0])
             if self.peer == "tcp":  # server side: name the client
                 self.peer = f"tcp://{peer[0]}:{peer[1]}"
-        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        self._transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import weakref
@@ -191,7 +192,7 @@ class _Progress:
                         op = raw.stream_send if send else raw.stream_recv
                         buf = mine if send else theirs
                         request = self.post(op(self.array(buf)), buf)
-                        await self.until(lambda r=request: r.completed)
+                        await self.until(functools.partial(_completed, request))
                         request.check_error()
         except BaseException as exc:
             error = exc
@@ -205,6 +206,10 @@ class _Progress:
                 raise error from exc
             raise
         return self.tag(int.from_bytes(theirs, "little")), self.tag(int.from_bytes(mine, "little"))
+
+
+def _completed(request: Any) -> bool:
+    return bool(request.completed)
 
 
 def _safe(ready: Callable[[], bool]) -> bool:

@@ -172,30 +172,33 @@ def connection(p: argparse.ArgumentParser, *, inherit: bool = False) -> None:
     """The options that find the cluster and its token (``--join``, ``--admin``, ``--run-dir``,
     ...). On a nested sub-command (``inherit``) the copies default to SUPPRESS, so they do not
     overwrite what was given before the sub-command's name."""
-    d = {"default": argparse.SUPPRESS} if inherit else {}
-    p.add_argument("--join", help="the manager's address (default: from --run-dir)",
-                   **({"default": None} | d))  # fmt: skip
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if inherit else value
+
+    p.add_argument("--join", default=default(None),
+                   help="the manager's address (default: from --run-dir)")  # fmt: skip
     p.add_argument(
         "--admin",
+        default=default(None),
         help="the admin API's base URL (default: the one the manager publishes)",
-        **({"default": None} | d),
     )
-    p.add_argument("--config", help="cluster config (YAML), for token_env and limits",
-                   **({"default": None} | d))  # fmt: skip
+    p.add_argument("--config", default=default(None),
+                   help="cluster config (YAML), for token_env and limits")  # fmt: skip
     p.add_argument(
         "--run-dir",
+        default=default("runs/latest"),
         help="where `laminar run` wrote cluster.json (default: runs/latest)",
-        **({"default": "runs/latest"} | d),
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table",
-                   **({"default": False} | d))  # fmt: skip
-    p.add_argument("--timeout", type=float, **({"default": 30.0} | d))
+    p.add_argument("--json", action="store_true", default=default(False),
+                   help="print JSON instead of a table")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=default(30.0))
     p.add_argument(
         "--set",
         action="append",
         metavar="KEY=VALUE",
         help="override a config key (dotted path; value parsed as YAML)",
-        **({"default": []} | d),
+        default=default([]),
     )
 
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from rich.console import Console
 
+T = TypeVar("T")
 
-def loop_runner(coro: object) -> int:
+
+def loop_runner(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end on a uvloop event loop; its result."""
     import uvloop
 
-    return uvloop.run(coro)  # type: ignore[arg-type]
+    return uvloop.run(coro)
 
 
 def make_console() -> Console:

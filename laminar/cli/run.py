@@ -18,11 +18,6 @@ DEFAULT_EXAMPLE = "examples/arith/config.yaml"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if args.launcher == "ray":  # Ray is imported only for this launcher
-        from ..devmode.ray_launch import RaySupervisor as Supervisor
-    else:
-        from ..devmode.supervisor import Supervisor
-
     overrides = list(args.set)
     if args.duration is not None:
         overrides.append(f"run.duration_s={args.duration}")
@@ -30,7 +25,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.skip_doctor and not _preflight(config):
         return 1
     resume = args.resume if args.resume is not None else False
-    return loop_runner(Supervisor(config, list(args.set), make_console(), resume=resume).run())
+    console = make_console()
+    if args.launcher == "ray":  # Ray is imported only for this launcher
+        from ..devmode.ray_launch import RaySupervisor
+
+        return loop_runner(RaySupervisor(config, list(args.set), console, resume=resume).run())
+    from ..devmode.supervisor import Supervisor
+
+    return loop_runner(Supervisor(config, list(args.set), console, resume=resume).run())
 
 
 def _preflight(config: LaminarConfig) -> bool:
@@ -67,13 +69,14 @@ def _preflight(config: LaminarConfig) -> bool:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from ..doctor import blockers, doctor, findings_json, summary
+    from ..doctor.findings import Mode
 
     path = args.config
     if path is None and Path(DEFAULT_EXAMPLE).is_file():
         path = DEFAULT_EXAMPLE
     machine_only = path is None and not args.set and not args.serve
     config = None if machine_only else load_config(path, args.set)
-    mode = "serve" if args.serve else "run"
+    mode: Mode = "serve" if args.serve else "run"
     findings = doctor(config, mode, args.serve)
     if args.json:
         print(json.dumps({"config": path, "mode": mode, **findings_json(findings, mode)}, indent=2))

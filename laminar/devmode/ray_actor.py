@@ -148,7 +148,8 @@ class RoleProcess:
         await self.started.wait()
         assert self.child.exit is not None
         ready = asyncio.ensure_future(self.child.ready.wait())
-        await asyncio.wait({ready, self.child.exit}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {ready, self.child.exit}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         ready.cancel()
         return dict(self.child.info) if self.child.ready.is_set() else None
 

@@ -202,7 +202,8 @@ class SimEngine(Engine):
         produced = len(record.tokens) if record else 0  # > 0 for an imported sequence
         want = max(1, self.response_length(request_id) - produced)
         budget = min(params.max_tokens, room)
-        remaining, reason = (budget, "length") if want >= budget else (want, "stop")
+        reason: FinishReason = "length" if want >= budget else "stop"
+        remaining = min(want, budget)
         key = _hash64(f"{cfg.seed}:{request_id}")
         seq = _Seq(backend_id, key, produced, len(prompt), remaining, reason)
         seq.stops = frozenset(params.stop_token_ids)

@@ -171,6 +171,7 @@ async def scheduler_stats_only(llm: Any) -> str | None:
         await asyncio.wait([handler])
         llm.output_handler = None
     llm.log_stats = False
+    assert processor is not None  # its log_stats was found above
     processor.log_stats = False
     llm._run_output_handler()
     return None
@@ -246,7 +247,9 @@ def repack_tied(model: Any) -> list[str]:
     owners: dict[int, list[tuple[str, Any]]] = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "cpu_linear") and getattr(weight, "ndim", 0) == 2 and weight.numel():
+        if not hasattr(module, "cpu_linear") or weight is None:
+            continue
+        if getattr(weight, "ndim", 0) == 2 and weight.numel():
             owners.setdefault(id(weight), []).append((name, module))
     repacked = []
     for shared in owners.values():

@@ -131,7 +131,7 @@ def engine_args(cfg: VllmEngineConfig) -> Any:
         worker_extension_cls="laminar.engines.vllm_worker.LaminarWorkerExtension",
         disable_log_stats=True,
         stream_interval=cfg.stream_interval,
-        **extra,  # type: ignore[arg-type]
+        **extra,
     )
 
 

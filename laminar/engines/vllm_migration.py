@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 import structlog
 
@@ -50,7 +50,7 @@ def _segment_bytes(results: list[list[Any]], name: str) -> int:
 class VllmKvMigration:
     """The engine's KV-migration methods (a mixin: they use its ``_llm`` and ``_submit``)."""
 
-    backend: str
+    backend: ClassVar[str]
     config: VllmEngineConfig
     _llm: Any
     _staged: dict[str, str]  # backend id -> key of a KV state staged in the worker
@@ -108,12 +108,12 @@ class VllmKvMigration:
                 out[record.request_id] = None
                 continue
             data = [
-                Blob(view[offset : offset + nbytes])  # type: ignore[index]
+                Blob(view[offset : offset + nbytes])
                 for view, (_, offset, nbytes) in zip(views, shards, strict=True)
             ]
-            layout = dict(layout, model=self.config.model)
+            described: dict[str, Any] = dict(layout, model=self.config.model)
             out[record.request_id] = KvState(
-                backend=self.backend, tokens=int(layout["tokens"]), layout=layout, data=data
+                backend=self.backend, tokens=int(described["tokens"]), layout=described, data=data
             )
         return out
 

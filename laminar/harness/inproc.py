@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import contextvars
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -224,7 +224,7 @@ def cluster_config(sections: dict[str, Any], *, seed: int) -> LaminarConfig:
 
 @contextlib.asynccontextmanager
 async def inproc_cluster(
-    sections: dict[str, Any], *, seed: int, members: list[tuple[str, str]] = ()
+    sections: dict[str, Any], *, seed: int, members: Sequence[tuple[str, str]] = ()
 ) -> AsyncIterator[InprocCluster]:
     """A manager, then ``members`` (``(section, name)`` pairs, in order), in this loop.
 

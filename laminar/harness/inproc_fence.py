@@ -55,7 +55,7 @@ class Fence:
 
         def tag_listener(self: InprocListener, *args: Any, **kwargs: Any) -> None:
             listener_init(self, *args, **kwargs)
-            self._inproc_member = MEMBER.get()  # type: ignore[attr-defined]
+            self._inproc_member = MEMBER.get()
             fence.listeners.setdefault(MEMBER.get(), weakref.WeakSet()).add(self)
 
         def accept_as_owner(self: InprocListener, client: Any) -> None:
@@ -72,14 +72,14 @@ class Fence:
                 raise ConnectionRefusedError(f"{MEMBER.get()} was killed")
             return await connect(self, rest, options)
 
-        InprocListener.__init__ = tag_listener  # type: ignore[method-assign]
-        InprocListener.accept = accept_as_owner  # type: ignore[method-assign]
-        InprocConnection.__init__ = tag_connection  # type: ignore[method-assign]
-        InprocTransport.connect = refuse_the_dead  # type: ignore[method-assign]
+        InprocListener.__init__ = tag_listener
+        InprocListener.accept = accept_as_owner
+        InprocConnection.__init__ = tag_connection
+        InprocTransport.connect = refuse_the_dead
         try:
             yield
         finally:
-            InprocListener.__init__ = listener_init  # type: ignore[method-assign]
-            InprocListener.accept = accept  # type: ignore[method-assign]
-            InprocConnection.__init__ = conn_init  # type: ignore[method-assign]
-            InprocTransport.connect = connect  # type: ignore[method-assign]
+            InprocListener.__init__ = listener_init
+            InprocListener.accept = accept
+            InprocConnection.__init__ = conn_init
+            InprocTransport.connect = connect

@@ -27,17 +27,22 @@ What makes a run deterministic (the same events, in the same order, at the same 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import random
 import selectors
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple
 
 from laminar.clock import VirtualTimeLoop, _AutojumpSelector
 from laminar.executor import Executor, InLoopExecutor
 
+if TYPE_CHECKING:
+    from _typeshed import FileDescriptorLike
+
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 #: The member whose code created the running task (None: the test itself).
 MEMBER: contextvars.ContextVar[str | None] = contextvars.ContextVar("inproc_member", default=None)
@@ -47,6 +52,8 @@ class InprocLoop(VirtualTimeLoop):
     """A :class:`VirtualTimeLoop` with no threads, real I/O that freezes virtual time, and tasks
     tagged with the member that started them (see the module docstring)."""
 
+    _selector: Any  # the base loop's, wrapped below
+
     def __init__(self, *, stall_s: float = 5.0, executor_cost_s: float = 1e-3) -> None:
         super().__init__()
         self.stall_s = stall_s
@@ -54,7 +61,7 @@ class InprocLoop(VirtualTimeLoop):
         self._in_loop_default = InLoopExecutor("loop-default", cost_s=executor_cost_s)
         self.tasks: dict[str | None, weakref.WeakSet[asyncio.Task[Any]]] = {}
         self._io_waits: set[tuple[str, int]] = set()
-        self._selector = _IdleIoSelector(self._selector._real, self)  # type: ignore[attr-defined]
+        self._selector = _IdleIoSelector(self._selector._real, self)
         self.set_task_factory(self._tagged_task)
 
     # -- tasks belong to members ---------------------------------------------------------------
@@ -77,7 +84,12 @@ class InprocLoop(VirtualTimeLoop):
         in-loop executor per name and member, whatever ``workers`` says."""
         return InLoopExecutor(name, cost_s=self.executor_cost_s)
 
-    def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> Any:
+    def run_in_executor(
+        self,
+        executor: concurrent.futures.Executor | None,
+        func: Callable[[*Ts], T],
+        *args: *Ts,
+    ) -> asyncio.Future[T]:
         """The loop's default executor (``executor=None``) runs on the loop (see the module
         docstring). A thread pool of one's own would run in real time, beside virtual time:
         refused, so that a role picking its threads by hand fails here, loudly."""
@@ -90,19 +102,23 @@ class InprocLoop(VirtualTimeLoop):
 
     # -- real I/O waits (a reward worker's pipes) ----------------------------------------------
 
-    def add_reader(self, fd: Any, callback: Callable[..., object], *args: Any) -> None:
+    def add_reader(
+        self, fd: FileDescriptorLike, callback: Callable[[*Ts], Any], *args: *Ts
+    ) -> None:
         super().add_reader(fd, callback, *args)
         self._io_waits.add(("r", _fileno(fd)))
 
-    def remove_reader(self, fd: Any) -> bool:
+    def remove_reader(self, fd: FileDescriptorLike) -> bool:
         self._io_waits.discard(("r", _fileno(fd)))
         return super().remove_reader(fd)
 
-    def add_writer(self, fd: Any, callback: Callable[..., object], *args: Any) -> None:
+    def add_writer(
+        self, fd: FileDescriptorLike, callback: Callable[[*Ts], Any], *args: *Ts
+    ) -> None:
         super().add_writer(fd, callback, *args)
         self._io_waits.add(("w", _fileno(fd)))
 
-    def remove_writer(self, fd: Any) -> bool:
+    def remove_writer(self, fd: FileDescriptorLike) -> bool:
         self._io_waits.discard(("w", _fileno(fd)))
         return super().remove_writer(fd)
 

@@ -46,14 +46,23 @@ def _status(info: Any) -> int | None:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
-async def _readable(fd: int) -> None:
+async def fd_ready(fd: int, *, write: bool = False) -> None:
+    """Until ``fd`` is readable (``write``: writable), on the running loop: no thread waits."""
     loop = asyncio.get_running_loop()
-    ready = loop.create_future()
-    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    if write:
+        loop.add_writer(fd, wake)
+    else:
+        loop.add_reader(fd, wake)
     try:
         await ready
     finally:
-        loop.remove_reader(fd)
+        (loop.remove_writer if write else loop.remove_reader)(fd)
 
 
 async def returncode(proc: asyncio.subprocess.Process, timeout: float = 5.0) -> int | None:
@@ -98,7 +107,7 @@ async def exit_status(child: Watched) -> int | None:
     if fd is None:
         return await _waitid_thread(proc)
     try:
-        await _readable(fd)  # readable once it has exited
+        await fd_ready(fd)  # readable once it has exited
         # It has exited, so this does not block (WNOHANG all the same).
         info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOWAIT | os.WNOHANG)  # noqa: ASYNC222
     except ChildProcessError:  # the loop reaped it first: it has the status

@@ -44,7 +44,7 @@ def gqa_sdpa(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if query.device.type != "cpu" or kwargs.get("position_bias") is not None or kwargs.get("cache"):
-        return sdpa_attention_forward(  # type: ignore[no-any-return]
+        return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

@@ -98,10 +98,11 @@ def render_prompt(fmt: ChatFormat, messages: list[dict[str, str]]) -> str:
     """The prompt's text: ``messages`` in the template, then its generation prompt."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, _ = render_jinja_template(
+    # annotated as returning a str; it returns (the renderings, their generation indices)
+    out: Any = render_jinja_template(
         conversations=[messages], chat_template=fmt.template, add_generation_prompt=True
     )
-    return str(rendered[0])
+    return str(out[0][0])
 
 
 def check_chat_model(model_dir: Path, task: Task) -> None:

@@ -65,9 +65,11 @@ def stopping_criteria(stop: Callable[[], bool] | None) -> Any:
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
+    asked = stop  # narrowed: the class below closes over it
+
     class Stop(StoppingCriteria):
         def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-            return torch.full((input_ids.shape[0],), stop(), device=input_ids.device)
+            return torch.full((input_ids.shape[0],), asked(), device=input_ids.device)
 
     return StoppingCriteriaList([Stop()])
 

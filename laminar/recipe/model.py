@@ -164,7 +164,7 @@ def init_model(
         eos = [special_id(tok, chat.end_of_turn), special_id(tok, EOS)]
     config = qwen2_config(tok.get_vocab_size(), eos, special_id(tok, PAD), shape)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = Qwen2ForCausalLM(config).float()
     return save_model_dir(model, None, out, tok=tok, chat=chat)
 
 

@@ -202,13 +202,14 @@ def _reached(
 ) -> bool:
     """Whether a check's reading ``acc`` reaches ``stop_at``: with a ``confirmer``, a reading
     that does is repeated on its other problems, and the mean of the two must reach it too."""
-    if acc < cfg.stop_at:  # type: ignore[operator]
+    assert cfg.stop_at is not None  # a validator exists only with a target
+    if acc < cfg.stop_at:
         return False
     if confirmer is None:
         return True
     again = confirmer.accuracy(model)
     result.confirm_evals.append((result.steps, round(again, 4)))
-    return (acc + again) / 2 >= cfg.stop_at  # type: ignore[operator]
+    return (acc + again) / 2 >= cfg.stop_at
 
 
 def _frontier_reached(
@@ -220,7 +221,8 @@ def _frontier_reached(
         return True
     acc = frontier.accuracy(model)
     result.bucket_evals.append((result.steps, round(acc, 4)))
-    return acc >= cfg.stop_bucket_at  # type: ignore[operator]
+    assert cfg.stop_bucket_at is not None  # a frontier exists only with a bucket target
+    return acc >= cfg.stop_bucket_at
 
 
 def validation_records(
@@ -389,7 +391,7 @@ def train_sft(task: Task, model_dir: str | Path, out: str | Path, cfg: SftConfig
                 ):
                     acc = validator.accuracy(model)
                     result.evals.append((result.steps, round(elapsed, 2), round(acc, 4)))
-                    near = acc >= cfg.stop_at - cfg.near  # type: ignore[operator]
+                    near = cfg.stop_at is not None and acc >= cfg.stop_at - cfg.near
                     reached = _reached(acc, confirmer, model, cfg, result)
                     if reached:
                         armed = frontier is not None

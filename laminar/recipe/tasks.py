@@ -101,7 +101,7 @@ class Task:
 
     @property
     def reward(self) -> Callable[[Record, str], float]:
-        return self.module.reward  # type: ignore[no-any-return]
+        return self.module.reward
 
     def demonstration(self, record: Record) -> str:
         return str(self.module.demonstration(record))

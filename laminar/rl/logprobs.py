@@ -201,7 +201,7 @@ class ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         logits: torch.Tensor,
         targets: torch.Tensor,
@@ -224,7 +224,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         return logp.view(rows, width)[:, :-1], entropy.view(rows, width)[:, :-1]
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, None, None, None]:
         logits, flat_targets, lse, entropy = ctx.saved_tensors
@@ -267,7 +267,7 @@ def linear_head(model: Any) -> tuple[Any, torch.Tensor] | None:
     among them, only around the whole model's forward)."""
     own = getattr(model, "linear_head", None)
     if callable(own):
-        return own()  # type: ignore[no-any-return]
+        return own()
     config = getattr(model, "config", None)
     head = getattr(model, "lm_head", None)
     get_decoder = getattr(model, "get_decoder", None)
@@ -294,7 +294,7 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
     in float32; the weight's gradient is accumulated in the weight's dtype."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -323,7 +323,7 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         return logp.view(rows, width)[:, :-1], entropy.view(rows, width)[:, :-1]
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         hidden, weight, flat_targets, lse, entropy = ctx.saved_tensors

@@ -181,6 +181,7 @@ def policy_loss(
     per_token = torch.where(used, per_token, torch.zeros_like(per_token)) * weight_mask
     if cfg.aggregation == "seq_mean":
         row_tokens = weight_mask.sum(dim=1, keepdim=True).clamp(min=1)
+        assert total_sequences is not None  # checked on entry
         loss = (per_token / row_tokens).sum() / total_sequences
     else:
         loss = per_token.sum() / total_tokens

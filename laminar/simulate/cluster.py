@@ -130,7 +130,8 @@ def plan(
     keeps what the config says."""
     rows = []
     for kind in schedules or [config.cluster.schedule.kind]:
-        for count in rollouts or [None]:
+        counts: list[int | None] = [*rollouts] if rollouts else [None]
+        for count in counts:
             c = with_schedule(config, kind)
             if count is not None:
                 c = with_rollouts(c, count)

@@ -126,7 +126,7 @@ class WeightPublisher:
             manifest = plan_specs(specs, version)
         shared = fill is not None if shared is None else shared
         array = self._buffer(manifest.total_bytes, shared=shared)
-        view = memoryview(array)[: max(manifest.total_bytes, 1)]
+        view = array.data[: max(manifest.total_bytes, 1)]
         with self._lock:  # before any byte moves: no release may recycle this buffer now
             self._in_use[version] = array
             self._unfinished.add(version)

@@ -70,7 +70,7 @@ class VersionBuffer:
         if self.shared is not None:
             self.view = self.shared.view
         else:
-            self.view = storage if storage is not None else memoryview(np.empty(size, np.uint8))
+            self.view = storage if storage is not None else np.empty(size, np.uint8).data
         self.received = 0  # chunks 0..received-1 are in place
         self.verified = False
         self._progress = asyncio.Event()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.errors import RpcError
 from laminar.membership import MemberEvent, MembershipApi, WatchRequest
 
 from .context import DataContext
@@ -74,7 +74,7 @@ class RolloutWatch:
             # not among the holders looked at, so a newcomer is never mistaken for a dead one.
             holders = await self.ctx.db(lambda: list(store.leases()))
             status = await mgr.status.call()
-        except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+        except RpcError as exc:
             self.ctx.log.info("member list unavailable; the next watch sweeps", error=str(exc))
             return
         alive = {m.instance for m in status.members if m.state == "alive"}

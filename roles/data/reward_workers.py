@@ -40,6 +40,7 @@ from pydantic import Field
 from laminar.config import Strict
 from laminar.executor import Executor
 from laminar.proc import procfs
+from laminar.proc.exitwait import fd_ready
 from laminar.reward_worker import MAX_REPLY_BYTES, WORKER_MARK
 
 MALFORMED = "worker sent a malformed reply"
@@ -119,20 +120,6 @@ def exit_text(code: int | None) -> str:
     if code == -signal.SIGXCPU:
         return f"worker died (exit {code}: SIGXCPU, over its CPU limit cpu_s)"
     return f"worker died (exit {code})" if code is not None else "worker died"
-
-
-async def _ready(fd: int, *, write: bool) -> None:
-    loop = asyncio.get_running_loop()
-    ready = loop.create_future()
-    if write:
-        add, remove = loop.add_writer, loop.remove_writer
-    else:
-        add, remove = loop.add_reader, loop.remove_reader
-    add(fd, lambda: ready.done() or ready.set_result(None))
-    try:
-        await ready
-    finally:
-        remove(fd)
 
 
 def _number(value: Any) -> bool:
@@ -219,7 +206,7 @@ class RewardWorker:
             try:
                 view = view[os.write(self.jobs, view) :]
             except BlockingIOError:
-                await _ready(self.jobs, write=True)
+                await fd_ready(self.jobs, write=True)
             except OSError:  # EPIPE: it is gone
                 raise WorkerFailed(died=True) from None
         line = await self._line()
@@ -241,7 +228,7 @@ class RewardWorker:
             try:
                 chunk = os.read(self.results, MAX_REPLY_BYTES)
             except BlockingIOError:
-                await _ready(self.results, write=False)
+                await fd_ready(self.results)
                 continue
             if not chunk:
                 raise WorkerFailed(died=True)

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import hmac
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ def _error(status: int, error: str, detail: Any = None, **headers: str) -> web.R
     )
 
 
-def _json(model: BaseModel | list[BaseModel] | dict[str, Any]) -> web.Response:
+def _json(model: BaseModel | Sequence[BaseModel] | dict[str, Any]) -> web.Response:
     if isinstance(model, BaseModel):
         text = model.model_dump_json()
     elif isinstance(model, list):
@@ -109,7 +109,7 @@ class AdminServer:
             app.router.add_route(route.method, route.path, getattr(self, route.handler))
         app.router.add_static("/dashboard/", DASHBOARD, show_index=False)
         self._gauges = ScrapeGauges(self.manager)
-        self.manager.ctx.registry.register(self._gauges)  # type: ignore[arg-type]
+        self.manager.ctx.registry.register(self._gauges)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         host, _, port = bind.rpartition(":")
@@ -126,7 +126,7 @@ class AdminServer:
             task.cancel()
         if self._gauges is not None:
             with contextlib.suppress(KeyError):
-                self.manager.ctx.registry.unregister(self._gauges)  # type: ignore[arg-type]
+                self.manager.ctx.registry.unregister(self._gauges)
             self._gauges = None
         if self._runner is not None:
             await self._runner.cleanup()
@@ -278,7 +278,7 @@ class AdminServer:
         self.manager.log.info(f"rollout {action}", rollout=rid, reason=reason)
         result = RolloutActionResult(
             rollout=rid,
-            action=action,  # type: ignore[arg-type]
+            action=action,
             state=state,
             event=event.seq,
         )

@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.errors import RpcError
 from laminar.membership import Member
 from laminar.roles.data.api import DataApi, DataStatus
 from laminar.roles.relay import RelayApi, RelayStatus
@@ -120,7 +120,7 @@ async def cluster_status(m: ManagerView) -> AdminStatus:
         try:
             async with asyncio.timeout(STATUS_TIMEOUT_S * 1.5):
                 return await coro
-        except (PeerUnavailable, CallTimeout, RemoteError, TimeoutError, OSError) as exc:
+        except (RpcError, TimeoutError, OSError) as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
             return None
 
@@ -235,7 +235,7 @@ def _rollout_view(member: Member, state: RolloutState | None, now: float) -> Rol
         host=member.host,
         address=member.address,
         member_state=member.state,
-        state=rollout_state(member, st),  # type: ignore[arg-type]
+        state=rollout_state(member, st),
         last_seen_s=max(0.0, now - member.last_seen),
         incarnation=member.incarnation,
     )
@@ -256,5 +256,5 @@ async def _quiet(coro: Awaitable[Any]) -> Any:
     try:
         async with asyncio.timeout(STATUS_TIMEOUT_S * 1.5):
             return await coro
-    except (PeerUnavailable, CallTimeout, RemoteError, TimeoutError, OSError):
+    except (RpcError, TimeoutError, OSError):
         return None

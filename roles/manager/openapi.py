@@ -118,8 +118,13 @@ def _absent_is_unchanged(schema: dict[str, Any]) -> None:
 
 
 def _patch_field(field: FieldInfo) -> tuple[Any, FieldInfo]:
-    kind = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
-    return kind, Field(None, description=field.description, json_schema_extra=_absent_is_unchanged)
+    kind: Any = (
+        Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    )
+    patched = FieldInfo.from_field(
+        None, description=field.description, json_schema_extra=_absent_is_unchanged
+    )
+    return kind, patched
 
 
 # A partial policy: every field of RepackPolicy with its type and bounds, none required (built
@@ -254,7 +259,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/", "_index", "The dashboard (HTML)", "text/html", auth=False),
 )  # fmt: skip
 
-_EXTRA = [ErrorBody, ClusterEvent]  # schemas referenced outside the routes' own models
+#: schemas referenced outside the routes' own models
+_EXTRA: list[type[BaseModel]] = [ErrorBody, ClusterEvent]
 
 _ERROR_TEXT = {
     400: "Malformed JSON body",

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, Field
 
 from laminar.clock import Clock
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.errors import RpcError
 from laminar.membership import Member
 from laminar.repack import RepackPlan, RepackPolicy, RolloutLoad, plan_repack
 from laminar.roles.rollout.api import MigrateReport, MigrateRequest, RolloutApi
@@ -205,7 +205,7 @@ class RepackController:
             return await api.migrate.options(timeout=MIGRATE_TIMEOUT_S).call(
                 MigrateRequest(destination=destination, address=dst.address, version=version)
             )
-        except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+        except RpcError as exc:
             return MigrateReport(
                 source=source, destination=destination, version=version, error=str(exc)
             )

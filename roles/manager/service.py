@@ -92,6 +92,7 @@ class ManagerConfig(ServiceConfig):
 class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
     role: ClassVar[str] = "manager"
     config_model: ClassVar[type[ServiceConfig]] = ManagerConfig
+    config: ManagerConfig
 
     def __init__(self, ctx: ServiceContext) -> None:
         super().__init__(ctx)
@@ -108,7 +109,7 @@ class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
         self._head = ""  # the relay that follower streams from
         self.events = EventLog()
         self.repack = RepackController(
-            self.config.repack,  # type: ignore[attr-defined]
+            self.config.repack,
             self.events,
             lambda address: ctx.connect(RolloutApi, address),
             ctx.clock,
@@ -122,9 +123,9 @@ class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
         assert self.ctx.address is not None
         now = self.ctx.clock.wall()
         endpoints = {}
-        if self.config.admin is not None:  # type: ignore[attr-defined]
+        if self.config.admin is not None:
             self.admin = AdminServer(self)
-            endpoints["admin"] = await self.admin.start(self.config.admin)  # type: ignore[attr-defined]
+            endpoints["admin"] = await self.admin.start(self.config.admin)
             self.log.info("admin API", url=endpoints["admin"])
         self.members[self.ctx.instance] = Member(
             instance=self.ctx.instance,
@@ -142,7 +143,7 @@ class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
                 self.ctx.instance,
                 self.ctx.clock,
                 self.ctx.cluster.heartbeat_timeout_s,
-                self.config.liveness_check_s,  # type: ignore[attr-defined]
+                self.config.liveness_check_s,
                 self._mark_dead,
                 self.log,
             ),
@@ -391,7 +392,7 @@ class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
             self._connections[call.connection_id] = instance
 
     def _publish(self, event: str, member: Member) -> None:
-        ev = MemberEvent(event=event, member=member.model_copy())  # type: ignore[arg-type]
+        ev = MemberEvent(event=event, member=member.model_copy())
         now = self.ctx.clock.wall()
         if event == "dead":
             self.events.publish(

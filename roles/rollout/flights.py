@@ -67,7 +67,7 @@ class Flight:
             response_token_ids=self.tokens,
             logprobs=self.logprobs,
             version=self.version,
-            finish_reason=reason or "stop",  # type: ignore[arg-type]
+            finish_reason=reason or "stop",
             queued_at=a.queued_at,
             started_at=self.started_at,
             finished_at=finished_at,

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from laminar.clock import Clock
 from laminar.engines import Engine
 from laminar.engines.base import EngineError
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.errors import RpcError
 from laminar.roles.data.api import DataApi, LeaseTransfer
 
 from .api import Handoff, HandoffReply, MigratedSequence, MigrateReport, MigrateRequest, RolloutApi
@@ -159,7 +159,7 @@ async def _hand_off(
     ids = [m.sequence.request_id for m in moving]
     try:
         moved = await _transfer(svc, ids, svc.instance, req.destination)
-    except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+    except RpcError as exc:
         # A timeout could hide a transfer the data role did make; then our later reports of
         # these trajectories are refused and the data role re-delivers them from their
         # acknowledged tokens when the destination's grace period ends: nothing is lost.
@@ -176,7 +176,7 @@ async def _hand_off(
         reply = await dest.accept.options(timeout=HANDOFF_TIMEOUT_S).call(
             Handoff(source=svc.instance, version=req.version, sequences=sending)
         )
-    except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+    except RpcError as exc:
         reply = HandoffReply(refused=f"destination: {exc}")
     accepted = set(reply.accepted)
     why = reply.refused or "refused by the destination"
@@ -194,7 +194,7 @@ async def _take_back(
     ids = [m.sequence.request_id for m in back]
     try:
         ours = await _transfer(svc, ids, destination, svc.instance)
-    except (PeerUnavailable, CallTimeout, RemoteError) as exc:
+    except RpcError as exc:
         # The leases stay with the destination; the data role re-delivers them from their
         # acknowledged tokens when the handoff grace period ends. Nothing is lost.
         svc.log.warning("could not take leases back", ids=ids, error=str(exc))

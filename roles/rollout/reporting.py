@@ -18,14 +18,14 @@ from typing import Any
 
 from laminar.clock import Clock
 from laminar.engines import Engine
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.errors import RpcError
 from laminar.peers import Peer
 from laminar.roles.data.api import DataApi, FailedItem, Report
 from laminar.trajectory import Trajectory
 
 from .flights import FlightTable
 
-DATA_ERRORS = (PeerUnavailable, CallTimeout, RemoteError)
+DATA_ERRORS = (RpcError,)
 
 
 class Reporter:

@@ -237,13 +237,13 @@ class RolloutService(Service, RolloutApi):
         if self.phases.drain():
             self.log.info("draining: taking no prompts", reason=req.reason)
         await self._give_back(self.ahead.clear())
-        return await self.state()
+        return await self.state.call()
 
     @endpoint
     async def resume(self) -> RolloutState:
         if self.phases.resume():
             self.log.info("resumed: taking prompts again")
-        return await self.state()
+        return await self.state.call()
 
     # A migration is not cut in two when the connection that asked for it closes (the manager
     # gone, or the source rollout dead during the hand-off): each side runs it to its end

@@ -25,7 +25,7 @@ from functools import partial
 from typing import Any
 
 from laminar.context import ServiceContext
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.errors import RemoteError, RpcError
 from laminar.roles.data.api import DataApi, SampleRequest, Trajectories
 from laminar.trajectory import Trajectory
 from laminar.transport import MessageTooLarge
@@ -72,7 +72,7 @@ class BatchSource:
         self.wait_s = wait_s
         # samples per prompt: pieces hold whole groups (default: the trainer's batch.samples)
         batch = getattr(ctx.config, "batch", None)
-        self.group = group or getattr(batch, "samples", 1)
+        self.group: int = group or int(getattr(batch, "samples", 1))
         self.piece: int | None = None  # rows per sample call, once a whole batch was too large
 
     async def next(self, rows: int, version: int, after: int) -> Gathered:
@@ -91,7 +91,7 @@ class BatchSource:
                 reply = await self.data.call(
                     partial(self._sample, request),
                     backoff=1.0,
-                    retry_on=(PeerUnavailable, CallTimeout, RemoteError),
+                    retry_on=(RpcError,),
                     unless=_too_large,
                 )
             except RemoteError as exc:  # only a reply too large to send gets here

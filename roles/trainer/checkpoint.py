@@ -88,7 +88,7 @@ def _write_durably(path: Path, text: str) -> None:
 def save_checkpoint(
     root: str | Path,
     state: TrainingState,
-    model: torch.nn.Module,
+    model: Any,  # an HF PreTrainedModel (save_pretrained)
     optim_state: dict[str, Any],
     source_model: str | Path,
     keep: int,

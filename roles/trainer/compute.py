@@ -67,6 +67,7 @@ from laminar.rl import (
     token_logprobs,
 )
 from laminar.rl.config import CHUNKED_VOCAB
+from laminar.rl.logprobs import Method
 from laminar.trajectory import Trajectory
 from laminar.weights.manifest import WeightManifest
 
@@ -258,7 +259,7 @@ class PolicyTrainer:
 
     # -- the update --------------------------------------------------------------------------
 
-    def logprobs_method(self) -> str:
+    def logprobs_method(self) -> Method:
         """``trainer.logprobs``, with ``auto`` resolved for this rank's device and model:
         ``chunked`` on CUDA (memory is what limits a GPU's micro-batches) and for a vocabulary of
         :data:`CHUNKED_VOCAB` or more (whose logits outweigh the model's activations), ``full``
@@ -428,7 +429,8 @@ class PolicyTrainer:
         """Clip and step; None (and no step, gradients zeroed) when anything is not finite."""
         clip = self.config.optim.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = full(torch.nn.utils.get_total_norm([p.grad for p in params]))  # sharded: reduced
+        grads = [g for p in params if (g := p.grad) is not None]
+        norm = full(torch.nn.utils.get_total_norm(grads))  # sharded: reduced
         if not finite or not torch.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=False)
             return None

@@ -45,7 +45,7 @@ import multiprocessing as mp
 import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,7 +84,7 @@ log = structlog.get_logger("trainer")
 MAX_REFORMS = 3
 
 
-def rank_processes() -> BaseContext:
+def rank_processes() -> ForkServerContext:
     """How rank 0 starts ranks 1..W-1 on its own host: ``forkserver``, its server having
     imported the ranks' code.
 
@@ -174,7 +174,8 @@ class DataParallelGroup:
     def _train(self, batch: PackedBatch) -> StepResult:
         if self.world > 1:
             broadcast_op(Op.TRAIN, *batch.input_ids.shape)
-            broadcast_batch(batch, tuple(batch.input_ids.shape))
+            rows, width = batch.input_ids.shape
+            broadcast_batch(batch, (rows, width))
         return self.trainer.train(batch)
 
     def train(self, batch: PackedBatch) -> StepResult:

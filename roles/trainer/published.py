@@ -57,7 +57,8 @@ def _reverse_renames(model: torch.nn.Module, keys: list[str]) -> dict[str, str]:
     from transformers.core_model_loading import revert_weight_conversion
 
     markers = {k: torch.empty(0, device="meta") for k in keys}
-    reverted = revert_weight_conversion(model, dict(markers))
+    hf: Any = model  # a PreTrainedModel: it has _weight_conversions
+    reverted = revert_weight_conversion(hf, dict(markers))
     source = {id(t): k for k, t in markers.items()}
     names: dict[str, str] = {}
     for name, tensor in reverted.items():

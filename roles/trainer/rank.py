@@ -34,8 +34,8 @@ from pydantic import BaseModel
 from laminar.config import ServiceConfig
 from laminar.context import ServiceContext
 from laminar.endpoint import endpoint
-from laminar.errors import ConfigError, RemoteError
-from laminar.peers import PEER_ERRORS, Outage
+from laminar.errors import ConfigError, RpcError
+from laminar.peers import Outage
 from laminar.rendezvous import RendezvousApi, Seat, SeatRequest
 from laminar.service import Service
 
@@ -107,7 +107,7 @@ class TrainerRankService(Service, TrainerRankApi):
                 seat = await manager.take_seat.options(
                     timeout=wait + self.ctx.cluster.rpc_timeout_s
                 ).call(req)
-            except (*PEER_ERRORS, RemoteError) as exc:
+            except RpcError as exc:
                 outage.failed(exc)
                 await self.ctx.clock.sleep(1.0)
                 continue

@@ -17,8 +17,8 @@ from typing import Any
 import torch.distributed as dist
 
 from laminar.context import ServiceContext
-from laminar.errors import RemoteError
-from laminar.peers import PEER_ERRORS, Outage
+from laminar.errors import RpcError
+from laminar.peers import Outage
 from laminar.rendezvous import GroupOffer, RendezvousApi
 
 __all__ = ["GroupRendezvous", "free_port", "group_failure", "host_of", "rendezvous_for"]
@@ -88,7 +88,7 @@ class GroupRendezvous:
         while True:
             try:
                 formed = await manager.offer_group.call(req)
-            except (*PEER_ERRORS, RemoteError) as exc:
+            except RpcError as exc:
                 self.outage.failed(exc)
                 await self.ctx.clock.sleep(1.0)
                 continue

@@ -97,7 +97,7 @@ class TorchCompute:
         assert self.group is not None
         group = self.group
         # packing (torch ops) too goes off the loop: one run was seen blocking it 2 s here
-        return await self._run(lambda: group.train(packed(screened, self.config)))  # type: ignore[no-any-return]
+        return await self._run(lambda: group.train(packed(screened, self.config)))
 
     async def checkpoint(self, progress: Progress, saved_at: float) -> None:
         state = TrainingState(progress.version, progress.cursor, progress.history or [])
@@ -123,7 +123,7 @@ class TorchCompute:
         if version > self._published_mark:  # on disk before any byte leaves
             await self._run(record_published, self.config.checkpoint.dir, version)
             self._published_mark = version
-        return await self._run(self._stage, publisher, version)  # type: ignore[no-any-return]
+        return await self._run(self._stage, publisher, version)
 
     def _stage(self, publisher: WeightPublisher, version: int) -> VersionBuffer:
         """The copy runs in the background while the next step trains, nothing gathered
