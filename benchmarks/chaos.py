@@ -69,8 +69,8 @@ from chaos_cluster import (  # noqa: E402
 from chaos_measure import Clients, Sampler  # noqa: E402
 from chaos_report import analyse, plot, print_table  # noqa: E402
 
-from laminar.config import ClusterConfig  # noqa: E402
-from laminar.context import transport_options  # noqa: E402
+from laminar.runtime.config import ClusterConfig  # noqa: E402
+from laminar.runtime.context import transport_options  # noqa: E402
 
 FAULTS = ("rollout", "relay", "master_relay", "trainer", "data", "manager", "partition")
 KILLS = {"trainer": "trainer", "data": "data", "manager": "manager"}

@@ -37,13 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
-from laminar.membership import MembershipApi
 from laminar.roles.data.api import DataApi
-from laminar.roles.relay import RelayApi
+from laminar.roles.manager.api import RelayChainApi
+from laminar.roles.relay.api import RelayApi
 from laminar.roles.rollout.api import RolloutApi
-from laminar.rpc_client import RpcClient, remote
-from laminar.weights.chain import RelayChainApi
+from laminar.runtime.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.runtime.membership import MembershipApi
+from laminar.runtime.rpc.client import RpcClient, remote
 
 RPC_ERRORS = (PeerUnavailable, CallTimeout, RemoteError, OSError)
 

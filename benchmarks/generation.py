@@ -283,9 +283,9 @@ async def role_cluster(
     args: argparse.Namespace, work: Path, config: dict[str, Any], logs: Path
 ) -> AsyncIterator[tuple[Any, Any]]:
     """Manager, data and one rollout as processes; typed clients of the data role and rollout."""
-    from laminar.config import ClusterConfig
-    from laminar.context import transport_options
-    from laminar.rpc_client import RpcClient, remote
+    from laminar.runtime.config import ClusterConfig
+    from laminar.runtime.context import transport_options
+    from laminar.runtime.rpc.client import RpcClient, remote
 
     path = work / "role.yaml"
     path.write_text(yaml.safe_dump(config))

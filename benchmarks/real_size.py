@@ -261,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     args.dir.mkdir(parents=True, exist_ok=True)
     model, params = prepare(args.dir)
     cfg = config(args.dir, args.minutes, args.engine_dtype, args.schedule)
-    from laminar.config import load_config
     from laminar.doctor.needs import needs_from_config
+    from laminar.runtime.config import load_config
 
     needs = needs_from_config(load_config(str(cfg), []))
     kv = needs.rollouts[0].kv_bytes or 0

@@ -43,15 +43,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from laminar import transport  # noqa: E402
-from laminar.config import ClusterConfig  # noqa: E402
-from laminar.context import transport_options  # noqa: E402
 from laminar.harness.launch import ProcessCluster  # noqa: E402
 from laminar.harness.netns import NetLab, probe  # noqa: E402
-from laminar.roles.relay import RelayApi  # noqa: E402
-from laminar.rpc_client import RpcClient, remote  # noqa: E402
+from laminar.roles.relay.api import RelayApi  # noqa: E402
+from laminar.roles.trainer.publisher import WeightPublisher  # noqa: E402
+from laminar.runtime.config import ClusterConfig  # noqa: E402
+from laminar.runtime.context import transport_options  # noqa: E402
+from laminar.runtime.rpc.client import RpcClient, remote  # noqa: E402
 from laminar.weights.config import PublishConfig  # noqa: E402
 from laminar.weights.manifest import chain_time, optimal_chunks  # noqa: E402
-from laminar.weights.publisher import WeightPublisher  # noqa: E402
 from laminar.weights.transfer import VersionStore, push_version, receive_versions  # noqa: E402
 
 TOKEN = "relay-benchmark-token-0123456789"

@@ -25,12 +25,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from laminar.config import ClusterConfig  # noqa: E402
-from laminar.context import transport_options  # noqa: E402
 from laminar.harness.launch import ProcessCluster  # noqa: E402
-from laminar.rpc_client import RpcClient  # noqa: E402
+from laminar.roles.trainer.publisher import WeightPublisher  # noqa: E402
+from laminar.runtime.config import ClusterConfig  # noqa: E402
+from laminar.runtime.context import transport_options  # noqa: E402
+from laminar.runtime.rpc.client import RpcClient  # noqa: E402
 from laminar.weights.config import PublishConfig  # noqa: E402
-from laminar.weights.publisher import WeightPublisher  # noqa: E402
 
 TOKEN = "relay-memory-bench-token-0123456789"
 RELAYS = ("relay-0", "relay-1")

@@ -49,15 +49,15 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from laminar.config import ClusterConfig  # noqa: E402
-from laminar.context import transport_options  # noqa: E402
 from laminar.harness.launch import ProcessCluster  # noqa: E402
-from laminar.membership import MembershipApi  # noqa: E402
 from laminar.roles.data.api import DataApi, SampleRequest  # noqa: E402
-from laminar.rpc_client import RpcClient, remote  # noqa: E402
-from laminar.stats import RolloutStats  # noqa: E402
+from laminar.roles.rollout.api import RolloutStats  # noqa: E402
+from laminar.roles.trainer.publisher import WeightPublisher  # noqa: E402
+from laminar.runtime.config import ClusterConfig  # noqa: E402
+from laminar.runtime.context import transport_options  # noqa: E402
+from laminar.runtime.membership import MembershipApi  # noqa: E402
+from laminar.runtime.rpc.client import RpcClient, remote  # noqa: E402
 from laminar.weights.config import PublishConfig  # noqa: E402
-from laminar.weights.publisher import WeightPublisher  # noqa: E402
 
 TOKEN = "repack-bench-token"
 
@@ -182,7 +182,7 @@ class TrainerStandIn:
 async def sample_cluster(manager: MembershipApi) -> tuple[float, float, list[float], int]:
     status = await manager.status.call()
     rollouts = [m for m in status.members if m.role == "rollout" and m.state == "alive"]
-    stats = [m.rollout_stats() or RolloutStats() for m in rollouts]
+    stats = [m.stats_as(RolloutStats) or RolloutStats() for m in rollouts]
     tokens = float(sum(s.generated_tokens for s in stats))
     kv = [s.kv_cache_usage for s in stats]
     versions = [s.version for s in stats]

@@ -48,12 +48,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from laminar.config import ClusterConfig, load_config  # noqa: E402
-from laminar.context import transport_options  # noqa: E402
 from laminar.harness.launch import ProcessCluster  # noqa: E402
-from laminar.log import configure_logging  # noqa: E402
-from laminar.membership import MembershipApi  # noqa: E402
-from laminar.rpc_client import RpcClient, remote  # noqa: E402
+from laminar.runtime.config import ClusterConfig, load_config  # noqa: E402
+from laminar.runtime.context import transport_options  # noqa: E402
+from laminar.runtime.log import configure_logging  # noqa: E402
+from laminar.runtime.membership import MembershipApi  # noqa: E402
+from laminar.runtime.rpc.client import RpcClient, remote  # noqa: E402
 from laminar.simulate.cluster import SAMPLE_S, run_config  # noqa: E402
 from laminar.simulate.measure import figures, sample_cluster, trainer_records  # noqa: E402
 

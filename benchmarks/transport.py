@@ -104,10 +104,10 @@ class Sum(BaseModel):
 
 
 def rpc_receiver(queue: Any) -> None:
-    from laminar.config import ClusterConfig, ServiceConfig
-    from laminar.context import ServiceContext, transport_options
-    from laminar.endpoint import endpoint
-    from laminar.service import Service, ServiceHost
+    from laminar.runtime.config import ClusterConfig, ServiceConfig
+    from laminar.runtime.context import ServiceContext, transport_options
+    from laminar.runtime.endpoint import endpoint
+    from laminar.runtime.service import Service, ServiceHost
 
     class Adder(Service):
         role = "adder"
@@ -268,9 +268,9 @@ class RpcPair:
         self.proc, (self.address, self.raw_port) = spawn(rpc_receiver)
 
     def rpc(self, calls: int) -> dict[str, float]:
-        from laminar.config import ClusterConfig
-        from laminar.context import transport_options
-        from laminar.rpc_client import RpcClient
+        from laminar.runtime.config import ClusterConfig
+        from laminar.runtime.context import transport_options
+        from laminar.runtime.rpc.client import RpcClient
 
         out: dict[str, float] = {}
 

@@ -277,12 +277,12 @@ def _list_item_model(members: list[Any]) -> type[BaseModel] | None:
 
 def sections() -> list[tuple[str, type[BaseModel], str]]:
     """(section, model, where it comes from) for ``cluster``, ``run`` and every built-in role."""
-    from .config import ClusterConfig, RunConfig
     from .roles_registry import builtin_roles, load_role_config
+    from .runtime.config import ClusterConfig, RunConfig
 
     out: list[tuple[str, type[BaseModel], str]] = [
-        ("cluster", ClusterConfig, "`laminar.config.ClusterConfig`: read by every process"),
-        ("run", RunConfig, "`laminar.config.RunConfig`: read by `laminar run` only"),
+        ("cluster", ClusterConfig, "`laminar.runtime.config.ClusterConfig`: read by every process"),
+        ("run", RunConfig, "`laminar.runtime.config.RunConfig`: read by `laminar run` only"),
     ]
     for name in builtin_roles():
         _, model = load_role_config(name)

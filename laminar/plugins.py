@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .runtime.errors import ConfigError
 
 
 def load_object(spec: str, base_dir: str | Path | None = None, *, what: str = "plug-in") -> Any:

@@ -1,6 +1,6 @@
 """How a reward function is called, and what it may return: Laminar's, verl's and TRL's conventions.
 
-The reward worker (:mod:`laminar.reward_worker`) scores a batch of trajectories with
+The reward worker (:mod:`laminar.roles.data.reward_worker`) scores a batch of trajectories with
 :class:`Scorer`: it calls each configured function by its convention (the data role chose it at
 load: :mod:`laminar.reward_kinds`) and turns what came back into a reward, numeric extras, or the
 reason there is neither. Standard library only: the worker imports it before any user code. The

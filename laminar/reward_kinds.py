@@ -19,7 +19,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import ConfigError
+from .runtime.errors import ConfigError
 
 AUTO = "auto"
 KINDS = ("laminar", "verl", "trl")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import ServiceConfig
-from .errors import ConfigError
 from .plugins import load_object
-from .service import Service
+from .runtime.config import ServiceConfig
+from .runtime.errors import ConfigError
+from .runtime.service import Service
 
 # Role names -> ``module:Class``: the runtime starts a role by name without importing every role
 # (and its heavy dependencies) up front. Strings, not imports: the runtime never imports roles/.
@@ -55,7 +55,9 @@ def load_role(spec: str, base_dir: str | Path | None = None) -> type[Service]:
         )
     cls = load_object(target, base_dir, what="role")
     if not (isinstance(cls, type) and issubclass(cls, Service)):
-        raise ConfigError(f"role {spec!r}: {cls!r} is not a laminar.service.Service subclass")
+        raise ConfigError(
+            f"role {spec!r}: {cls!r} is not a laminar.runtime.service.Service subclass"
+        )
     return cls
 
 

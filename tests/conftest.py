@@ -7,9 +7,9 @@ import secrets
 import pytest
 
 import laminar.transport  # noqa: F401  (registers the schemes)
-from laminar.config import ClusterConfig
-from laminar.context import ServiceContext, transport_options
-from laminar.service import ServiceHost
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.context import ServiceContext, transport_options
+from laminar.runtime.service import ServiceHost
 from laminar.transport.shm import SHM_TAG_ENV
 from tests.support.poll import STOP_S
 from tests.support.procs import TOKEN

@@ -11,9 +11,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
-from laminar.config import ServiceConfig
-from laminar.endpoint import endpoint, stream
-from laminar.service import Service
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.endpoint import endpoint, stream
+from laminar.runtime.service import Service
 
 
 class EchoConfig(ServiceConfig):

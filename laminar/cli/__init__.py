@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import ConfigError
-from ..errors import LaminarError
+from laminar.runtime.config import ConfigError
+from laminar.runtime.errors import LaminarError
+
 from . import admin, run, serve, simulate
 
 

@@ -10,13 +10,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..config import ConfigError, LaminarConfig, load_config
-from ..errors import LaminarError, PeerUnavailable
+from laminar.runtime.config import ConfigError, LaminarConfig, load_config
+from laminar.runtime.errors import LaminarError, PeerUnavailable
+
 from .common import loop_runner, make_console
 
 if TYPE_CHECKING:
+    from laminar.runtime.membership import ClusterStatus
+
     from ..devmode.status import AdminClient
-    from ..membership import ClusterStatus
 
 
 def _token(args: argparse.Namespace, cluster: object) -> bytes:

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, LaminarConfig, load_config
-from ..errors import LaminarError
+from laminar.runtime.config import ConfigError, LaminarConfig, load_config
+from laminar.runtime.errors import LaminarError
+
 from .common import add_set, loop_runner, make_console
 
 #: what `laminar doctor` checks when no config is given (and it exists)

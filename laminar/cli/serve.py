@@ -1,7 +1,8 @@
 """``laminar serve``: one role in this process, until it is stopped; and how the process ends.
 
 A configuration refused before the role is ready (a bad value, a prompt file with a bad record,
-a missing model: a :class:`~laminar.errors.ConfigError`, raised while loading the config or by
+a missing model: a :class:`~laminar.runtime.errors.ConfigError`, raised while loading the config or
+by
 the role's ``on_start``) ends the process with one line, ``laminar serve: <the error>``, and
 status :data:`~laminar.proc.exits.EX_CONFIG` (78): started again, it would be refused again, and
 ``laminar run`` ends the run at once on that status instead of restarting the role
@@ -20,12 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ..config import ConfigError, load_config
+from laminar.runtime.config import ConfigError, load_config
+
 from ..proc.exits import EX_CONFIG
 from .common import add_set, loop_runner
 
 if TYPE_CHECKING:
-    from ..loopwatch import LoopWatch
+    from laminar.runtime.loopwatch import LoopWatch
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -54,11 +56,12 @@ def refused_config(exc: BaseException) -> ConfigError | None:
 
 
 def _serve(args: argparse.Namespace, ready_seen: list[bool]) -> None:
-    from ..context import ServiceContext, transport_options
-    from ..log import configure_logging
+    from laminar.runtime.context import ServiceContext, transport_options
+    from laminar.runtime.log import configure_logging
+    from laminar.runtime.service import ServiceHost, print_ready
+
     from ..proc.placement import give_way, keep_off_bound_cores, niceness_for
     from ..roles_registry import load_role
-    from ..service import ServiceHost, print_ready
 
     config = load_config(args.config, args.set)
     base = Path(config.source).parent if config.source else None
@@ -144,7 +147,7 @@ def exit_without_final_collection(code: int) -> NoReturn:
 def watch_loop(log: Any, threshold_s: float, stopping: Callable[[], bool]) -> LoopWatch:
     """Start a :class:`LoopWatch` on the running loop that logs each stall to ``log``, but for
     those seen once ``stopping()`` is true."""
-    from ..loopwatch import LoopWatch, Stall
+    from laminar.runtime.loopwatch import LoopWatch, Stall
 
     def say(stall: Stall) -> None:
         if stopping():

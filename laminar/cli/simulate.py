@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..config import load_config
+from laminar.runtime.config import load_config
 
 
 def counts(text: str) -> list[int]:
@@ -53,7 +53,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _simulate_run(args: argparse.Namespace) -> int:
-    from ..log import configure_logging
+    from laminar.runtime.log import configure_logging
+
     from ..simulate.cluster import describe_runs, plan
 
     config = load_config(args.config, args.set)

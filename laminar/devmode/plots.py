@@ -1,6 +1,6 @@
 """PNG plots of a run directory (``laminar plot RUN_DIR``; ``laminar run`` draws them at the end).
 
-Inputs are the files a dev-mode run leaves (see :mod:`laminar.devmode.progress`): the trainer's
+Inputs are the files a dev-mode run leaves (see :mod:`laminar.tracking.progress`): the trainer's
 metrics JSONL (one line per version, ``eval`` lines for held-out accuracy), ``cluster.jsonl`` (the
 supervisor's samples of every rollout) and ``events.jsonl`` (the manager's event log: weight
 pulls, publishes, repacks). Outputs, in ``<run_dir>/plots/``:
@@ -24,7 +24,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from laminar.devmode.progress import policy_reward
+from laminar.tracking.progress import policy_reward
 
 PHASE_COLOUR = {"running": "#2ca02c", "switching": "#ffbf00", "draining": "#9467bd"}
 DEAD_COLOUR = "#d62728"

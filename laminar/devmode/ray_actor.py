@@ -26,11 +26,11 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from laminar.config import RoleSpec
 from laminar.devmode import ALARMS
 from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.exits import Exit
 from laminar.proc.procfs import kill_group
+from laminar.runtime.config import RoleSpec
 
 #: How many of them one incarnation passes on, the last ones (a traceback's end says the most).
 MAX_ALARMS = 40

@@ -19,8 +19,8 @@ import os
 from typing import Any
 
 from laminar.devmode.ray_place import Machine, MachinePlan
-from laminar.errors import ConfigError
 from laminar.proc.cpus import available_cores
+from laminar.runtime.errors import ConfigError
 
 #: A local cluster's object store (bytes): only the actors' small calls and replies use it, so it
 #: never takes the machine's /dev/shm from the relays (Ray's default is 30% of memory).

@@ -36,7 +36,6 @@ from typing import Any
 
 from rich.console import Console
 
-from laminar.config import LaminarConfig
 from laminar.devmode.ray_actor import RoleProcess
 from laminar.devmode.ray_cluster import RayCluster, require_ray, result
 from laminar.devmode.ray_place import (
@@ -53,6 +52,7 @@ from laminar.proc.exits import Exit
 from laminar.proc.procfs import kill_group
 from laminar.proc.restart import decide, keep_running
 from laminar.roles_registry import load_role_config
+from laminar.runtime.config import LaminarConfig
 
 
 @dataclass(frozen=True)

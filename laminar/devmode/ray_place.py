@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from laminar.errors import ConfigError
 from laminar.proc.gpus import gpus_wanted
+from laminar.runtime.errors import ConfigError
 
 __all__ = ["Demand", "Machine", "MachinePlan", "cpus_wanted", "gpus_wanted", "plan_placement"]
 

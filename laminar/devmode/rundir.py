@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from laminar.errors import ConfigError
+from laminar.runtime.errors import ConfigError
 
 
 def prepare_run_dir(

@@ -36,15 +36,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from laminar.devmode.progress import (
-    TrainerLog,
-    cluster_sample,
-    progress_line,
-    render_progress,
-    summarize,
-)
+from laminar.devmode.progress import progress_line, render_progress
 from laminar.devmode.status import AdminClient, fetch_status, render_status
-from laminar.errors import LaminarError
+from laminar.runtime.errors import LaminarError
 from laminar.tracking import (
     NullTracker,
     ThreadedTracker,
@@ -52,6 +46,7 @@ from laminar.tracking import (
     cluster_scalars,
     open_tracker,
 )
+from laminar.tracking.progress import TrainerLog, cluster_sample, summarize
 
 #: how long :meth:`RunView.close_tracking` waits for the tracker to write what it has and close
 TRACKER_CLOSE_S = 5.0

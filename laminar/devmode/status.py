@@ -16,12 +16,14 @@ from typing import Any
 
 from rich.table import Table
 
-from laminar.config import ClusterConfig
-from laminar.context import transport_options
-from laminar.errors import LaminarError
-from laminar.membership import ClusterStatus, MembershipApi
-from laminar.rpc_client import RpcClient, remote
-from laminar.stats import RolloutStats, VersionedStats
+from laminar.roles.manager.api import parse_stats
+from laminar.roles.rollout.api import RolloutStats
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.context import transport_options
+from laminar.runtime.errors import LaminarError
+from laminar.runtime.membership import ClusterStatus, MembershipApi
+from laminar.runtime.rpc.client import RpcClient, remote
+from laminar.runtime.stats import VersionedStats
 
 _STATE_STYLE = {"alive": "green", "dead": "bold red", "left": "dim"}
 _PHASE_STYLE = {"running": "green", "draining": "yellow", "switching": "cyan"}
@@ -133,7 +135,7 @@ def render_status(status: ClusterStatus, *, title: str | None = None) -> Table:
         table.add_column(column)
     for m in sorted(status.members, key=lambda m: (m.role != "manager", m.role, m.instance)):
         age = status.now - m.last_seen
-        s = m.typed_stats()  # None before its first heartbeat: blank, not zeros
+        s = parse_stats(m.role, m.stats)  # None before its first heartbeat: blank, not zeros
         state = f"[{_STATE_STYLE.get(m.state, '')}]{m.state}[/]"
         if isinstance(s, RolloutStats) and m.state == "alive":
             state += f" [{_PHASE_STYLE.get(s.phase, '')}]{s.phase}[/]"

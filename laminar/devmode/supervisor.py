@@ -38,7 +38,7 @@ itself when its rollout is gone, see :mod:`laminar.engines.vllm_worker`).
 **Private files.** The run directory is 0700; the token file, ``cluster.json`` and the logs are
 0600; the supervisor and every child run with umask 077, so what the roles write (the data role's
 SQLite file and its WAL, checkpoints) is this user's only. A token given in the environment is
-checked before anything starts (:func:`laminar.config.token_problem`).
+checked before anything starts (:func:`laminar.runtime.config.token_problem`).
 
 Each run gets its own directory (:mod:`laminar.devmode.rundir`; ``--resume`` continues one), the
 cores are divided between the processes that compute (:mod:`laminar.proc.cpus`), progress is
@@ -58,11 +58,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from laminar.config import LaminarConfig
 from laminar.devmode import ALARMS
 from laminar.devmode.rundir import prepare_run_dir
 from laminar.devmode.runview import RunView
-from laminar.errors import ConfigError
 from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.cpus import available_cores, plan_cpus
 from laminar.proc.gpus import gpus_wanted, plan_gpus, visible_gpus
@@ -75,6 +73,8 @@ from laminar.proc.spawn import (
     stop_stages,
 )
 from laminar.roles_registry import load_role_config
+from laminar.runtime.config import LaminarConfig
+from laminar.runtime.errors import ConfigError
 from laminar.tracking import TrackingPlan, plan_for_run
 
 #: How long the manager may take to say it is ready. A manager that exits is seen at once (its

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..config import LaminarConfig
+from laminar.runtime.config import LaminarConfig
+
 from .checks import CHECKS, SUITE_ONLY, run_checks
 from .facts import gather_facts
 from .findings import Finding, Mode, blockers, findings_json, summary

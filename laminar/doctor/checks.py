@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..config import token_problem
+from laminar.runtime.config import token_problem
+
 from ..engines.kvcache import format_bytes
 from ..proc.cpus import CpuSlot, plan_cpus
 from .facts import MachineFacts

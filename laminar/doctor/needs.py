@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ..config import LaminarConfig, RoleSpec
+from laminar.runtime.config import LaminarConfig, RoleSpec
+from laminar.runtime.errors import ConfigError
+
 from ..engines.kvcache import (
     DTYPE_BYTES,
     head_dim,
@@ -21,7 +23,6 @@ from ..engines.kvcache import (
     model_config,
     rollout_kv_bytes,
 )
-from ..errors import ConfigError
 from .findings import Mode
 from .memory import (
     REWARD_WORKER_BYTES,

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import LaminarConfig
+from laminar.runtime.config import LaminarConfig
+
 from .findings import Mode
 
 #: how long the probe may take before doctor gives up on it (a loaded machine, not a fault)

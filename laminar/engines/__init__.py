@@ -16,7 +16,8 @@ from typing import Annotated
 
 from pydantic import Field
 
-from ..clock import Clock
+from laminar.runtime.clock import Clock
+
 from .base import (
     Engine,
     EngineError,

@@ -39,8 +39,9 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field
 
-from ..errors import LaminarError
-from ..executor import LOOP_DEFAULT, Executor
+from laminar.runtime.errors import LaminarError
+from laminar.runtime.executor import LOOP_DEFAULT, Executor
+
 from ..trajectory import FinishReason, SamplingParams
 from ..transport import Blob
 from ..transport.shm import SegmentGone

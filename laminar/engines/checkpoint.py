@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import LaminarError
+from laminar.runtime.errors import LaminarError
 
 #: checkpoint names a tied model may hold although its engine reads the source tensor instead
 TIED_ALIASES = ("lm_head.weight",)

@@ -6,7 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field
 
-from ..config import Strict
+from laminar.runtime.config import Strict
+
 from .costmodel import CostModel
 from .lengths import LengthDistribution, PaperLength
 

@@ -35,7 +35,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from ..config import Strict
+from laminar.runtime.config import Strict
 
 __all__ = [
     "DEFAULT_COST_MODEL",

@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from laminar.runtime.errors import ConfigError
 
 #: bytes per element of the dtypes a KV cache is kept in (vLLM keeps it in the model's dtype)
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from ..config import Strict
+from laminar.runtime.config import Strict
 
 if TYPE_CHECKING:
     import numpy as np

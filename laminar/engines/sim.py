@@ -73,7 +73,8 @@ from typing import Any, ClassVar
 import numpy as np
 import structlog
 
-from ..clock import Clock, get_clock
+from laminar.runtime.clock import Clock, get_clock
+
 from ..trajectory import FinishReason, SamplingParams
 from ..weights.manifest import WeightManifest
 from .base import Engine, EngineError, EngineOutput, EngineStats

@@ -52,9 +52,10 @@ from typing import Any
 
 import structlog
 
+from laminar.runtime.service import signals_end_the_start
+
 from ..proc import owned_dirs
 from ..proc.procfs import release_tracked_shm
-from ..service import signals_end_the_start
 from ..trajectory import SamplingParams
 from ..weights.manifest import WeightManifest
 from .base import Engine, EngineError, EngineOutput, EngineStats

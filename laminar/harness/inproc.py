@@ -21,11 +21,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from laminar.config import LaminarConfig
-from laminar.context import ServiceContext, transport_options
 from laminar.roles_registry import load_role
-from laminar.rpc_client import RpcClient, remote
-from laminar.service import Service, ServiceHost
+from laminar.runtime.config import LaminarConfig
+from laminar.runtime.context import ServiceContext, transport_options
+from laminar.runtime.rpc.client import RpcClient, remote
+from laminar.runtime.service import Service, ServiceHost
 
 from .inproc_fence import Fence
 from .inproc_loop import MEMBER, InprocLoop, run_inproc

@@ -5,7 +5,8 @@ What makes a run deterministic (the same events, in the same order, at the same 
 
 - **No threads.** Every role's blocking work (the data store, CRC checks, weight staging, reward
   worker reaping, the trainer's compute) goes through its context's executors, and the cluster
-  makes them :class:`~laminar.executor.InLoopExecutor` s (:meth:`InprocLoop.executor`): the call
+  makes them :class:`~laminar.runtime.executor.InLoopExecutor` s (:meth:`InprocLoop.executor`): the
+  call
   runs on the loop, in submission order, ``executor_cost_s`` of virtual time after it was
   submitted (1 ms: about an SQLite commit). Not zero, so that no loop that polls the store can
   stand virtual time still (one did while the role code was being rewritten; with the code as it
@@ -35,8 +36,8 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple
 
-from laminar.clock import VirtualTimeLoop, _AutojumpSelector
-from laminar.executor import Executor, InLoopExecutor
+from laminar.runtime.clock import VirtualTimeLoop, _AutojumpSelector
+from laminar.runtime.executor import Executor, InLoopExecutor
 
 if TYPE_CHECKING:
     from _typeshed import FileDescriptorLike

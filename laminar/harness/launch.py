@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot, available_cores
 from laminar.proc.procfs import signal_marked
 from laminar.proc.spawn import (
@@ -49,6 +48,7 @@ from laminar.proc.spawn import (
     start,
     stop_stages,
 )
+from laminar.runtime.errors import LaminarError
 
 __all__ = ["ProcessCluster"]
 

@@ -65,8 +65,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from laminar.config import RoleSpec
-from laminar.errors import LaminarError
 from laminar.proc.cpus import CpuSlot
 from laminar.proc.exits import Exit, OomCounter, OutputTail, oom_rose, ready_for
 from laminar.proc.exitwait import exit_status, open_pidfd, returncode
@@ -81,6 +79,8 @@ from laminar.proc.spawn import (
     pump_lines,
     start_async,
 )
+from laminar.runtime.config import RoleSpec
+from laminar.runtime.errors import LaminarError
 
 #: Seconds what a child left behind gets to end by itself before SIGTERM (a vLLM engine's watch
 #: kills it 1 s after its rollout is gone, see :mod:`laminar.engines.vllm_worker`).

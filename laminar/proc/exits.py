@@ -16,7 +16,8 @@ once the process has exited, picks the error line out of it (:func:`error_line`)
    line is what its worker raised; with only such pointers, the first (the nearest to the cause:
    the wrapper quotes it), and an ``ExceptionGroup``'s summary only when nothing else is there.
    ``Fatal Python error: ...`` (a crash in C) counts as a root cause;
-3. the last ``error`` or ``critical`` event of the role's structured log (:mod:`laminar.log`,
+3. the last ``error`` or ``critical`` event of the role's structured log
+   (:mod:`laminar.runtime.log`,
    console or JSON format).
 
 None of them: no line is claimed (the last line of output is as likely a log line as a reason).

@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-from laminar.errors import ConfigError
+from laminar.runtime.errors import ConfigError
 
 __all__ = ["gpu_env", "gpus_wanted", "parse_nvidia_smi", "plan_gpus", "visible_gpus"]
 

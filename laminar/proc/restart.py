@@ -33,12 +33,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from laminar.proc.exits import EX_CONFIG, Exit, describe
+from laminar.runtime.config import RoleSpec
 
-if TYPE_CHECKING:
-    from laminar.proc.children import Child
+
+class Restartable(Protocol):
+    """What the policy reads and marks of a supervised process (``children.Child`` is one; this
+    module does not import it, so the child owns its policy and not the other way round)."""
+
+    name: str
+    spec: RoleSpec
+    restarts: int
+    last_exit: Exit | None
+    dead: str | None
+    fatal: str | None
+    done: bool
+
+
+C = TypeVar("C", bound=Restartable)
 
 __all__ = ["EARLY_S", "decide", "describe", "keep_running", "repeats", "restart_pause"]
 
@@ -58,7 +72,7 @@ def repeats(previous: Exit | None, current: Exit) -> bool:
     return early and previous.signature() == current.signature()
 
 
-def _final(child: Child, previous: Exit | None, exit: Exit) -> str | None:
+def _final(child: Restartable, previous: Exit | None, exit: Exit) -> str | None:
     """Why restarting ``child`` cannot help after ``exit`` (None: it may)."""
     if exit.code == EX_CONFIG:
         child.fatal = f"{child.name}'s configuration was refused"
@@ -74,7 +88,7 @@ def _final(child: Child, previous: Exit | None, exit: Exit) -> str | None:
     return None
 
 
-def decide(child: Child, exit: Exit | int | None, say: Callable[[str, str], None]) -> bool:
+def decide(child: Restartable, exit: Exit | int | None, say: Callable[[str, str], None]) -> bool:
     """Whether ``child`` is started again after ``exit`` (an exit status alone is taken as an
     :class:`Exit` without a reason; None: unknown, which counts as a failure), by its role's
     policy and the rule for failures that repeat; counts the restart, says which way it went
@@ -111,7 +125,7 @@ def decide(child: Child, exit: Exit | int | None, say: Callable[[str, str], None
     return True
 
 
-def _hint(child: Child, exit: Exit, say: Callable[[str, str], None]) -> None:
+def _hint(child: Restartable, exit: Exit, say: Callable[[str, str], None]) -> None:
     hint = exit.hint()
     if hint is not None:
         say(f"{child.name}: {hint}", "yellow")
@@ -123,13 +137,13 @@ def restart_pause(restarts: int) -> float:
 
 
 async def keep_running(
-    child: Child,
-    life: Callable[[Child], Awaitable[bool]],
+    child: C,
+    life: Callable[[C], Awaitable[bool]],
     *,
     stopping: asyncio.Event,
     say: Callable[[str, str], None],
-    gave_up: Callable[[Child], None],
-    kill: Callable[[Child], Awaitable[None]],
+    gave_up: Callable[[C], None],
+    kill: Callable[[C], Awaitable[None]],
 ) -> None:
     """Own ``child`` for the whole run: one incarnation after another (``life`` runs one and
     returns whether to start it again, having called :func:`decide`), the growing pause between

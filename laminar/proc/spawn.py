@@ -54,13 +54,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from laminar.config import new_token, token_problem
-from laminar.errors import ConfigError, LaminarError
 from laminar.proc import owned_dirs
 from laminar.proc.cpus import CpuSlot
 from laminar.proc.linesplit import LineSplitter
 from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, GroupEnd, end_groups
-from laminar.service import READY_PREFIX
+from laminar.runtime.config import new_token, token_problem
+from laminar.runtime.errors import ConfigError, LaminarError
+from laminar.runtime.service import READY_PREFIX
 
 #: Bytes read from a role's output at a time.
 CHUNK = 1 << 16
@@ -192,7 +192,7 @@ def cpu_env(env: Mapping[str, str], slot: CpuSlot | None, role: str) -> dict[str
 
 
 def parse_ready_line(line: str) -> dict[str, Any] | None:
-    """The info of a ``LAMINAR_READY`` line (address, pid, ...: :func:`laminar.service.
+    """The info of a ``LAMINAR_READY`` line (address, pid, ...: :func:`laminar.runtime.service.
     print_ready`); None for any other line; an error naming the line if its payload is not a JSON
     object."""
     if not line.startswith(READY_PREFIX):

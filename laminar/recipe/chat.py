@@ -16,15 +16,10 @@ model's tokenizer writes them with ordinary tokens.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..errors import ConfigError
-
-if TYPE_CHECKING:
-    from .tasks import Task
+from laminar.runtime.errors import ConfigError
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -103,22 +98,3 @@ def render_prompt(fmt: ChatFormat, messages: list[dict[str, str]]) -> str:
         conversations=[messages], chat_template=fmt.template, add_generation_prompt=True
     )
     return str(out[0][0])
-
-
-def check_chat_model(model_dir: Path, task: Task) -> None:
-    """Refuse a model directory whose chat template is not the task's: the recipe would train or
-    evaluate on prompts the data role renders differently. A text task takes any model."""
-    fmt = task.chat
-    if fmt is None:
-        return
-    config = model_dir / "tokenizer_config.json"
-    try:
-        template = json.loads(config.read_text()).get("chat_template")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        template = None
-    if template != fmt.template:
-        found = "no chat template" if not template else "another chat template"
-        raise ConfigError(
-            f"task {task.spec!r} is a chat task ({fmt.name}) but {config} has {found}: build the "
-            f"model with `laminar model init --task {task.spec}`"
-        )

@@ -95,7 +95,7 @@ def parse_stop_at(flag: str | None, task_default: float | None) -> float | None:
     except ValueError:
         value = -1.0
     if not 0 < value <= 1:
-        from ..errors import ConfigError
+        from laminar.runtime.errors import ConfigError
 
         raise ConfigError(f"--stop-at takes an accuracy in (0, 1] or 'off', not {flag!r}")
     return value
@@ -107,7 +107,7 @@ def parse_stop_bucket(
     """``--stop-bucket STEPS=ACC`` ('off': none), else the task's ``SFT_STOP_BUCKET``, which goes
     with the task's stop: none when the run has no ``stop_at`` (a flag without one is refused
     by :class:`SftConfig`)."""
-    from ..errors import ConfigError
+    from laminar.runtime.errors import ConfigError
 
     if flag is None:
         if task_default is None or stop_at is None:

@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from laminar.runtime.errors import ConfigError
+
 from .attention import fast_attention
-from .chat import check_chat_model
 from .episodes import check_stop, greedy_episodes, left_padded, stopping_criteria
 from .model import load_model
-from .tasks import Record, Task, read_jsonl
+from .tasks import Record, Task, check_chat_model, read_jsonl
 from .tokenizer import EOS, PAD, special_id
 
 

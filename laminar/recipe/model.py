@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from laminar.runtime.errors import ConfigError
+
 from .tokenizer import EOS, PAD, build_tokenizer, load_tokenizer, save_tokenizer, special_id
 
 if TYPE_CHECKING:

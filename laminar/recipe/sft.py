@@ -63,10 +63,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from .chat import check_chat_model
+from laminar.runtime.errors import ConfigError
+
 from .model import check_model_dir, save_model_dir
-from .tasks import Record, Task, read_jsonl
+from .tasks import Record, Task, check_chat_model, read_jsonl
 from .ticker import Ticker
 from .tokenizer import PAD, load_tokenizer, special_id
 

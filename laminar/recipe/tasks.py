@@ -38,7 +38,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..errors import ConfigError
+from laminar.runtime.errors import ConfigError
+
 from .chat import ChatFormat, chat_format, check_messages, render_prompt
 from .tokenizer import EOS
 
@@ -219,3 +220,22 @@ def read_jsonl(path: str | Path) -> list[Record]:
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
     return rows
+
+
+def check_chat_model(model_dir: Path, task: Task) -> None:
+    """Refuse a model directory whose chat template is not the task's: the recipe would train or
+    evaluate on prompts the data role renders differently. A text task takes any model."""
+    fmt = task.chat
+    if fmt is None:
+        return
+    config = model_dir / "tokenizer_config.json"
+    try:
+        template = json.loads(config.read_text()).get("chat_template")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        template = None
+    if template != fmt.template:
+        found = "no chat template" if not template else "another chat template"
+        raise ConfigError(
+            f"task {task.spec!r} is a chat task ({fmt.name}) but {config} has {found}: build the "
+            f"model with `laminar model init --task {task.spec}`"
+        )

@@ -123,7 +123,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
 
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
-        from ..errors import ConfigError
+        from laminar.runtime.errors import ConfigError
 
         raise ConfigError(f"no tokenizer.json in {directory}")
     return Tokenizer.from_file(str(path))

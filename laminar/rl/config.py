@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from laminar.config import Strict
+from laminar.runtime.config import Strict
 
 #: what one excluded trajectory takes with it (:func:`laminar.rl.screen.screen_batch`).
 ExcludeScope = Literal["trajectory", "group"]

@@ -32,13 +32,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from laminar.clock import get_clock
-from laminar.config import ConfigError, LaminarConfig
 from laminar.harness.inproc import InprocCluster
 from laminar.harness.inproc_loop import InprocLoop, run_inproc
-from laminar.membership import MembershipApi
 from laminar.roles_registry import builtin_roles, load_role
-from laminar.rpc_client import RpcClient
+from laminar.runtime.clock import get_clock
+from laminar.runtime.config import ConfigError, LaminarConfig
+from laminar.runtime.membership import MembershipApi
+from laminar.runtime.rpc.client import RpcClient
 
 from .measure import figures, sample_cluster, trainer_records
 

@@ -24,9 +24,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from laminar.membership import MembershipApi
-from laminar.rpc_client import RpcClient
-from laminar.stats import RolloutStats, TrainerStats
+from laminar.roles.rollout.api import RolloutStats
+from laminar.roles.trainer.api import TrainerStats
+from laminar.runtime.membership import MembershipApi
+from laminar.runtime.rpc.client import RpcClient
 
 __all__ = ["TrainerRecords", "figures", "sample_cluster", "trainer_records"]
 
@@ -38,8 +39,8 @@ async def sample_cluster(manager: MembershipApi, now: float) -> dict[str, Any]:
     status = await manager.status.call()
     rollouts = [m for m in status.members if m.role == "rollout" and m.state == "alive"]
     trainer = [m for m in status.members if m.role in TRAINER_ROLES]
-    stats = [m.rollout_stats() or RolloutStats() for m in rollouts]
-    trained = (trainer[0].trainer_stats() if trainer else None) or TrainerStats()
+    stats = [m.stats_as(RolloutStats) or RolloutStats() for m in rollouts]
+    trained = (trainer[0].stats_as(TrainerStats) if trainer else None) or TrainerStats()
     return {
         "t": now,
         "tokens": float(sum(s.generated_tokens for s in stats)),

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from laminar.errors import ConfigError
+from laminar.runtime.errors import ConfigError
 
 from .cells import run_cell
 from .workload import SCALES, SYSTEMS

@@ -44,8 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from laminar.errors import ConfigError
 from laminar.plugins import load_object
+from laminar.runtime.errors import ConfigError
 
 Span = tuple[int, int]
 

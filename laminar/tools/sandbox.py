@@ -52,7 +52,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from laminar.config import Strict
+from laminar.runtime.config import Strict
 
 from .jail import SETUP_FAILED
 from .jailserver import JailCall, JailServer, JailServerGone

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..config import Strict
+from laminar.runtime.config import Strict
 
 
 class WandbConfig(Strict):

@@ -83,7 +83,8 @@ def plan_for_run(
     config: Any, roles: Sequence[tuple[str, str, Mapping[str, Any]]], run_dir: Path
 ) -> TrackingPlan:
     """``laminar run``'s plan: the trainer's (``roles``: each process's role, config section
-    and overrides; ``config`` the :class:`~laminar.config.LaminarConfig`), which the cluster's
+    and overrides; ``config`` the :class:`~laminar.runtime.config.LaminarConfig`), which the
+    cluster's
     scalars share; under ``run_dir`` when no trainer writes a metrics file."""
     from ..roles_registry import load_role_config  # the trainer's model, for its defaults
 

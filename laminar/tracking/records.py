@@ -8,12 +8,9 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-# progress.py's own test of a live member (a private name: its owner may rename it, and then
-# this import says so at once); one filter, so the display and the curves agree on who is up
-from ..devmode.progress import Progress
-from ..devmode.progress import _alive as alive
 from .config import TrackingConfig
 from .plan import TrackingPlan
+from .progress import Progress, alive
 from .worker import open_tracker
 
 # Record keys that are not measurements: the step itself, bookkeeping, absolute timestamps.

@@ -7,16 +7,16 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from laminar.config import Strict
+from laminar.runtime.config import Strict
 
 
 class PublishConfig(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Dtype of the floating tensors of a published version. Unset in the file: "
-        "the rollouts' rollout.engine.dtype (laminar.config.DERIVED), the dtype the engines cast "
-        "to anyway; auto: the trainer's parameters' own (fp32). bf16 halves every staging "
-        "buffer, relay copy and transfer of a version.",
+        "the rollouts' rollout.engine.dtype (laminar.runtime.config.DERIVED), the dtype the "
+        "engines cast to anyway; auto: the trainer's parameters' own (fp32). bf16 halves every "
+        "staging buffer, relay copy and transfer of a version.",
     )
     chunks: Annotated[int, Field(ge=1)] | None = Field(
         None, description="Chunks per version; unset: the paper's k* for the current chain."

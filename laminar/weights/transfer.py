@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from laminar.executor import LOOP_DEFAULT, Executor
+from laminar.runtime.executor import LOOP_DEFAULT, Executor
 from laminar.transport import Connection, Frame, FrameError, decode_payload, encode_payload
 from laminar.transport.reader import default_allocator
 from laminar.transport.shm import SharedBuffer

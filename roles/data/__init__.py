@@ -1,5 +1,5 @@
-"""The data role: prompt pool, partial-response pool, experience buffer (see ``service``)."""
+"""The data role: prompt pool, partial-response pool, experience buffer (see ``service``).
 
-from .api import DataApi, DataStatus, Report, ReportReply, SampleRequest, TakeRequest
-
-__all__ = ["DataApi", "DataStatus", "Report", "ReportReply", "SampleRequest", "TakeRequest"]
+Its contract is :mod:`.api`. Nothing is imported here, so the reward worker
+(:mod:`.reward_worker`, a process of its own) starts without the role's imports.
+"""

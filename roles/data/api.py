@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from laminar.endpoint import endpoint
+from laminar.runtime.endpoint import endpoint
 from laminar.trajectory import Assignment, PartialChunk, TokenIds, Trajectory
 
 

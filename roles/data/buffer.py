@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from laminar.errors import ConfigError
 from laminar.plugins import load_object
+from laminar.runtime.errors import ConfigError
 from laminar.trajectory import Trajectory
 
 from .store import BufferEntry, Store

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from laminar.errors import ConfigError
+from laminar.runtime.errors import ConfigError
 
 #: roles a prompt's message may have (the template decides how each is written)
 ROLES = ("system", "user", "assistant", "tool")

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from laminar.config import ServiceConfig, Strict
+from laminar.runtime.config import ServiceConfig, Strict
 
 from .rewards import RewardFunction, RewardKind, RewardSandbox
 
@@ -119,7 +119,7 @@ class DataConfig(ServiceConfig):
     max_model_len: Annotated[int, Field(ge=2)] | None = Field(
         None,
         description="The rollouts' context length; unset, it is taken from the same file's "
-        "rollout.engine.max_model_len (laminar.config.DERIVED). Set: a prompt "
+        "rollout.engine.max_model_len (laminar.runtime.config.DERIVED). Set: a prompt "
         "that leaves no room for a response (tokens >= this) is left out or refused at load "
         "(overlong_prompts); a prompt that fits but leaves less than sampling.max_tokens gets a "
         "response cut at the limit (finish reason length, counted in the log). null in both: "

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from laminar.clock import Clock, RealClock
+from laminar.runtime.clock import Clock, RealClock
 
 from .focus import Focus
 from .rounds import RoundGate

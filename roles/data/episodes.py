@@ -35,8 +35,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from laminar.clock import Clock
-from laminar.errors import ConfigError
+from laminar.runtime.clock import Clock
+from laminar.runtime.errors import ConfigError
 from laminar.tools.env import Environment, Step, load_environment, model_spans
 
 from .api import EnvStepReply

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from laminar.errors import RpcError
-from laminar.membership import MemberEvent, MembershipApi, WatchRequest
+from laminar.runtime.errors import RpcError
+from laminar.runtime.membership import MemberEvent, MembershipApi, WatchRequest
 
 from .context import DataContext
 

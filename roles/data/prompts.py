@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from laminar.engines.checkpoint import eos_token_ids
-from laminar.errors import ConfigError
+from laminar.runtime.errors import ConfigError
 
 from .chat import ChatTemplate
 from .config import DataConfig

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from laminar.errors import ConfigError
 from laminar.reward_calls import lookup
+from laminar.runtime.errors import ConfigError
 
 #: What :func:`field` returns for a field a record does not have (a field may hold ``None``).
 MISSING: Any = object()

@@ -2,7 +2,8 @@
 
 A reward is user code, and it may run code the model wrote: it may be slow, raise, loop forever,
 leak memory, fork, or go looking for the cluster token. So it never runs on the data role's
-event loop or even in its process. Each worker is an exec'd process (:mod:`laminar.reward_worker`)
+event loop or even in its process. Each worker is an exec'd process
+(:mod:`laminar.roles.data.reward_worker`)
 serving one job at a time over a pair of pipes; the parent waits with ``loop.add_reader`` (no
 thread per job).
 
@@ -37,11 +38,11 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from laminar.config import Strict
-from laminar.executor import Executor
 from laminar.proc import procfs
 from laminar.proc.exitwait import fd_ready
-from laminar.reward_worker import MAX_REPLY_BYTES, WORKER_MARK
+from laminar.roles.data.reward_worker import MAX_REPLY_BYTES, WORKER_MARK
+from laminar.runtime.config import Strict
+from laminar.runtime.executor import Executor
 
 MALFORMED = "worker sent a malformed reply"
 #: Seconds a new worker may take to start and load the reward (not counted in ``timeout_s``).
@@ -147,7 +148,8 @@ class RewardWorker:
         self, scoring: dict[str, Any], sandbox: RewardSandbox, token_env: str, executor: Executor
     ) -> None:
         """``scoring``: what the worker scores with (its functions, their kinds, the
-        ``reward_kwargs``, the prompt's key), as :func:`laminar.reward_worker.main` reads it."""
+        ``reward_kwargs``, the prompt's key), as :func:`laminar.roles.data.reward_worker.main`
+        reads it."""
         self.executor = executor  # where :meth:`finish` blocks
         self.mark = f"{WORKER_MARK}={secrets.token_hex(8)}"
         jobs_r, self.jobs = os.pipe()
@@ -162,7 +164,7 @@ class RewardWorker:
         }
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "laminar.reward_worker", json.dumps(args)],
+                [sys.executable, "-m", "laminar.roles.data.reward_worker", json.dumps(args)],
                 env=worker_env(token_env, sandbox.drop_env, self.mark),
                 stdin=subprocess.DEVNULL,
                 stdout=2,  # a reward's print() goes to the role's stderr, never its stdout

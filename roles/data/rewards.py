@@ -30,12 +30,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from laminar.config import Strict
-from laminar.errors import ConfigError
-from laminar.executor import LOOP_DEFAULT, Executor
 from laminar.plugins import load_object
 from laminar.reward_calls import NAME
 from laminar.reward_kinds import detect_kind, is_async
+from laminar.runtime.config import Strict
+from laminar.runtime.errors import ConfigError
+from laminar.runtime.executor import LOOP_DEFAULT, Executor
 
 from .reward_workers import (
     RewardResult,

@@ -1,6 +1,7 @@
 """The data role's side of the round schedules (``sync``, ``one_step``, ``tail_batching``).
 
-Decisions come from :mod:`laminar.schedules`; this module applies them to the store. Everything
+Decisions come from :mod:`laminar.runtime.schedules`; this module applies them to the store.
+Everything
 here runs on the data role's database thread (the service wraps each call in ``_db``), so the
 round state below and the store change together.
 
@@ -29,7 +30,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from laminar.schedules import (
+from laminar.runtime.schedules import (
     RoundPlan,
     ScheduleConfig,
     plan_round,

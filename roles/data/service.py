@@ -45,12 +45,12 @@ from typing import Any, ClassVar, TypeVar
 
 from prometheus_client import Gauge
 
-from laminar.config import ServiceConfig
-from laminar.context import ServiceContext
-from laminar.endpoint import endpoint
-from laminar.errors import ConfigError
-from laminar.membership import MembershipApi
-from laminar.service import Service
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.endpoint import endpoint
+from laminar.runtime.errors import ConfigError
+from laminar.runtime.membership import MembershipApi
+from laminar.runtime.service import Service
 
 from .api import (
     Assignments,
@@ -125,7 +125,8 @@ class DataService(Service, DataApi):
         c = self.config
         self.sampler = make_policy(c.sampler.kind, SAMPLERS, c.sampler.options)
         self.eviction = make_policy(c.eviction.kind, EVICTIONS, c.eviction.options)
-        # Round schedules (sync, one_step, tail_batching; laminar.schedules): prompts go out in
+        # Round schedules (sync, one_step, tail_batching; laminar.runtime.schedules): prompts go
+        # out in
         # gated rounds. None under laminar: every path below behaves as without schedules.
         schedule = ctx.cluster.schedule
         self.rounds = (
@@ -282,7 +283,7 @@ class DataService(Service, DataApi):
 
     async def on_stop(self) -> None:
         # our tasks (scoring, counts, the watch) and the reports under way have ended: the host
-        # ends them first (laminar.service)
+        # ends them first (laminar.runtime.service)
         if self.rewards is not None:
             await self.rewards.close()
         store, self.store = self.store, None  # requests from now on get a clear error

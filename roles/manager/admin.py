@@ -32,9 +32,9 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError, UnknownMethod
 from laminar.repack import RepackPolicy, plan_repack
 from laminar.roles.rollout.api import DrainRequest, RolloutApi
+from laminar.runtime.errors import CallTimeout, PeerUnavailable, RemoteError, UnknownMethod
 
 from .cluster_view import ScrapeGauges, cluster_status
 from .openapi import (

@@ -1,7 +1,8 @@
 """What the admin API shows of the cluster: ``/v1/status`` and the scrape-time gauges.
 
 Read from the manager's live view (``view.ManagerView``: members and their heartbeat stats,
-typed by ``laminar.stats``; the relay chain; the event log), refined by asking the data role, the
+typed by ``laminar.runtime.stats``; the relay chain; the event log), refined by asking the data
+role, the
 trainer, the relays and the rollouts concurrently with a short timeout each: a role that does not
 answer is null and named in ``errors``, never a 500.
 """
@@ -14,13 +15,12 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 
-from laminar.errors import RpcError
-from laminar.membership import Member
 from laminar.roles.data.api import DataApi, DataStatus
-from laminar.roles.relay import RelayApi, RelayStatus
-from laminar.roles.rollout.api import RolloutApi, RolloutState
-from laminar.roles.trainer.api import TrainerApi
-from laminar.stats import RolloutStats
+from laminar.roles.relay.api import RelayApi, RelayStatus
+from laminar.roles.rollout.api import RolloutApi, RolloutState, RolloutStats
+from laminar.roles.trainer.api import TrainerApi, TrainerStats
+from laminar.runtime.errors import RpcError
+from laminar.runtime.membership import Member
 
 from .openapi import (
     AdminStatus,
@@ -64,7 +64,9 @@ class ScrapeGauges:
         for (role, state), n in sorted(counts.items()):
             by_state.add_metric([role, state], n)
         rollouts = [
-            (m, m.rollout_stats()) for m in members if m.role == "rollout" and m.state == "alive"
+            (m, m.stats_as(RolloutStats))
+            for m in members
+            if m.role == "rollout" and m.state == "alive"
         ]
         by_rstate = GaugeMetricFamily(
             "laminar_admin_rollouts", "Live rollouts by state", labels=["state"]
@@ -190,7 +192,7 @@ async def cluster_status(m: ManagerView) -> AdminStatus:
         {v.version for v in views if v.member_state == "alive" and v.version is not None}
     )
     trainer_version = trainer.version if trainer is not None else None
-    beat = trainer_m[0].trainer_stats() if trainer_m else None
+    beat = trainer_m[0].stats_as(TrainerStats) if trainer_m else None
     if trainer_version is None and beat is not None:
         trainer_version = beat.version
     staleness = StalenessSummary(
@@ -229,7 +231,7 @@ async def cluster_status(m: ManagerView) -> AdminStatus:
 
 def _rollout_view(member: Member, state: RolloutState | None, now: float) -> RolloutView:
     """From its last heartbeat (no numbers before the first), refined by its ``state`` answer."""
-    st = member.rollout_stats()
+    st = member.stats_as(RolloutStats)
     view = RolloutView(
         id=member.instance,
         host=member.host,

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from laminar.clock import Clock
-from laminar.membership import Member
+from laminar.runtime.clock import Clock
+from laminar.runtime.membership import Member
 
 
 def silent_members(

@@ -1,4 +1,20 @@
-"""The manager's side of :mod:`laminar.rendezvous`: the open generation of each trainer group.
+"""The manager's side of the trainer group's rendezvous (``api.RendezvousApi``):
+the open generation of each trainer group.
+
+Why through the manager: every member already knows the manager's address and nothing else, so a
+rank started by hand on another host, by ``laminar run``'s supervisor or by Ray needs no
+``MASTER_ADDR``; and a rank restarted after a crash learns where the group re-forms without anyone
+editing its command line. Rank 0 (the trainer service) *offers* each generation of its group:
+the address it listens on (a free port on its own bind host), the world size, and what every rank
+must run (rank 0's trainer config, the checkpoint to start from). Each rank process *takes a
+seat* in the newest generation it has not served; seats are numbered 1..W-1 in the order they are
+taken (rank 0 is the offerer), so ranks need no per-host configuration.
+
+Generations count up across the trainer's restarts (the manager numbers them) and past the newest
+any rank asked about (``SeatRequest.after``), so after a manager restart a surviving rank is never
+offered a number it already served. A generation whose offerer's connection to the manager closed
+(it died), or whose seats are all taken, is not offered: a rank 0 whose group fails to form (a
+seated rank never came) offers a new one.
 
 State is small and soft: one offer per group (the newest), its seats, and the newest generation
 number anyone has offered or asked about. A restarted manager loses it and that is fine: a rank
@@ -17,8 +33,8 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-from laminar.clock import Clock
-from laminar.rendezvous import GroupFormed, GroupOffer, Seat, SeatRequest
+from laminar.roles.manager.api import GroupFormed, GroupOffer, Seat, SeatRequest
+from laminar.runtime.clock import Clock
 
 
 @dataclass

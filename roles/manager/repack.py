@@ -5,7 +5,7 @@ module owns everything with time and I/O in it:
 
 * **Loads.** Every rollout heartbeat carries its stats (KV use, in flight, waiting, version,
   whether it takes prompts). :meth:`RepackController.observe` keeps the last two samples per
-  rollout, typed (``laminar.stats.RolloutStats``): the planner's ``C_used`` and ``C_prev``.
+  rollout, typed (``laminar.runtime.stats.RolloutStats``): the planner's ``C_used`` and ``C_prev``.
 * **Triggers.** A periodic check every ``policy.period_s``, and one right after each weight
   publish (``policy.on_publish``): a publish is when rollouts start draining for the new
   version, which is when their tails become worth consolidating. The manager learns of publishes
@@ -29,12 +29,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, Field
 
-from laminar.clock import Clock
-from laminar.errors import RpcError
-from laminar.membership import Member
 from laminar.repack import RepackPlan, RepackPolicy, RolloutLoad, plan_repack
-from laminar.roles.rollout.api import MigrateReport, MigrateRequest, RolloutApi
-from laminar.stats import RolloutStats
+from laminar.roles.rollout.api import MigrateReport, MigrateRequest, RolloutApi, RolloutStats
+from laminar.runtime.clock import Clock
+from laminar.runtime.errors import RpcError
+from laminar.runtime.membership import Member
 
 from .events import EventLog
 
@@ -99,7 +98,7 @@ class RepackController:
         """A rollout heartbeat arrived (``member.stats`` is the new sample)."""
         if member.role != "rollout":
             return
-        now = member.rollout_stats()
+        now = member.stats_as(RolloutStats)
         prev = self._samples.get(member.instance)
         self._samples[member.instance] = (prev[1] if prev else now, now)
         self._rollouts[member.instance] = member

@@ -11,7 +11,8 @@ A member is *dead* as soon as either signal says so:
 A dead member that heartbeats again is *revived* (a network blip); a restarted process joins again
 under the same instance id and gets a new incarnation.
 
-The manager also orders the relay chain (``laminar.weights.chain``): every membership change of a
+The manager also orders the relay chain (``laminar.roles.manager.api``): every membership change of
+a
 relay re-plans it at once, in the same call that noticed the change, and pushes the new view to
 every ``watch_chain`` stream, so a dead relay is routed around as fast as its socket closes.
 
@@ -22,7 +23,7 @@ to), so its chain counts epochs afresh and followers take its views by the incar
 data role, whether it has had time to fill up again (``ClusterStatus.unsettled_s``).
 
 Heartbeat stats stay a ``dict[str, float]`` on the wire; the manager reads them only through the
-typed models of ``laminar.stats``. Stats that do not parse as the member's role's model (a
+typed models of ``laminar.runtime.stats``. Stats that do not parse as the member's role's model (a
 fractional count, a flag other than 0/1) are refused with a warning naming the key, and the last
 good ones kept: every reader of the member table sees stats that parse, and a member's liveness
 never depends on its numbers.
@@ -44,10 +45,27 @@ from typing import ClassVar
 
 from pydantic import Field, ValidationError
 
-from laminar.config import ServiceConfig
-from laminar.context import ServiceContext
-from laminar.endpoint import endpoint, stream
-from laminar.membership import (
+from laminar.repack import RepackPolicy
+from laminar.roles.manager.api import (
+    ChainView,
+    ChainWatch,
+    GroupFormed,
+    GroupOffer,
+    RelayChainApi,
+    RelayInfo,
+    RendezvousApi,
+    Seat,
+    SeatRequest,
+    parse_stats,
+)
+from laminar.roles.manager.chain import plan_chain
+from laminar.roles.relay.api import LatestRequest, RelayApi, SharedVersion
+from laminar.roles.rollout.api import RolloutApi
+from laminar.roles.trainer.api import TrainerStats
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.endpoint import endpoint, stream
+from laminar.runtime.membership import (
     ClusterStatus,
     Heartbeat,
     HeartbeatAck,
@@ -59,15 +77,9 @@ from laminar.membership import (
     MembershipApi,
     WatchRequest,
 )
-from laminar.rendezvous import GroupFormed, GroupOffer, RendezvousApi, Seat, SeatRequest
-from laminar.repack import RepackPolicy
-from laminar.roles.relay import LatestRequest, RelayApi, SharedVersion
-from laminar.roles.rollout.api import RolloutApi
-from laminar.rpc import current_call
-from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S
-from laminar.service import Service
-from laminar.stats import TrainerStats, parse_stats
-from laminar.weights.chain import ChainView, ChainWatch, RelayChainApi, RelayInfo, plan_chain
+from laminar.runtime.rpc.client import QUIET_STREAM_TIMEOUT_S
+from laminar.runtime.rpc.server import current_call
+from laminar.runtime.service import Service
 
 from .admin import AdminServer
 from .events import EventLog
@@ -117,7 +129,7 @@ class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
             self.log,
         )
         self.admin: AdminServer | None = None
-        self.groups = GroupBoard(ctx.clock)  # trainer rank groups (laminar.rendezvous)
+        self.groups = GroupBoard(ctx.clock)  # trainer rank groups (laminar.roles.manager.api)
 
     async def on_start(self) -> None:
         assert self.ctx.address is not None
@@ -328,7 +340,7 @@ class ManagerService(Service, MembershipApi, RelayChainApi, RendezvousApi):
             reason=reason,
         )
 
-    # -- trainer groups (laminar.rendezvous) --
+    # -- trainer groups (laminar.roles.manager.api) --
 
     @endpoint
     async def offer_group(self, req: GroupOffer) -> GroupFormed:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from laminar.context import ServiceContext
-from laminar.membership import Member
-from laminar.weights.chain import ChainView
+from laminar.roles.manager.api import ChainView
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.membership import Member
 
 from .events import EventLog
 from .repack import RepackController

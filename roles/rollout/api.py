@@ -11,13 +11,14 @@ a failed migration loses nothing and changes no trajectory's version.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from laminar.endpoint import endpoint
 from laminar.engines import InflightSequence
-from laminar.membership import RolloutPhase
+from laminar.runtime.endpoint import endpoint
+from laminar.runtime.stats import VersionedStats
 from laminar.trajectory import Assignment
 
 
@@ -122,3 +123,46 @@ class RolloutApi:
     @endpoint
     async def accept(self, req: Handoff) -> HandoffReply:
         raise NotImplementedError
+
+
+# -- what its heartbeats carry -----------------------------------------------------------------
+
+RolloutPhase = Literal["running", "draining", "switching"]
+
+
+class RolloutStats(VersionedStats):
+    """``RolloutService.stats``: the engine's load and the rollout's phase flags."""
+
+    kv_cache_usage: float = 0.0  # fraction of the engine's KV-cache blocks in use
+    running: int = 0
+    waiting: int = 0
+    in_flight: int = 0  # trajectories it holds (running, waiting or being handed over)
+    leased_ahead: int = 0  # fresh leases in hand, not started yet (``rollout.lease_ahead``)
+    env_waiting: int = 0  # episodes out of the engine, waiting for the environment's answer
+    generated_tokens: int = 0
+    completed: int = 0
+    failed: int = 0
+    paused_for_weights: bool = False  # a newer version waits: it takes nothing until loaded
+    operator_drain: bool = False  # an operator's drain: it takes nothing until resumed
+    migrating: bool = False  # a repack is moving its trajectories out
+    starved: bool = False  # its last take found the prompt pool dry
+
+    @property
+    def phase(self) -> RolloutPhase:
+        """``switching``: a newer version waits or a repack is moving its trajectories out;
+        ``draining``: an operator told it to take no prompts; ``running``: taking prompts."""
+        if self.paused_for_weights or self.migrating:
+            return "switching"
+        if self.operator_drain:
+            return "draining"
+        return "running"
+
+
+def rollout_phase(stats: RolloutStats | Mapping[str, float]) -> RolloutPhase:
+    """What a rollout is doing, from the stats its heartbeats carry (``RolloutStats.phase``).
+
+    One reading for the rollout's own ``state`` endpoint, the admin API and ``laminar status``.
+    """
+    if not isinstance(stats, RolloutStats):
+        stats = RolloutStats.model_validate(stats)
+    return stats.phase

@@ -34,11 +34,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from laminar.clock import Clock
 from laminar.engines import Engine
 from laminar.engines.base import EngineError
-from laminar.errors import RpcError
 from laminar.roles.data.api import DataApi, LeaseTransfer
+from laminar.runtime.clock import Clock
+from laminar.runtime.errors import RpcError
 
 from .api import Handoff, HandoffReply, MigratedSequence, MigrateReport, MigrateRequest, RolloutApi
 from .flights import Flight, FlightTable

@@ -16,16 +16,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from laminar.clock import Clock
 from laminar.engines import Engine
-from laminar.errors import RpcError
-from laminar.peers import Peer
 from laminar.roles.data.api import DataApi, FailedItem, Report
+from laminar.runtime.clock import Clock
+from laminar.runtime.errors import RpcError
+from laminar.runtime.peers import ONCE, Peer
 from laminar.trajectory import Trajectory
 
 from .flights import FlightTable
-
-DATA_ERRORS = (RpcError,)
 
 
 class Reporter:
@@ -49,7 +47,7 @@ class Reporter:
     async def loop(self, clock: Clock, interval_s: float) -> None:
         while True:
             await clock.sleep(interval_s)
-            with contextlib.suppress(*DATA_ERRORS):  # noted by the peer; sent again next time
+            with contextlib.suppress(RpcError):  # noted by the peer; sent again next time
                 await self.flush()
 
     async def flush(self) -> None:
@@ -62,9 +60,7 @@ class Reporter:
         report = Report(
             rollout=self.instance, partials=partials, completed=completed, failed=failed
         )
-        # one attempt: a failed report is retried by the loop, with whatever is new by then
-        reply = await self.data.call(lambda data: data.report.call(report), attempts=1,
-                                     retry_on=DATA_ERRORS)  # fmt: skip
+        reply = await self.data.call(lambda data: data.report.call(report), ONCE)
         refused = {r.trajectory_id for r in reply.rejected if r.item == "partial"}
         for chunk in partials:
             flight = self.flights.get(chunk.trajectory_id)

@@ -47,16 +47,17 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from laminar.clock import Clock
-from laminar.config import ServiceConfig
-from laminar.context import ServiceContext
-from laminar.endpoint import endpoint
 from laminar.engines import Engine, EngineConfig, EngineRequest, InflightSequence, create_engine
 from laminar.engines.base import EngineError
-from laminar.membership import rollout_phase
 from laminar.roles.data.api import DataApi, LeaseRelease, TakeRequest
-from laminar.service import Service
-from laminar.stats import RolloutStats
+from laminar.roles.rollout.api import RolloutStats, rollout_phase
+from laminar.runtime.clock import Clock
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.endpoint import endpoint
+from laminar.runtime.errors import RpcError
+from laminar.runtime.peers import ONCE
+from laminar.runtime.service import Service
 from laminar.trajectory import Assignment, Trajectory
 
 from .ahead import LeasesAhead, is_fresh, sizes
@@ -73,7 +74,7 @@ from .api import (
 from .changes import Changes
 from .flights import Flight, FlightTable
 from .migration import accept_in, migrate_out
-from .reporting import DATA_ERRORS, Reporter
+from .reporting import Reporter
 from .state import RolloutPhases
 from .switching import WeightSwitcher
 from .turns import Turns
@@ -287,13 +288,13 @@ class RolloutService(Service, RolloutApi):
             holding=[*self.reporter.holding(), *self.ahead],
             wait_s=cfg.take_wait_s,
         )
-        try:  # one attempt: the next take asks afresh (free slots, holding, version)
+        # Once, under the take lock a weight load waits for: the pull loop asks afresh (free
+        # slots, holding, version), finding the data role again outside the lock.
+        try:
             batch = await self.data.call(
-                lambda data: data.take.options(timeout=cfg.take_wait_s + 10).call(req),
-                attempts=1,
-                retry_on=DATA_ERRORS,
+                lambda data: data.take.options(timeout=cfg.take_wait_s + 10).call(req), ONCE
             )
-        except DATA_ERRORS:  # noted by the peer (and its address forgotten)
+        except RpcError:  # noted by the peer (and its address forgotten)
             await self.ctx.clock.sleep(0.5)
             return
         self.phases.took(len(batch.items))  # a long poll came back empty: the pool is dry
@@ -334,9 +335,8 @@ class RolloutService(Service, RolloutApi):
         if not ids:
             return
         req = LeaseRelease(rollout=self.ctx.instance, trajectory_ids=ids)
-        with contextlib.suppress(*DATA_ERRORS):
-            await self.data.call(lambda data: data.release.call(req), attempts=1,
-                                 retry_on=DATA_ERRORS)  # fmt: skip
+        with contextlib.suppress(RpcError):
+            await self.data.call(lambda data: data.release.call(req), ONCE)
             self.log.info("gave back leases not started", count=len(ids))
 
     async def _start(self, a: Assignment) -> None:

@@ -15,12 +15,12 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 
-from laminar.context import ServiceContext
 from laminar.engines import Engine
 from laminar.engines.base import EngineError
-from laminar.peers import STREAM_ERRORS
-from laminar.roles.relay import LatestRequest, RelayApi, SharedVersion
-from laminar.rpc_client import QUIET_STREAM_TIMEOUT_S
+from laminar.roles.relay.api import LatestRequest, RelayApi, SharedVersion
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.errors import STREAM_ERRORS
+from laminar.runtime.rpc.client import QUIET_STREAM_TIMEOUT_S
 
 from .api import LoadedWeights
 from .changes import Changes

@@ -26,20 +26,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from laminar.clock import Clock
 from laminar.engines import Engine
 from laminar.engines.base import EngineError
-from laminar.peers import Peer
-from laminar.roles.data.api import DataApi, EnvStepReply, EnvStepRequest
+from laminar.roles.data.api import DataApi, EnvStepRequest
+from laminar.runtime.clock import Clock
+from laminar.runtime.errors import RpcError
+from laminar.runtime.peers import Peer, RetryPolicy
 from laminar.tools.env import add_span, awaits_step
 from laminar.trajectory import Trajectory
 
 from .flights import Flight, FlightTable
-from .reporting import DATA_ERRORS
 
 #: The data role answers a step after the environment's own timeout plus its queue: be patient.
 STEP_CALL_TIMEOUT_S = 900.0
-RETRY_S = 0.5
+#: asked until answered, for as long as the episode still waits here (the data role may be
+#: restarting; its answer is what the episode waits for)
+STEP_RETRY = RetryPolicy(backoff_s=0.5, retry_on=(RpcError,))
 
 
 class Turns:
@@ -101,18 +103,16 @@ class Turns:
             env_spans=list(flight.env_spans),
         )
         t0 = self.clock.time()
-        reply: EnvStepReply | None = None
-        while reply is None:
-            if not self._current(tid, flight, asked):
-                return  # moved (repack) or dropped meanwhile
-            try:
-                reply = await self.data.call(
-                    lambda data: data.env_step.options(timeout=STEP_CALL_TIMEOUT_S).call(req),
-                    attempts=1,
-                    retry_on=DATA_ERRORS,
-                )
-            except DATA_ERRORS:
-                await self.clock.sleep(RETRY_S)
+        if not self._current(tid, flight, asked):
+            return  # moved (repack) or dropped meanwhile
+        try:
+            reply = await self.data.call(
+                lambda data: data.env_step.options(timeout=STEP_CALL_TIMEOUT_S).call(req),
+                STEP_RETRY,
+                give_up=lambda: not self._current(tid, flight, asked),
+            )
+        except RpcError:
+            return  # no longer wanted: moved (repack) or dropped meanwhile
         if not self._current(tid, flight, asked):
             return
         flight.waiting = False

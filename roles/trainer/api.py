@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from laminar.endpoint import endpoint
+from laminar.runtime.endpoint import endpoint
+from laminar.runtime.stats import VersionedStats
 
 
 class TrainerStatus(BaseModel):
@@ -32,3 +33,22 @@ class TrainerApi:
     async def status(self) -> TrainerStatus:
         """Version, data cursor, resume point, publish acknowledgements and stalls."""
         raise NotImplementedError
+
+
+class TrainerStats(VersionedStats):
+    """The trainer's stats (``TrainerService.stats``, and ``SimTrainerService.stats`` for the
+    emulated one, which publishes ``trained_tokens`` and ``batches`` instead of the rest)."""
+
+    cursor: int = 0
+    max_staleness: int = 0
+    excluded_trajectories: int = 0  # stay 0 in a healthy run (issue 15)
+    skipped_steps: int = 0
+    trained_tokens: int = 0
+    batches: int = 0
+
+    def alert_counters(self) -> dict[str, int]:
+        """The counters that stay at 0 in a healthy run: growth is an alert."""
+        return {
+            "excluded_trajectories": self.excluded_trajectories,
+            "skipped_steps": self.skipped_steps,
+        }

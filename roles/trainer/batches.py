@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from laminar.context import ServiceContext
-from laminar.errors import RemoteError, RpcError
 from laminar.roles.data.api import DataApi, SampleRequest, Trajectories
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.errors import RemoteError, RpcError
+from laminar.runtime.peers import RetryPolicy
 from laminar.trajectory import Trajectory
 from laminar.transport import MessageTooLarge
 
@@ -51,6 +52,12 @@ class Gathered:
 def _too_large(exc: Exception) -> bool:
     """The data role refused to send a reply over the frame limit: ask for less, not again."""
     return isinstance(exc, RemoteError) and exc.cause_type == MessageTooLarge.__name__
+
+
+#: every failure is retried (the data role may be restarting, or refusing until its store is
+#: ready) except a reply too large to send, which :meth:`BatchSource.next` answers by asking for
+#: less
+SAMPLE_RETRY = RetryPolicy(retry_on=(RpcError,), unless=_too_large)
 
 
 class BatchTooLarge(RuntimeError):
@@ -88,12 +95,7 @@ class BatchSource:
                 whole_groups=True,
             )  # fmt: skip
             try:
-                reply = await self.data.call(
-                    partial(self._sample, request),
-                    backoff=1.0,
-                    retry_on=(RpcError,),
-                    unless=_too_large,
-                )
+                reply = await self.data.call(partial(self._sample, request), SAMPLE_RETRY)
             except RemoteError as exc:  # only a reply too large to send gets here
                 self._shrink(want, exc)
                 continue

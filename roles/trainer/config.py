@@ -11,10 +11,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from laminar.config import ServiceConfig, Strict
 from laminar.engines.costmodel import TrainCostModel
-from laminar.rendezvous import MAX_SEAT_WAIT_S
 from laminar.rl.config import ExcludeScope, PolicyLossConfig
+from laminar.roles.manager.api import MAX_SEAT_WAIT_S
+from laminar.runtime.config import ServiceConfig, Strict
 from laminar.tracking import TrackingConfig
 from laminar.weights.config import PublishConfig
 

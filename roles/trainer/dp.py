@@ -15,7 +15,8 @@ Where the other ranks run (``ranks``):
 - ``serve``: each rank is its own ``laminar serve --role trainer_rank`` process, on any host
   (:mod:`.rank`). Rank 0 offers each *generation* of the group through the manager: a free port
   on its own bind host, the world size, its config and the checkpoint to start from
-  (:mod:`laminar.rendezvous`); the rank processes take seats 1..W-1 and join. When a collective
+  (:mod:`laminar.roles.manager.api`); the rank processes take seats 1..W-1 and join. When a
+  collective
   fails (a rank died), rank 0 does not exit: it tears the group down, offers a new generation,
   waits until all W ranks have joined it (the dead one restarted by its supervisor), and every
   rank loads the last checkpoint; rank 0 then replays the batches it trained on since that

@@ -22,7 +22,8 @@ version:
 6. **publish** through :class:`WeightPublisher` (the stall is one host copy at most: the torch
    trainer's runs during the next step, whose optimizer waits for it, ``weights_wait_s``, which
    counts to the publish's stall; ``roles/trainer/staging.py``) if the schedule lets it out now
-   (:func:`laminar.schedules.may_publish`: ``one_step`` holds version ``v`` until batch ``v``
+   (:func:`laminar.runtime.schedules.may_publish`: ``one_step`` holds version ``v`` until batch
+   ``v``
    has been sampled, the global barrier every rollout switches at), else hold it;
 7. **record** one metrics line (``metrics_file``, TensorBoard/W&B through
    :class:`TrainerTracking`; each numeric extra of the batch's rewards as its mean,
@@ -42,13 +43,13 @@ from typing import Any
 
 from prometheus_client import Gauge, Histogram
 
-from laminar.context import ServiceContext
 from laminar.rl.screen import ExcludeScope, screen_batch
-from laminar.schedules import may_publish
+from laminar.roles.trainer.publisher import WeightPublisher
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.schedules import may_publish
 from laminar.tracking import TrackingConfig, TrainerTracking
 from laminar.trajectory import Trajectory
 from laminar.weights.config import PublishConfig
-from laminar.weights.publisher import WeightPublisher
 
 from .batches import BatchSource
 from .integrity import IntegrityMonitor

@@ -3,7 +3,8 @@
 With ``trainer.ranks: serve`` the trainer service is rank 0 and each of ranks 1..W-1 is a
 ``laminar serve --role trainer_rank`` process (:mod:`.dp`). A rank knows nothing in advance but
 the manager: it takes a seat in the newest generation of the group the trainer offered
-(:mod:`laminar.rendezvous`: the group's address, the world size, its rank, the trainer's config
+(:mod:`laminar.roles.manager.api`: the group's address, the world size, its rank, the trainer's
+config
 and the checkpoint to load), joins it and follows rank 0's ops (the same
 :func:`.worker.serve_rank` a spawned rank runs) until rank 0 stops the group or a collective
 fails: rank 0 died, or another rank did and rank 0 re-forms the group. Then it asks for a seat
@@ -31,13 +32,13 @@ import torch.distributed as dist
 from prometheus_client import Gauge
 from pydantic import BaseModel
 
-from laminar.config import ServiceConfig
-from laminar.context import ServiceContext
-from laminar.endpoint import endpoint
-from laminar.errors import ConfigError, RpcError
-from laminar.peers import Outage
-from laminar.rendezvous import RendezvousApi, Seat, SeatRequest
-from laminar.service import Service
+from laminar.roles.manager.api import RendezvousApi, Seat, SeatRequest
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.endpoint import endpoint
+from laminar.runtime.errors import ConfigError, RpcError
+from laminar.runtime.peers import Outage
+from laminar.runtime.service import Service
 
 from .config import TrainerRankConfig
 from .worker import serve_rank

@@ -1,4 +1,5 @@
-"""Rank 0's link to the manager for ``ranks: serve`` (:mod:`laminar.rendezvous`), and its helpers.
+"""Rank 0's link to the manager for ``ranks: serve`` (:mod:`laminar.roles.manager.api`), and its
+helpers.
 
 The data-parallel group is driven from the trainer's compute thread (:mod:`.dp`), which must not
 touch the event loop's objects, while offers go out over the service's RPC client. So
@@ -16,10 +17,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from laminar.context import ServiceContext
-from laminar.errors import RpcError
-from laminar.peers import Outage
-from laminar.rendezvous import GroupOffer, RendezvousApi
+from laminar.roles.manager.api import GroupOffer, RendezvousApi
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.errors import RpcError
+from laminar.runtime.peers import Outage
 
 __all__ = ["GroupRendezvous", "free_port", "group_failure", "host_of", "rendezvous_for"]
 

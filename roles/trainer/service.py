@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from laminar.config import ServiceConfig
-from laminar.context import ServiceContext
-from laminar.endpoint import endpoint
-from laminar.service import Service
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.endpoint import endpoint
+from laminar.runtime.service import Service
 
 from .api import TrainerApi, TrainerStatus
 from .config import TrainerConfig

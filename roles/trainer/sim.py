@@ -12,7 +12,8 @@ checkpoint cadence, schedule gate and records) with the GPU work replaced by sle
    tensor data are staged (the trainer's stall is that host copy) and pushed down the relay chain
    like real weights, so the relays and rollouts move and map real bytes.
 
-The schedule (``cluster.schedule``, :mod:`laminar.schedules`) decides when a trained version may
+The schedule (``cluster.schedule``, :mod:`laminar.runtime.schedules`) decides when a trained
+version may
 go out: ``one_step`` holds version ``v`` until batch ``v`` has been sampled (the global barrier),
 every other schedule publishes at once. One JSON line per version goes to ``metrics_file``:
 version, batch tokens, staleness, the train interval and the publish time; its numbers also go
@@ -34,10 +35,10 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from laminar.config import ServiceConfig
-from laminar.context import ServiceContext
-from laminar.endpoint import endpoint
-from laminar.service import Service
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.endpoint import endpoint
+from laminar.runtime.service import Service
 
 from .config import SimTrainerConfig
 from .loop import LoopSettings, TrainLoop

@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel
 
-from laminar.clock import Clock
 from laminar.engines.costmodel import TrainCostModel
-from laminar.executor import Executor
+from laminar.runtime.clock import Clock
+from laminar.runtime.executor import Executor
 
 from .step import Progress, Resumed, StepResult
 
 if TYPE_CHECKING:
     from laminar.rl import Screened
-    from laminar.weights.publisher import WeightPublisher
+    from laminar.roles.trainer.publisher import WeightPublisher
     from laminar.weights.transfer import VersionBuffer
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from laminar.clock import get_clock
+from laminar.runtime.clock import get_clock
 from laminar.weights.manifest import WeightManifest
 
 from .published import entry_dtype, published_state

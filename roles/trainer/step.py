@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from laminar.rl import Screened
-    from laminar.weights.publisher import WeightPublisher
+    from laminar.roles.trainer.publisher import WeightPublisher
     from laminar.weights.transfer import VersionBuffer
 
 

@@ -21,10 +21,10 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from laminar.context import ServiceContext
 from laminar.recipe.episodes import EvalStopped
 from laminar.rl import Screened
-from laminar.weights.publisher import WeightPublisher
+from laminar.roles.trainer.publisher import WeightPublisher
+from laminar.runtime.context import ServiceContext
 from laminar.weights.transfer import VersionBuffer
 
 from .checkpoint import (

@@ -17,9 +17,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from laminar.config import ClusterConfig
 from laminar.devmode.status import admin_url, fetch_status
 from laminar.repack import RepackPolicy
+from laminar.roles.rollout.api import RolloutStats
+from laminar.runtime.config import ClusterConfig
 
 from ..conftest import session_segments
 from ..support.poll import until
@@ -95,7 +96,11 @@ def start_live(tmp: Path) -> Iterator[Live]:
             async def probe() -> str | None:
                 status = await fetch_status(cluster.manager, TOKEN.encode(), ClusterConfig())
                 rollouts = [m for m in status.members if m.role == "rollout"]
-                busy = [m for m in rollouts if (s := m.rollout_stats()) and s.generated_tokens > 0]
+                busy = [
+                    m
+                    for m in rollouts
+                    if (s := m.stats_as(RolloutStats)) and s.generated_tokens > 0
+                ]
                 return admin_url(status) if len(busy) == len(ROLLOUTS) else None
 
             return await until(probe, 60, interval=0.2)

@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
-from laminar.errors import RemoteError
 from laminar.roles.data.api import DataApi, Report, SampleRequest, TakeRequest
 from laminar.roles.data.service import DataService, StalenessConfig
+from laminar.runtime.errors import RemoteError
 from laminar.trajectory import Trajectory
 from tests.integration.test_generation import data_config
 

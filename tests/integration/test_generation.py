@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from laminar.config import ClusterConfig
 from laminar.engines import SimEngineConfig
 from laminar.engines.costmodel import CostModel
 from laminar.engines.lengths import LongtailLength
@@ -22,7 +21,8 @@ from laminar.roles.data.service import DataConfig, DataService
 from laminar.roles.data.store import Store
 from laminar.roles.manager import ManagerConfig, ManagerService
 from laminar.roles.rollout import RolloutConfig, RolloutService
-from laminar.rpc_client import RpcClient, remote
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.rpc.client import RpcClient, remote
 from laminar.trajectory import PartialChunk
 from tests.support.task import write_prompts, write_tokenizer
 

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from laminar.clock import get_clock
 from laminar.harness.inproc import InprocCluster, inproc_cluster, run_inproc
-from laminar.roles.relay import LatestRequest, RelayApi, RelayStatus
-from laminar.rpc_client import RpcClient, remote
+from laminar.roles.manager.api import ChainView, RelayChainApi
+from laminar.roles.relay.api import LatestRequest, RelayApi, RelayStatus
+from laminar.roles.trainer.publisher import WeightPublisher
+from laminar.runtime.clock import get_clock
+from laminar.runtime.rpc.client import RpcClient, remote
 from laminar.transport.shm import map_segment
-from laminar.weights.chain import ChainView, RelayChainApi
 from laminar.weights.config import PublishConfig
 from laminar.weights.manifest import WeightManifest
-from laminar.weights.publisher import WeightPublisher
 
 from ..support.poll import until
 from .test_relay_chain import verified, weights

@@ -20,7 +20,7 @@ from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.data.leasing import HANDOFF_GRACE_S
 from laminar.roles.rollout import MigrateRequest, RolloutApi
 from laminar.roles.rollout.api import DrainRequest
-from laminar.rpc_client import RpcClient, remote
+from laminar.runtime.rpc.client import RpcClient, remote
 
 from ..support.poll import until
 from ..support.task import write_prompts, write_tokenizer

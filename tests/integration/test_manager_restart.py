@@ -14,18 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from laminar.config import ClusterConfig
-from laminar.context import ServiceContext
-from laminar.errors import CallTimeout, PeerUnavailable, RemoteError
-from laminar.membership import Heartbeat, JoinRequest, LeaveRequest, MembershipApi
 from laminar.roles.data.api import DataApi, TakeRequest
 from laminar.roles.data.service import DataConfig, DataService
 from laminar.roles.manager import ManagerConfig, ManagerService
-from laminar.roles.relay import LatestRequest, RelayApi, RelayConfig, RelayService
-from laminar.rpc_client import RpcClient, remote
-from laminar.service import ServiceHost
+from laminar.roles.relay import RelayConfig, RelayService
+from laminar.roles.relay.api import LatestRequest, RelayApi
+from laminar.roles.trainer.publisher import WeightPublisher
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.errors import CallTimeout, PeerUnavailable, RemoteError
+from laminar.runtime.membership import Heartbeat, JoinRequest, LeaveRequest, MembershipApi
+from laminar.runtime.rpc.client import RpcClient, remote
+from laminar.runtime.service import ServiceHost
 from laminar.weights.config import PublishConfig
-from laminar.weights.publisher import WeightPublisher
 from tests.support.poll import STOP_S, until
 from tests.support.task import write_prompts, write_tokenizer
 

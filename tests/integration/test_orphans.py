@@ -44,13 +44,13 @@ from typing import Any
 import pytest
 import uvloop
 
-from laminar.config import ClusterConfig, RoleSpec, load_config
 from laminar.devmode.status import fetch_status
 from laminar.harness.launch import ProcessCluster
-from laminar.loopwatch import MAX_HOLDERS
 from laminar.proc import owned_dirs, procfs
 from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_group, group_members
+from laminar.runtime.config import ClusterConfig, RoleSpec, load_config
+from laminar.runtime.loopwatch import MAX_HOLDERS
 from tests.support.devrun import (
     STARTUP_S,
     kill_session,
@@ -244,7 +244,7 @@ def test_a_process_that_left_its_roles_group_dies_with_its_role(tmp_path: Path) 
 
 
 def test_a_role_whose_loop_is_blocked_says_where(tmp_path: Path) -> None:
-    """``laminar serve`` watches a ready role's event loop (laminar.loopwatch): a role that blocks
+    """``laminar serve`` watches a ready role's event loop (laminar.runtime.loopwatch): a role that blocks
     it (``time.sleep`` on the loop, as an environment or reward hook might) logs a warning naming
     that code while the loop is held, and the stall's length once it turns again; the warning is
     one of the lines ``laminar run`` shows on its console."""

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from laminar.config import ClusterConfig
-from laminar.context import transport_options
 from laminar.devmode.status import fetch_status
-from laminar.errors import PeerUnavailable
-from laminar.rpc_client import RpcClient, remote
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.context import transport_options
+from laminar.runtime.errors import PeerUnavailable
+from laminar.runtime.rpc.client import RpcClient, remote
 from tests.support.devrun import kill_session, run_manager, start_run, write_run_config
 from tests.support.procs import ROOT, SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
 from tests.support.roles import Calculator, Pair, Sleep
@@ -59,7 +59,7 @@ async def test_server_killed_fails_pending_calls_with_peer_unavailable() -> None
 EXITING_ROLE = """
 import atexit, sys, threading, time
 from typing import ClassVar
-from laminar.service import Service
+from laminar.runtime.service import Service
 
 atexit.register(lambda: print("atexit ran", flush=True))
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from laminar.config import ClusterConfig
 from laminar.devmode.status import fetch_status
 from laminar.proc.procfs import KEEP_ENVIRON, alive, has_env, pids, stat
+from laminar.runtime.config import ClusterConfig
 from tests.support.devrun import kill_session, run_manager, spawn
 from tests.support.poll import until
 from tests.support.procs import ROOT, TOKEN, laminar

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from laminar.roles.relay import LatestRequest, RelayApi, RelayStatus, VersionState
-from laminar.rpc_client import remote
+from laminar.roles.manager.api import ChainView, RelayChainApi
+from laminar.roles.relay.api import LatestRequest, RelayApi, RelayStatus, VersionState
+from laminar.roles.trainer.publisher import WeightPublisher
+from laminar.runtime.rpc.client import remote
 from laminar.transport.shm import map_segment, sweep_dead_segments
-from laminar.weights.chain import ChainView, RelayChainApi
 from laminar.weights.config import PublishConfig
 from laminar.weights.manifest import WeightManifest
-from laminar.weights.publisher import WeightPublisher
 
 from ..support.clients import ClusterClients
 from ..support.poll import until

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from laminar.config import load_config
 from laminar.proc.procfs import KEEP_ENVIRON
+from laminar.runtime.config import load_config
 from tests.support.devrun import STARTUP_S, write_run_config
 from tests.support.failed_runs import DURATION_S, TAG, ended, launched, said, tagged
 from tests.support.procs import ROOT

@@ -15,7 +15,7 @@ import pytest
 import structlog
 
 from laminar.cli import main
-from laminar.config import ConfigError, load_config
+from laminar.runtime.config import ConfigError, load_config
 from laminar.simulate.cluster import check_simulatable, with_schedule
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

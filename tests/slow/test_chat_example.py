@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from laminar.config import load_config
 from laminar.recipe.tasks import load_task
 from laminar.roles.data.config import DataConfig
 from laminar.roles.data.prompts import load_prompts
 from laminar.roles.data.rewards import RewardPool, RewardResult
+from laminar.runtime.config import load_config
 
 pytestmark = pytest.mark.slow
 

@@ -54,12 +54,12 @@ import pytest
 import yaml
 
 from laminar.engines.vllm_worker import IPC_ENV
-from laminar.errors import CallTimeout
 from laminar.harness.launch import ProcessCluster
 from laminar.proc import owned_dirs, procfs
 from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.rollout import MigrateReport, MigrateRequest, RolloutApi
 from laminar.roles.rollout.api import DrainRequest
+from laminar.runtime.errors import CallTimeout
 from tests.integration.test_rl_loop import (
     Clients,
     check_rollouts_follow,

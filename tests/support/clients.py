@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from laminar.config import ClusterConfig
-from laminar.context import transport_options
 from laminar.harness.launch import ProcessCluster
-from laminar.rpc_client import RpcClient, remote
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.context import transport_options
+from laminar.runtime.rpc.client import RpcClient, remote
 
 from .procs import TOKEN
 

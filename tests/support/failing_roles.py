@@ -8,8 +8,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from laminar.config import ServiceConfig
-from laminar.service import Service
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.service import Service
 
 
 class FailingConfig(ServiceConfig):

@@ -26,17 +26,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from laminar.config import ClusterConfig
-from laminar.context import transport_options
-from laminar.errors import CallTimeout, PeerUnavailable
 from laminar.harness.launch import ProcessCluster
 from laminar.harness.netns import NetLab
-from laminar.membership import MembershipApi
-from laminar.roles.relay import RelayApi
+from laminar.roles.manager.api import RelayChainApi
+from laminar.roles.relay.api import RelayApi
 from laminar.roles.rollout import RolloutService
 from laminar.roles.trainer.service import TrainerService
-from laminar.rpc_client import RpcClient, remote
-from laminar.weights.chain import RelayChainApi
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.context import transport_options
+from laminar.runtime.errors import CallTimeout, PeerUnavailable
+from laminar.runtime.membership import MembershipApi
+from laminar.runtime.rpc.client import RpcClient, remote
 
 from .poll import until
 from .procs import ROOT, TOKEN, env

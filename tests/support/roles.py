@@ -8,8 +8,8 @@ from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
-from laminar.endpoint import endpoint, stream
-from laminar.service import Service
+from laminar.runtime.endpoint import endpoint, stream
+from laminar.runtime.service import Service
 from laminar.transport import Blob
 
 
@@ -137,7 +137,7 @@ class SlowStarter(Service):
         import sys
         import time
 
-        from laminar.service import signals_end_the_start
+        from laminar.runtime.service import signals_end_the_start
 
         with signals_end_the_start():
             print("blocking start", flush=True)

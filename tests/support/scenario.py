@@ -12,11 +12,11 @@ from typing import Any
 
 import yaml
 
-from laminar.config import ClusterConfig
-from laminar.context import transport_options
 from laminar.harness.launch import ProcessCluster
 from laminar.roles.data.api import DataApi, DataStatus, SampleRequest
-from laminar.rpc_client import RpcClient, remote
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.context import transport_options
+from laminar.runtime.rpc.client import RpcClient, remote
 from laminar.trajectory import Trajectory
 
 from .procs import TOKEN, env

@@ -4,7 +4,7 @@ pipes open after the role dies), is never stopped by the role, and sets its proc
 vLLM's engine core does (``setproctitle``, which wipes ``/proc/<pid>/environ`` unless
 ``SPT_NOENV`` is set). With ``stubborn`` it ignores SIGTERM as well, so only SIGKILL ends it; with
 ``own_group`` it leads a process group of its own, as a data role's reward worker does; with
-``block_s`` the role blocks its own event loop once (``laminar.loopwatch`` must say so).
+``block_s`` the role blocks its own event loop once (``laminar.runtime.loopwatch`` must say so).
 Used by ``tests/integration/test_orphans.py``.
 """
 
@@ -18,8 +18,8 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from laminar.config import ServiceConfig
-from laminar.service import Service
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.service import Service
 
 CHILD = """
 import signal, sys, time

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from laminar.clock import VirtualTimeLoop
+from laminar.runtime.clock import VirtualTimeLoop
 
 T = TypeVar("T")
 

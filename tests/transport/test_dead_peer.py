@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import pytest
 
-from laminar.config import ClusterConfig
-from laminar.context import transport_options
-from laminar.errors import PeerUnavailable
-from laminar.rpc_client import RpcClient, remote
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.context import transport_options
+from laminar.runtime.errors import PeerUnavailable
+from laminar.runtime.rpc.client import RpcClient, remote
 from laminar.transport import Connection, TransportOptions, listen
 from tests.support.poll import until
 from tests.support.procs import SUPPORT_ROLES, TOKEN, laminar, start, stop

@@ -13,10 +13,10 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from laminar.config import ClusterConfig, ServiceConfig
-from laminar.context import ServiceContext, transport_options
-from laminar.rpc_client import RpcClient, remote
-from laminar.service import ServiceHost
+from laminar.runtime.config import ClusterConfig, ServiceConfig
+from laminar.runtime.context import ServiceContext, transport_options
+from laminar.runtime.rpc.client import RpcClient, remote
+from laminar.runtime.service import ServiceHost
 from laminar.transport import Frame
 from laminar.transport.base import K_AUTH
 from laminar.transport.frames import PREFIX, encode_head

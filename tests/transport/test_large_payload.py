@@ -19,15 +19,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from laminar.context import transport_options
-from laminar.endpoint import endpoint
-from laminar.errors import RemoteError
 from laminar.roles.data.api import DataApi, Report, TakeRequest
 from laminar.roles.data.service import DataService
 from laminar.roles.trainer.batches import BatchSource
-from laminar.rpc import decode_model, encode_model
-from laminar.rpc_client import RpcClient, remote
-from laminar.service import Service
+from laminar.runtime.context import transport_options
+from laminar.runtime.endpoint import endpoint
+from laminar.runtime.errors import RemoteError
+from laminar.runtime.rpc.client import RpcClient, remote
+from laminar.runtime.rpc.server import decode_model, encode_model
+from laminar.runtime.service import Service
 from laminar.trajectory import PartialChunk, Trajectory
 from laminar.transport import Frame, FrameError, Limits, MessageTooLarge, decode_payload
 from laminar.transport.arrays import EXT_ARRAY, ArrayEncodeError

@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from laminar.context import transport_options
-from laminar.rpc_client import RpcClient, remote
+from laminar.runtime.context import transport_options
+from laminar.runtime.rpc.client import RpcClient, remote
 from laminar.transport import Limits
 from tests.support.poll import until
 from tests.support.procs import TOKEN

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from laminar.context import transport_options
-from laminar.errors import PeerUnavailable
-from laminar.rpc import K_CALL
-from laminar.rpc_client import RpcClient, remote
+from laminar.runtime.context import transport_options
+from laminar.runtime.errors import PeerUnavailable
+from laminar.runtime.rpc.client import RpcClient, remote
+from laminar.runtime.rpc.server import K_CALL
 from laminar.transport import Frame, TransportOptions, encode_payload
 from laminar.transport.frames import encode_head
 from tests.conftest import TRANSPORTS

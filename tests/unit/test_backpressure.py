@@ -11,8 +11,16 @@ from dataclasses import replace
 import pytest
 from pydantic import BaseModel
 
-from laminar.endpoint import endpoint
-from laminar.rpc import K_CALL, K_CANCEL, K_PING, K_PONG, K_REPLY, RpcServer, encode_model
+from laminar.runtime.endpoint import endpoint
+from laminar.runtime.rpc.server import (
+    K_CALL,
+    K_CANCEL,
+    K_PING,
+    K_PONG,
+    K_REPLY,
+    RpcServer,
+    encode_model,
+)
 from laminar.transport import Blob, Connection, Frame, connect
 from tests.support.poll import until
 

@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from laminar.config import ClusterConfig
-from laminar.context import ServiceContext, transport_options
-from laminar.membership import JoinRequest, LeaveRequest, MembershipApi
 from laminar.roles.manager import ManagerConfig, ManagerService
-from laminar.rpc_client import RpcClient, remote
-from laminar.service import ServiceHost
-from laminar.weights.chain import ChainView, RelayInfo, follow_chain
+from laminar.roles.manager.api import ChainView, RelayInfo, follow_chain
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.context import ServiceContext, transport_options
+from laminar.runtime.membership import JoinRequest, LeaveRequest, MembershipApi
+from laminar.runtime.rpc.client import RpcClient, remote
+from laminar.runtime.service import ServiceHost
 from tests.support.poll import STOP_S, until
 from tests.support.procs import TOKEN
 
@@ -100,7 +100,13 @@ async def test_follower_takes_a_restarted_managers_views(manager: Manager):
     follower_client = RpcClient(address, OPTIONS, timeout=5.0)
     members_client = RpcClient(address, OPTIONS, timeout=5.0)
     follower = asyncio.create_task(
-        follow_chain(follower_client, views.append, retry_s=0.05, on_error=lambda _: None)
+        follow_chain(
+            follower_client,
+            views.append,
+            retry_s=0.05,
+            on_error=lambda _: None,
+            sleep=asyncio.sleep,
+        )
     )
     try:
         members = remote(MembershipApi, members_client)

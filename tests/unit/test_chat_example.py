@@ -13,7 +13,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from laminar.errors import ConfigError
 from laminar.recipe.chat import CHATML_TEMPLATE, IM_END, IM_START
 from laminar.recipe.evaluate import greedy_budget, task_rewards
 from laminar.recipe.model import ModelShape, init_model, load_model
@@ -21,6 +20,7 @@ from laminar.recipe.sft import SftConfig, _batches, train_sft
 from laminar.recipe.tasks import Task, load_task
 from laminar.recipe.tokenizer import EOS, PAD, load_tokenizer, special_id
 from laminar.reward_kinds import detect_kind
+from laminar.runtime.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = ROOT / "examples" / "chat"

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from laminar.clock import RealClock
-from laminar.errors import ConfigError
 from laminar.roles.data.chat import ChatTemplate
 from laminar.roles.data.config import DataConfig, EnvConfig
 from laminar.roles.data.episodes import Episodes
 from laminar.roles.data.prompts import load_prompts, load_tokenizer, prepare_prompts
+from laminar.runtime.clock import RealClock
+from laminar.runtime.errors import ConfigError
 from laminar.tools.env import Environment, Step
 
 from ..support.chat_model import CHATML, NO_TOOLS, SPECIALS, write_chat_tokenizer

@@ -1,4 +1,4 @@
-"""Tests for laminar.clock: the injectable Clock and the virtual-time event loop."""
+"""Tests for laminar.runtime.clock: the injectable Clock and the virtual-time event loop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from laminar.clock import (
+from laminar.runtime.clock import (
     DEFAULT_EPOCH,
     Clock,
     RealClock,

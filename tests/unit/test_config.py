@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from laminar.config import ServiceConfig, apply_override, load_config
-from laminar.errors import ConfigError
+from laminar.runtime.config import ServiceConfig, apply_override, load_config
+from laminar.runtime.errors import ConfigError
 
 
 def write(tmp_path, text: str):  # type: ignore[no-untyped-def]

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import pytest
 from pydantic import BaseModel
 
-from laminar.endpoint import endpoint, endpoints_of, stream
-from laminar.errors import EndpointDefinitionError
 from laminar.roles_registry import builtin_roles
-from laminar.service import Service
+from laminar.runtime.endpoint import endpoint, endpoints_of, stream
+from laminar.runtime.errors import EndpointDefinitionError
+from laminar.runtime.service import Service
 
 
 class Ask(BaseModel):

@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from laminar.config import ClusterConfig
-from laminar.context import ServiceContext
-from laminar.errors import ConfigError
 from laminar.roles.data.buffer import SAMPLERS, ExperienceBuffer, KeepAll, make_policy
 from laminar.roles.data.config import DataConfig, FocusConfig
 from laminar.roles.data.focus import MISSING, Focus
 from laminar.roles.data.service import DataService
 from laminar.roles.data.store import Store
-from laminar.schedules import ScheduleConfig
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.errors import ConfigError
+from laminar.runtime.schedules import ScheduleConfig
 from laminar.trajectory import SamplingParams
 
 from .test_data_store import traj

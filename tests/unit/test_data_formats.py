@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from laminar.errors import ConfigError
 from laminar.roles.data.config import DataConfig
 from laminar.roles.data.prompts import load_prompts, prepare_prompts, resolve_id_key
 from laminar.roles.data.records import MISSING, field, read_records
 from laminar.roles.data.service import DataService
+from laminar.runtime.errors import ConfigError
 
 from ..support.chat_model import verl_rows, write_chat_tokenizer
 from ..support.task import write_tokenizer

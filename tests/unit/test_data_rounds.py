@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from laminar.clock import DEFAULT_EPOCH, VirtualClock, run_virtual
 from laminar.roles.data.context import store_clock
 from laminar.roles.data.rounds import RoundGate
 from laminar.roles.data.service import DataService
 from laminar.roles.data.store import Store
-from laminar.schedules import ScheduleConfig
+from laminar.runtime.clock import DEFAULT_EPOCH, VirtualClock, run_virtual
+from laminar.runtime.schedules import ScheduleConfig
 from laminar.trajectory import PartialChunk, SamplingParams
 from tests.support.poll import until
 from tests.unit.test_data_store import make_store, traj

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from laminar.errors import ConfigError
 from laminar.roles.data.buffer import (
     EVICTIONS,
     SAMPLERS,
@@ -18,6 +17,7 @@ from laminar.roles.data.buffer import (
 )
 from laminar.roles.data.prompts import prepare_prompts, read_records
 from laminar.roles.data.store import Store
+from laminar.runtime.errors import ConfigError
 from laminar.trajectory import PartialChunk, SamplingParams, Trajectory
 
 PARAMS = SamplingParams(max_tokens=8)

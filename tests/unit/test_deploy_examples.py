@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from laminar.cli import build_parser
-from laminar.config import load_config
 from laminar.roles_registry import builtin_roles, load_role
+from laminar.runtime.config import load_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "examples" / "deploy"
 CLUSTER = DEPLOY / "cluster.yaml"

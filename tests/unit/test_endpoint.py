@@ -5,8 +5,8 @@ from collections.abc import AsyncIterator
 import pytest
 from pydantic import BaseModel
 
-from laminar.endpoint import endpoint, endpoints_of, stream
-from laminar.errors import EndpointDefinitionError
+from laminar.runtime.endpoint import endpoint, endpoints_of, stream
+from laminar.runtime.errors import EndpointDefinitionError
 from tests.support.roles import Calculator
 
 

@@ -11,10 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from laminar.clock import RealClock
-from laminar.errors import ConfigError
 from laminar.roles.data.config import DataConfig, EnvConfig
 from laminar.roles.data.episodes import Episodes
+from laminar.runtime.clock import RealClock
+from laminar.runtime.errors import ConfigError
 from laminar.tools.env import (
     Environment,
     Step,

@@ -1,4 +1,4 @@
-"""Executors (:mod:`laminar.executor`): the in-loop one the in-process cluster runs roles on, the
+"""Executors (:mod:`laminar.runtime.executor`): the in-loop one the in-process cluster runs roles on, the
 thread one production uses, and the context that owns a role's executors.
 
 The in-loop executor is what makes an in-process run repeatable, so its promises are checked on
@@ -15,17 +15,17 @@ from typing import Any, ClassVar
 
 import pytest
 
-from laminar.clock import run_virtual
-from laminar.config import ServiceConfig
-from laminar.context import ServiceContext
-from laminar.executor import (
+from laminar.runtime.clock import run_virtual
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.executor import (
     LOOP_DEFAULT,
     Executor,
     ExecutorClosed,
     InLoopExecutor,
     ThreadExecutor,
 )
-from laminar.service import Service, ServiceHost
+from laminar.runtime.service import Service, ServiceHost
 
 # -- in the loop, on virtual time -----------------------------------------------------------------
 

@@ -8,8 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from laminar.config import load_config
 from laminar.roles_registry import load_role
+from laminar.runtime.config import load_config
 
 GPU = Path(__file__).resolve().parents[2] / "examples" / "gpu"
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from laminar.errors import ConfigError
 from laminar.proc.gpus import gpu_env, gpus_wanted, parse_nvidia_smi, plan_gpus, visible_gpus
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles_registry import load_role
+from laminar.runtime.errors import ConfigError
 
 SMI = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1f0e)
 GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2a1b)
@@ -56,8 +56,8 @@ def test_each_instance_gets_its_own_gpus_in_order() -> None:
 def test_the_supervisor_gives_each_child_its_gpus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from laminar.config import load_config
     from laminar.devmode.supervisor import Supervisor
+    from laminar.runtime.config import load_config
 
     monkeypatch.setenv("LAMINAR_TOKEN", "gpu-plan-test-token-0123456789abcdef")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")  # the GPUs the user lets the run have

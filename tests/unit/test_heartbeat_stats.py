@@ -1,4 +1,4 @@
-"""Heartbeat stats are read through typed models (``laminar.stats``), never by string key.
+"""Heartbeat stats are read through typed models (``laminar.runtime.stats``), never by string key.
 
 On the wire they stay ``dict[str, float]``; a reader that spelled a key wrong used to get 0 and
 carry on. Parsed once into the role's model, a wrong name is an ``AttributeError`` (and a type
@@ -11,16 +11,13 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from laminar.membership import Heartbeat, JoinRequest, Member, MembershipApi, rollout_phase
-from laminar.rpc_client import RpcClient, remote
-from laminar.stats import (
-    HeartbeatStats,
-    RelayStats,
-    RolloutStats,
-    TrainerStats,
-    VersionedStats,
-    parse_stats,
-)
+from laminar.roles.manager.api import parse_stats
+from laminar.roles.relay.api import RelayStats
+from laminar.roles.rollout.api import RolloutStats, rollout_phase
+from laminar.roles.trainer.api import TrainerStats
+from laminar.runtime.membership import Heartbeat, JoinRequest, Member, MembershipApi
+from laminar.runtime.rpc.client import RpcClient, remote
+from laminar.runtime.stats import HeartbeatStats, VersionedStats
 
 from .test_chain_incarnation import OPTIONS, Manager, manager  # noqa: F401  (the fixture)
 
@@ -100,9 +97,13 @@ def test_rollout_phase_reads_a_dict_and_a_model_alike(flags: dict[str, float], p
 
 def test_member_reads_its_stats_typed_and_the_wire_format_is_unchanged() -> None:
     member = Member(instance="rollout-0", role="rollout", address="tcp://x", stats=ROLLOUT)
-    assert member.rollout_stats() == member.typed_stats() == RolloutStats.model_validate(ROLLOUT)
+    assert (
+        member.stats_as(RolloutStats)
+        == parse_stats(member.role, member.stats)
+        == RolloutStats.model_validate(ROLLOUT)
+    )
     assert member.model_dump()["stats"] == ROLLOUT  # the dict as sent, nothing added
-    assert Member(instance="r", role="rollout", address="tcp://x").rollout_stats() is None
+    assert Member(instance="r", role="rollout", address="tcp://x").stats_as(RolloutStats) is None
 
 
 async def test_the_manager_refuses_stats_that_do_not_parse_and_keeps_the_last_good(

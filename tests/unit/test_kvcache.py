@@ -14,7 +14,7 @@ from laminar.engines.kvcache import (
     rollout_kv_bytes,
 )
 from laminar.engines.vllm_engine import memory_args, platform_args
-from laminar.errors import ConfigError
+from laminar.runtime.errors import ConfigError
 
 QWEN2_TINY = {
     "num_hidden_layers": 2,

@@ -48,12 +48,15 @@ ALIASES = {"roles": "laminar.roles", "transport": "laminar.transport"}
 
 #: modules that must import neither torch nor vLLM: the CLI, the role contracts and the control
 #: plane (the manager, its admin API and the data role run where there is no GPU).
-TORCH_FREE_RUNTIME = ["laminar.cli", "laminar.devmode.status"]
+TORCH_FREE_RUNTIME = ["laminar.runtime.service", "laminar.cli", "laminar.devmode.status"]
 TORCH_FREE_ROLES = [
     "laminar.roles.manager.service",
     "laminar.roles.manager.admin",
     "laminar.roles.data.service",
     "laminar.roles.rollout.api",
+    "laminar.roles.manager.api",
+    "laminar.roles.trainer.api",
+    "laminar.roles.data.api",
     "laminar.roles.relay",
     "laminar.roles.trainer.config",  # what `laminar run` validates before it starts anything
     "laminar.roles.trainer.sim",  # the emulated trainer publishes real bytes without a model
@@ -112,14 +115,15 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: at any depth, except under ``if TYPE_CHECKING:``."""
+def _imports(tree: ast.AST, type_only: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run, at any depth; those under ``if TYPE_CHECKING:`` too
+    where ``type_only``."""
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+        elif isinstance(node, ast.If) and _is_type_checking(node.test) and not type_only:
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
@@ -135,15 +139,16 @@ def _deepest(name: str, modules: Mapping[str, Path]) -> str | None:
 
 
 def import_graph(
-    roots: Mapping[str, Path], aliases: Mapping[str, str] = ALIASES
+    roots: Mapping[str, Path], aliases: Mapping[str, str] = ALIASES, *, type_only: bool = False
 ) -> dict[str, dict[str, int]]:
-    """module -> {imported module of ours: line of the first such import}."""
+    """module -> {imported module of ours: line of the first such import} (``type_only``: the
+    imports under ``if TYPE_CHECKING:`` counted too)."""
     modules = module_files(roots)
     graph: dict[str, dict[str, int]] = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges: dict[str, int] = {}
-        for node in _imports(ast.parse(path.read_text(), filename=str(path))):
+        for node in _imports(ast.parse(path.read_text(), filename=str(path)), type_only):
             targets: list[str | None] = []
             if isinstance(node, ast.Import):
                 targets = [_deepest(_canonical(a.name, aliases), modules) for a in node.names]
@@ -209,20 +214,58 @@ def _in(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+#: packages that sit on top: they may import anything (roles through their ``api``), and only
+#: each other import them. The rest of ``laminar`` is libraries that roles and tools share.
+TOOLING = (
+    "laminar.__main__",
+    "laminar.cli",
+    "laminar.devmode",
+    "laminar.doctor",
+    "laminar.harness",
+    "laminar.simulate",
+)
+
+
+def _role_of(module: str) -> str | None:
+    """``laminar.roles.X`` for a module of role X (None: not a role's)."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if _in(module, "laminar.roles") and len(parts) > 2 else None
+
+
 def layering_violations(graph: Mapping[str, Mapping[str, int]]) -> list[str]:
-    """Imports against the one-way rule roles -> laminar -> transport."""
+    """Imports against the one-way rule tooling -> roles -> libraries -> runtime -> transport."""
     bad = []
     for module, edges in sorted(graph.items()):
         for target, line in sorted(edges.items()):
-            if _in(module, "laminar.transport") and not _in(target, "laminar.transport"):
-                bad.append(f"{module}:{line} imports {target} (transport knows nothing above it)")
-            elif not _in(module, "laminar.roles") and _in(target, "laminar.roles"):
-                bad.append(f"{module}:{line} imports {target} (laminar may not import roles)")
-            elif _in(target, "laminar.harness") and not _may_use_harness(module, target):
-                bad.append(f"{module}:{line} imports {target} (only tests use the harnesses)")
-            elif _in(target, "laminar.devmode") and not _may_use_devmode(module):
-                bad.append(f"{module}:{line} imports {target} (the dev mode sits on top)")
+            why = _against(module, target)
+            if why:
+                bad.append(f"{module}:{line} imports {target} ({why})")
     return bad
+
+
+def _against(module: str, target: str) -> str | None:
+    """Why ``module`` may not import ``target`` (None: it may)."""
+    if _in(module, "laminar.transport"):
+        return None if _in(target, "laminar.transport") else "transport knows nothing above it"
+    if _in(module, "laminar.runtime"):
+        ok = _in(target, "laminar.runtime") or _in(target, "laminar.transport")
+        return None if ok else "the runtime imports only itself and transport"
+    role, target_role = _role_of(module), _role_of(target)
+    if target_role is not None and target_role != role and target != target_role + ".api":
+        return "a role is imported only through its api"
+    if target == "laminar.roles" and not _in_tooling(module):
+        return "import a role's api, not the roles package"
+    if _in(target, "laminar.harness") and not _may_use_harness(module, target):
+        return "only tests use the harnesses"
+    if _in(target, "laminar.devmode") and not _may_use_devmode(module):
+        return "the dev mode sits on top"
+    if _in_tooling(target) and not _in_tooling(module):
+        return "tooling sits on top"
+    return None
+
+
+def _in_tooling(module: str) -> bool:
+    return any(_in(module, package) for package in TOOLING)
 
 
 #: the one harness a command runs: ``laminar simulate run`` is the in-process cluster (its module
@@ -236,9 +279,8 @@ def _may_use_harness(module: str, target: str) -> bool:
     return any(_in(module, u) and target.startswith(h) for u, h in HARNESS_USERS.items())
 
 
-#: who may import the dev mode (laminar.devmode): itself, the CLI that starts it, and the tracking
-#: records the supervisor writes from its samples.
-DEVMODE_USERS = ("laminar.devmode", "laminar.cli", "laminar.tracking.records")
+#: who may import the dev mode (laminar.devmode): itself and the CLI that starts it.
+DEVMODE_USERS = ("laminar.devmode", "laminar.cli")
 
 
 def _may_use_devmode(module: str) -> bool:
@@ -595,21 +637,59 @@ def test_transport_imports_nothing_above_it() -> None:
 
 
 def test_the_dev_mode_and_the_harnesses_sit_on_top() -> None:
-    """roles, the runtime and the process layer never import ``laminar.devmode`` or
-    ``laminar.harness`` (the package picture in docs/architecture.md)."""
+    """roles, the runtime and the libraries never import the tooling (``laminar.devmode``,
+    ``laminar.harness``, the CLI, the doctor, the simulator): the package picture in
+    docs/architecture.md."""
     graph = _graph()[0]
-    bad = [v for v in layering_violations(graph) if "dev mode" in v or "harnesses" in v]
+    bad = [
+        v
+        for v in layering_violations(graph)
+        if "dev mode" in v or "harnesses" in v or "tooling" in v
+    ]
     assert not bad, "\n".join(bad)
     assert layering_violations({"laminar.proc.spawn": {"laminar.devmode.status": 3}})
-    assert layering_violations({"laminar.roles.relay": {"laminar.harness.launch": 9}})
+    assert layering_violations({"laminar.roles.relay.service": {"laminar.harness.launch": 9}})
+    assert layering_violations({"laminar.tracking.records": {"laminar.devmode.progress": 1}})
+    assert layering_violations({"laminar.weights.shared": {"laminar.doctor.memory": 1}})
 
 
-def test_laminar_imports_no_role() -> None:
-    bad = [v for v in layering_violations(_graph()[0]) if not v.startswith("laminar.transport")]
+def test_the_runtime_imports_only_itself_and_transport() -> None:
+    bad = [v for v in layering_violations(_graph()[0]) if v.startswith("laminar.runtime")]
     assert not bad, "\n".join(bad)
+    assert layering_violations({"laminar.runtime.service": {"laminar.proc.spawn": 1}})
+    assert layering_violations({"laminar.runtime.context": {"laminar.roles.manager.api": 1}})
+    assert not layering_violations({"laminar.runtime.rpc.server": {"laminar.transport.tcp": 1}})
 
 
-def test_cli_imports_no_torch() -> None:
+def test_roles_meet_only_through_their_apis() -> None:
+    bad = [v for v in layering_violations(_graph()[0]) if "through its api" in v]
+    assert not bad, "\n".join(bad)
+    assert layering_violations(
+        {"laminar.roles.rollout.switching": {"laminar.roles.relay.service": 1}}
+    )
+    assert layering_violations({"laminar.devmode.status": {"laminar.roles.rollout.state": 1}})
+    assert not layering_violations(
+        {"laminar.roles.rollout.switching": {"laminar.roles.relay.api": 1}}
+    )
+    assert not layering_violations(
+        {"laminar.roles.rollout.service": {"laminar.roles.rollout.state": 1}}
+    )
+
+
+def test_every_role_has_an_api() -> None:
+    roles = sorted(p for p in ROOTS["laminar.roles"].iterdir() if (p / "__init__.py").is_file())
+    assert [r.name for r in roles if not (r / "api.py").is_file()] == []
+
+
+def test_no_import_cycles_counting_type_only_imports() -> None:
+    """A cycle through ``if TYPE_CHECKING:`` imports never fails at run time, but it says two
+    modules each own the other: one of them should take a protocol instead."""
+    graph = import_graph(ROOTS, type_only=True)
+    found = cycles(graph)
+    assert not found, describe_cycles(graph, found, module_files(ROOTS))
+
+
+def test_runtime_and_cli_import_no_torch() -> None:
     found = heavy_imports(TORCH_FREE_RUNTIME)
     assert not _torch_report(found), _torch_report(found)
 
@@ -620,17 +700,14 @@ def test_role_contracts_and_control_plane_import_no_torch() -> None:
 
 
 def test_no_raw_time_in_roles() -> None:
-    # the publisher runs inside the trainer role, on the role's clock
-    found = raw_time_in(ROOTS["laminar.roles"]) + raw_time_uses(
-        ROOTS["laminar"] / "weights" / "publisher.py"
-    )
+    found = raw_time_in(ROOTS["laminar.roles"])
     assert not found, "role code reads time from its clock:\n" + "\n".join(map(str, found))
 
 
 def test_roles_run_blocking_work_through_their_executors() -> None:
     """No ``asyncio.to_thread``, ``run_in_executor`` or thread pool of its own in roles/, the
     weight path or the engines: the context's executors are in-loop under the in-process
-    cluster, a thread picked by hand is not (``laminar.executor``)."""
+    cluster, a thread picked by hand is not (``laminar.runtime.executor``)."""
     found = [u for root in EXECUTOR_USERS for path in sorted(root.rglob("*.py"))
              for u in own_threads_uses(path)]  # fmt: skip
     assert not found, "use ctx.executor(name):\n" + "\n".join(map(str, found))

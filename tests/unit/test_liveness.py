@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from laminar.membership import Member
 from laminar.roles.manager.liveness import silent_members
+from laminar.runtime.membership import Member
 
 
 def member(name: str, last_seen: float, state: str = "alive") -> Member:

@@ -1,4 +1,4 @@
-"""The event-loop watch (laminar.loopwatch): a loop held by blocking code is said once while it is
+"""The event-loop watch (laminar.runtime.loopwatch): a loop held by blocking code is said once while it is
 held, naming the code, and once more when it turns again; a loop that keeps turning is not said;
 and ``laminar serve`` logs both (a role whose endpoint blocks its loop)."""
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from laminar.loopwatch import LoopWatch, Stall
+from laminar.runtime.loopwatch import LoopWatch, Stall
 
 
 def hold_the_loop(seconds: float) -> None:

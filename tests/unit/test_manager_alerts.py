@@ -4,8 +4,8 @@ steps it skipped) become "alert" events in the manager's log when a heartbeat sh
 
 from __future__ import annotations
 
-from laminar.membership import Heartbeat, JoinRequest, MembershipApi
-from laminar.rpc_client import RpcClient, remote
+from laminar.runtime.membership import Heartbeat, JoinRequest, MembershipApi
+from laminar.runtime.rpc.client import RpcClient, remote
 
 from .test_chain_incarnation import OPTIONS, Manager, manager  # noqa: F401  (the fixture)
 

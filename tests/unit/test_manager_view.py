@@ -18,20 +18,20 @@ from typing import Any, ClassVar
 import structlog
 
 import laminar.transport  # noqa: F401  (registers the schemes)
-from laminar.clock import run_virtual
-from laminar.config import ClusterConfig
-from laminar.context import ServiceContext, transport_options
-from laminar.endpoint import endpoint
-from laminar.membership import Member
 from laminar.repack import RepackPolicy
 from laminar.roles.manager import ManagerConfig
+from laminar.roles.manager.api import ChainView, RelayInfo
 from laminar.roles.manager.cluster_view import ScrapeGauges, cluster_status
 from laminar.roles.manager.events import EventLog
 from laminar.roles.manager.repack import RepackController
 from laminar.roles.manager.view import ManagerView
 from laminar.roles.rollout.api import MigrateReport, MigrateRequest, RolloutApi
-from laminar.service import Service, ServiceHost
-from laminar.weights.chain import ChainView, RelayInfo
+from laminar.runtime.clock import run_virtual
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.context import ServiceContext, transport_options
+from laminar.runtime.endpoint import endpoint
+from laminar.runtime.membership import Member
+from laminar.runtime.service import Service, ServiceHost
 from tests.support.procs import TOKEN
 
 MANAGER = Path(__file__).resolve().parents[2] / "roles" / "manager"

@@ -1,4 +1,4 @@
-"""Reaching other roles (``laminar.peers``): ``ctx.peer`` and ``ctx.follow`` on real services.
+"""Reaching other roles (``laminar.runtime.peers``): ``ctx.peer`` and ``ctx.follow`` on real services.
 
 Every service here runs in one event loop over ``inproc://`` on a ``VirtualTimeLoop``, with a real
 manager: finding a peer, its death, a newcomer joining and the back-offs between all take virtual
@@ -15,14 +15,14 @@ import pytest
 import structlog
 from pydantic import BaseModel, Field
 
-from laminar.clock import get_clock, run_virtual
-from laminar.config import ClusterConfig, ServiceConfig
-from laminar.context import ServiceContext, transport_options
-from laminar.endpoint import stream
-from laminar.errors import PeerUnavailable, RemoteError
-from laminar.peers import Outage, follow_stream
 from laminar.roles.manager import ManagerConfig, ManagerService
-from laminar.service import Service, ServiceHost
+from laminar.runtime.clock import get_clock, run_virtual
+from laminar.runtime.config import ClusterConfig, ServiceConfig
+from laminar.runtime.context import ServiceContext, transport_options
+from laminar.runtime.endpoint import stream
+from laminar.runtime.errors import PeerUnavailable, RemoteError
+from laminar.runtime.peers import Outage, RetryPolicy, follow_stream
+from laminar.runtime.service import Service, ServiceHost
 from tests.support.procs import TOKEN
 from tests.support.roles import Calculator, Pair, Tag
 
@@ -147,7 +147,9 @@ def test_a_peer_is_found_through_the_manager_then_found_again_when_it_dies():
             await cluster.stop(first)
             second = await cluster.start(Calculator, "calculator-b")
             assert second.ctx.address != first.ctx.address
-            await peer.call(lambda c: c.note.call(Tag(tag="after the death")), backoff=0.5)
+            await peer.call(
+                lambda c: c.note.call(Tag(tag="after the death")), RetryPolicy(backoff_s=0.5)
+            )
             assert peer.address == second.ctx.address
             assert second.service is not None
             assert second.service.notes == ["after the death"]  # type: ignore[attr-defined]
@@ -177,13 +179,43 @@ def test_a_configured_address_is_kept_and_attempts_are_bounded():
             clock = get_clock()
             began = clock.time()
             with pytest.raises(PeerUnavailable):
-                await peer.call(add, attempts=3, backoff=2.0)
+                await peer.call(add, RetryPolicy(attempts=3, backoff_s=2.0))
             assert tries == 3
             assert clock.time() - began == pytest.approx(4.0)  # two back-offs, on the clock
             assert peer.address == calc.ctx.address  # configured: never looked up instead
             assert peer.outage.failures == 3
 
     virtual(main)
+
+
+def test_a_call_no_longer_wanted_gives_up_after_its_backoff():
+    async def main() -> None:
+        async with Cluster() as cluster:
+            caller = await cluster.start(Caller, "caller")
+            calc = await cluster.start(Calculator, "calculator-a")
+            assert calc.ctx.address is not None
+            peer = caller.ctx.peer("calculator", Calculator, address=calc.ctx.address)
+            await cluster.stop(calc)
+            tries = 0
+
+            async def add(c: Calculator) -> object:
+                nonlocal tries
+                tries += 1
+                return await c.add.call(Pair(a=1, b=1))
+
+            clock = get_clock()
+            began = clock.time()
+            with pytest.raises(PeerUnavailable):  # the last error, as when attempts run out
+                await peer.call(add, RetryPolicy(backoff_s=1.0), give_up=lambda: tries >= 4)
+            assert tries == 4  # asked before each retry, after its back-off
+            assert clock.time() - began == pytest.approx(4.0)
+
+    virtual(main)
+
+
+def test_a_policy_of_no_attempts_is_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        RetryPolicy(attempts=0)
 
 
 def test_an_error_the_caller_handles_is_raised_at_once_and_keeps_the_peer():
@@ -200,7 +232,9 @@ def test_an_error_the_caller_handles_is_raised_at_once_and_keeps_the_peer():
                 return await c.fail.call(Tag(tag="x"))
 
             with pytest.raises(RemoteError, match="refusing 'x'"):
-                await peer.call(fail, retry_on=(RemoteError,), unless=lambda e: "x" in str(e))
+                await peer.call(
+                    fail, RetryPolicy(retry_on=(RemoteError,), unless=lambda e: "x" in str(e))
+                )
             assert tries == 1
             assert peer.address == calc.ctx.address
             assert not peer.outage.down

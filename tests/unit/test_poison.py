@@ -17,15 +17,15 @@ from laminar.engines import EngineRequest, InflightSequence, SimEngineConfig
 from laminar.engines.base import EngineOutput
 from laminar.engines.costmodel import CostModel
 from laminar.engines.sim import SimEngine
-from laminar.membership import JoinRequest, MembershipApi
 from laminar.roles.data.api import DataApi, SampleRequest, TakeRequest
 from laminar.roles.data.buffer import ExperienceBuffer, FifoSampler, KeepAll
 from laminar.roles.data.rounds import RoundGate
 from laminar.roles.data.service import DataConfig, DataService
 from laminar.roles.manager import ManagerConfig, ManagerService
 from laminar.roles.rollout import RolloutConfig, RolloutService
-from laminar.rpc_client import RpcClient, remote
-from laminar.schedules import ScheduleConfig
+from laminar.runtime.membership import JoinRequest, MembershipApi
+from laminar.runtime.rpc.client import RpcClient, remote
+from laminar.runtime.schedules import ScheduleConfig
 from laminar.trajectory import PartialChunk, SamplingParams
 from tests.support.poll import until
 from tests.support.task import write_prompts, write_tokenizer

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from laminar.devmode.progress import cluster_sample, progress_line, render_progress, summarize
+from laminar.devmode.progress import progress_line, render_progress
+from laminar.tracking.progress import cluster_sample, summarize
 
 
 def _member(name: str, state: str, version: int) -> SimpleNamespace:

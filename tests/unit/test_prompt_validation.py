@@ -13,11 +13,11 @@ import json
 
 import pytest
 
-from laminar.context import ServiceContext
-from laminar.errors import ConfigError
 from laminar.roles.data.prompts import prepare_prompts, read_records
 from laminar.roles.data.service import DataConfig, DataService
 from laminar.roles.data.store import Store
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.errors import ConfigError
 from tests.support.task import write_prompts, write_tokenizer
 
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 import yaml
 
-from laminar.config import load_config
 from laminar.engines.checkpoint import IncompatibleWeights, checkpoint_tensors
 from laminar.roles.trainer.compute import PolicyTrainer
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.published import published_keys
 from laminar.roles.trainer.staging import copy_plan, whole_tensors
 from laminar.roles_registry import load_role_config
+from laminar.runtime.config import load_config
 from laminar.weights.manifest import plan_specs
 from laminar.weights.tensors import tensors_from
 

@@ -12,11 +12,11 @@ import os
 
 import torch
 
+from laminar.roles.trainer.publisher import WeightPublisher
 from laminar.transport.shm import SHM_DIR, map_writable
 from laminar.transport.tcp import TransportOptions
 from laminar.weights.config import PublishConfig
 from laminar.weights.manifest import WeightManifest
-from laminar.weights.publisher import WeightPublisher
 from laminar.weights.tensors import plan_tensors, tensors_from
 
 

@@ -17,9 +17,9 @@ from laminar.devmode.ray_place import (
     gpus_wanted,
     plan_placement,
 )
-from laminar.errors import ConfigError
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles_registry import load_role
+from laminar.runtime.errors import ConfigError
 from tests.support.procs import ROOT
 
 HEAD = Machine("head", "10.0.0.1", 16, 0)

@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from laminar.cli import main
-from laminar.errors import ConfigError
 from laminar.recipe.evaluate import bucket_of, length_stats
 from laminar.recipe.model import ModelShape, init_model
 from laminar.recipe.sft import IGNORE, collate, lr_factor
 from laminar.recipe.tasks import Task, load_task
 from laminar.recipe.tokenizer import EOS, PAD, build_tokenizer, load_tokenizer, special_id
+from laminar.runtime.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 ARITH = str(ROOT / "examples" / "arith")

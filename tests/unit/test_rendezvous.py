@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from laminar.clock import RealClock
-from laminar.rendezvous import GroupOffer, SeatRequest
+from laminar.roles.manager.api import GroupOffer, SeatRequest
 from laminar.roles.manager.rendezvous import GroupBoard
 from laminar.roles.trainer.rendezvous import group_failure, host_of
+from laminar.runtime.clock import RealClock
 
 
 def offer(world: int = 3, address: str = "tcp://10.0.0.1:29500") -> GroupOffer:

@@ -19,10 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laminar.errors import ConfigError
 from laminar.reward_calls import DECLINED, MAX_EXTRAS, Function, Item, Result, Scorer
 from laminar.reward_kinds import detect_kind, is_async
-from laminar.reward_worker import MAX_REPLY_BYTES, encode_reply
+from laminar.roles.data.reward_worker import MAX_REPLY_BYTES, encode_reply
+from laminar.runtime.errors import ConfigError
 
 # -- which convention --------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """verl's and TRL's reward signatures, dict results and async rewards, through the real worker pool.
 
 Each test starts a :class:`RewardPool` on a reward file written here: the workers are the real
-sandboxed processes (``laminar.reward_worker``), so what is checked is what crosses the pipes.
+sandboxed processes (``laminar.roles.data.reward_worker``), so what is checked is what crosses the pipes.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from laminar.errors import ConfigError
 from laminar.reward_calls import DECLINED
 from laminar.roles.data.rewards import RewardFunction, RewardItem, RewardPool, RewardResult
+from laminar.runtime.errors import ConfigError
 
 REWARDS = r'''
 import asyncio, json

@@ -20,7 +20,7 @@ from laminar.roles.data.api import DataApi, SampleRequest
 from laminar.roles.data.service import DataService
 from laminar.roles.data.store import Store
 from laminar.roles.trainer.loop import reward_extras
-from laminar.rpc_client import remote
+from laminar.runtime.rpc.client import remote
 from laminar.tracking import record_scalars
 from laminar.trajectory import SamplingParams
 from tests.support.poll import until

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from laminar.proc import procfs
-from laminar.reward_worker import as_reward
+from laminar.roles.data.reward_worker import as_reward
 from laminar.roles.data.rewards import RewardPool, RewardResult, RewardSandbox
 from tests.support.poll import until
 from tests.support.procs import TOKEN

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from laminar.errors import ConfigError
 from laminar.roles_registry import BUILTIN, BUILTIN_CONFIGS, load_role, load_role_config
+from laminar.runtime.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "vllm")
@@ -41,7 +41,7 @@ def test_a_role_of_ones_own_is_read_from_its_class() -> None:
 _PROBE = """
 import json, sys, tempfile
 from pathlib import Path
-from laminar.config import load_config
+from laminar.runtime.config import load_config
 from laminar.devmode.supervisor import Supervisor
 from laminar.roles_registry import BUILTIN_CONFIGS, load_role_config
 from laminar.tracking import plan_for_run

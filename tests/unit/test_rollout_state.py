@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from laminar.membership import rollout_phase
+from laminar.roles.rollout.api import rollout_phase
 from laminar.roles.rollout.flights import Flight, FlightTable
 from laminar.roles.rollout.state import Phase, RolloutPhases, TransitionError
 from laminar.trajectory import Assignment, SamplingParams

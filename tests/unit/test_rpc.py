@@ -8,8 +8,14 @@ import asyncio
 import numpy as np
 import pytest
 
-from laminar.errors import BadRequest, CallTimeout, PeerUnavailable, RemoteError, UnknownMethod
-from laminar.rpc_client import RpcClient, remote
+from laminar.runtime.errors import (
+    BadRequest,
+    CallTimeout,
+    PeerUnavailable,
+    RemoteError,
+    UnknownMethod,
+)
+from laminar.runtime.rpc.client import RpcClient, remote
 from laminar.transport import Blob
 from tests.conftest import TRANSPORTS
 from tests.support.roles import Calculator, Pair, Payload, Sleep, Tag, Upto

@@ -29,12 +29,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from laminar.config import RoleSpec, load_config
 from laminar.devmode.supervisor import Supervisor
 from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.exits import EX_CONFIG, OOM_WORDS, Exit, OomCounter, OutputTail, error_line
 from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV
 from laminar.proc.restart import EARLY_S, decide, repeats
+from laminar.runtime.config import RoleSpec, load_config
 from tests.support.devrun import write_run_config
 from tests.support.procs import ROOT, env
 
@@ -87,7 +87,7 @@ def test_an_exception_group_gives_the_error_inside_not_its_summary() -> None:
     """How a role's failed start ends: the host's task group raises an ExceptionGroup."""
     code, lines = printed("""
         import asyncio
-        from laminar.errors import ConfigError
+        from laminar.runtime.errors import ConfigError
         async def start():
             raise ConfigError("tok/: no tokenizer.json")
         async def main():
@@ -97,7 +97,7 @@ def test_an_exception_group_gives_the_error_inside_not_its_summary() -> None:
         asyncio.run(main())
     """)
     assert code == 1 and any("ExceptionGroup: unhandled errors" in x for x in lines), lines
-    assert error_line(lines) == "laminar.errors.ConfigError: tok/: no tokenizer.json"
+    assert error_line(lines) == "laminar.runtime.errors.ConfigError: tok/: no tokenizer.json"
 
 
 def test_the_cli_line_wins_over_an_earlier_traceback() -> None:
@@ -118,7 +118,7 @@ def test_the_cli_line_wins_over_an_earlier_traceback() -> None:
 def test_a_structured_error_event_without_a_traceback(fmt: str) -> None:
     code, lines = printed(f"""
         import sys
-        from laminar.log import configure_logging
+        from laminar.runtime.log import configure_logging
         log = configure_logging(role="data", instance="data-0", fmt="{fmt}")
         log.info("data ready", prompts=8)
         log.error("the store is gone", error="disk I/O error")
@@ -132,7 +132,7 @@ def test_a_structured_error_event_without_a_traceback(fmt: str) -> None:
 
 def test_a_structured_error_event_with_an_exception_gives_the_exception() -> None:
     code, lines = printed("""
-        from laminar.log import configure_logging
+        from laminar.runtime.log import configure_logging
         log = configure_logging(role="rollout", instance="rollout-0", fmt="json")
         try:
             raise OSError(28, "No space left on device")
@@ -151,7 +151,7 @@ def test_a_crash_in_c_gives_the_fatal_error_line() -> None:
 
 def test_output_without_an_error_gives_none() -> None:
     code, lines = printed("""
-        from laminar.log import configure_logging
+        from laminar.runtime.log import configure_logging
         log = configure_logging(role="data", instance="data-0")
         log.warning("manager unreachable; retrying", error="connection refused")
         print("Error: not a traceback, just words")
@@ -198,7 +198,7 @@ VLLM_HEAD_SIZE = r"""
   | ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)
   +-+---------------- 1 ----------------
     | Traceback (most recent call last):
-    |   File "/work/main/laminar/service.py", line 213, in run
+    |   File "/work/main/laminar/runtime/service.py", line 213, in run
     |     await service.on_start()
     |   File "/v/vllm/v1/engine/core_client.py", line 1235, in get_output_async
     |     raise self._format_exception(outputs) from None

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from laminar.config import RoleSpec, load_config
 from laminar.devmode.rundir import prepare_run_dir
 from laminar.devmode.supervisor import Supervisor
 from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV
+from laminar.runtime.config import RoleSpec, load_config
 from tests.support.procs import env
 
 

@@ -1,13 +1,13 @@
-"""The schedule decisions (laminar.schedules): who generates which round, when versions go out."""
+"""The schedule decisions (laminar.runtime.schedules): who generates which round, when versions go out."""
 
 from __future__ import annotations
 
 import pytest
 
-from laminar.config import ClusterConfig, load_config
 from laminar.engines.costmodel import TrainCostModel
-from laminar.errors import ConfigError
-from laminar.schedules import (
+from laminar.runtime.config import ClusterConfig, load_config
+from laminar.runtime.errors import ConfigError
+from laminar.runtime.schedules import (
     RoundPlan,
     ScheduleConfig,
     may_lease,

@@ -9,10 +9,10 @@ from typing import ClassVar
 import aiohttp
 import pytest
 
-from laminar.config import ServiceConfig
-from laminar.context import ServiceContext
-from laminar.rpc_client import RpcClient, remote
-from laminar.service import Service, ServiceHost
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.rpc.client import RpcClient, remote
+from laminar.runtime.service import Service, ServiceHost
 from tests.support.poll import until
 from tests.support.roles import Calculator, Pair, Sleep
 

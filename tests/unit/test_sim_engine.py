@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from laminar.clock import get_clock, run_virtual
 from laminar.engines import (
     EngineConfig,
     EngineError,
@@ -41,6 +40,7 @@ from laminar.engines.lengths import (
     QuantilesLength,
 )
 from laminar.engines.sim import SimEngine
+from laminar.runtime.clock import get_clock, run_virtual
 from laminar.trajectory import SamplingParams
 from tests.support.virtual import run_virtual_recording
 

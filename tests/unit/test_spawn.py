@@ -21,9 +21,7 @@ import pytest
 import yaml
 
 from laminar.cli import build_parser
-from laminar.config import load_config, token_problem
 from laminar.devmode.supervisor import Supervisor
-from laminar.errors import ConfigError, LaminarError
 from laminar.harness.launch import ProcessCluster
 from laminar.proc import owned_dirs, procfs
 from laminar.proc.cpus import CpuSlot
@@ -42,7 +40,9 @@ from laminar.proc.spawn import (
     start,
     stop_stages,
 )
-from laminar.service import READY_PREFIX
+from laminar.runtime.config import load_config, token_problem
+from laminar.runtime.errors import ConfigError, LaminarError
+from laminar.runtime.service import READY_PREFIX
 from tests.support.poll import until
 from tests.support.procs import ROOT, TOKEN, env
 

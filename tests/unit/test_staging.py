@@ -24,11 +24,11 @@ import torch
 
 from laminar.roles.trainer.compute import PolicyTrainer
 from laminar.roles.trainer.config import TrainerConfig
+from laminar.roles.trainer.publisher import WeightPublisher
 from laminar.roles.trainer.staging import Fence, copy_plan, whole_tensors
 from laminar.transport.tcp import TransportOptions
 from laminar.weights.config import PublishConfig
 from laminar.weights.manifest import WeightManifest, plan_specs
-from laminar.weights.publisher import WeightPublisher
 from laminar.weights.tensors import plan_tensors, tensors_from
 from tests.support.cancel import cancel_after
 

@@ -1,6 +1,6 @@
 """Streams are flow-controlled by credit: the producer sends at most the consumer's window of
 items ahead of what the consumer has taken, so a slow consumer holds the producer instead of
-queueing everything the producer can make (laminar/rpc_calls.py)."""
+queueing everything the producer can make (laminar/runtime/rpc/calls.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 import pytest
 from pydantic import BaseModel
 
-from laminar.endpoint import stream
-from laminar.rpc import RpcServer
-from laminar.rpc_client import RpcClient
-from laminar.rpc_wire import K_STREAM, encode_model
+from laminar.runtime.endpoint import stream
+from laminar.runtime.rpc.client import RpcClient
+from laminar.runtime.rpc.server import RpcServer
+from laminar.runtime.rpc.wire import K_STREAM, encode_model
 from laminar.transport import Frame, connect
 from tests.support.poll import until
 
@@ -94,7 +94,7 @@ async def test_a_stream_without_a_window_is_not_held(producer, options) -> None:
 
 
 async def test_a_bad_window_or_credit_closes_the_connection(producer, options) -> None:  # type: ignore[no-untyped-def]
-    from laminar.rpc_wire import K_CREDIT
+    from laminar.runtime.rpc.wire import K_CREDIT
 
     _, server = producer
     listener = await server.listen("inproc://*")
@@ -107,7 +107,7 @@ async def test_a_bad_window_or_credit_closes_the_connection(producer, options) -
 
 
 async def test_a_held_stream_cancelled_before_it_starts_leaves_no_credit() -> None:
-    from laminar.rpc_calls import Calls
+    from laminar.runtime.rpc.calls import Calls
 
     release = asyncio.Event()
 

@@ -12,10 +12,10 @@ import sys
 import uuid
 from pathlib import Path
 
-from laminar.config import RoleSpec
 from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.linesplit import MAX_LINE_BYTES, LineSplitter
 from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV
+from laminar.runtime.config import RoleSpec
 from tests.support.procs import env
 
 CHATTY = r"""

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from laminar.config import ClusterConfig, load_config, new_token, token_problem
 from laminar.devmode.supervisor import Supervisor
-from laminar.errors import ConfigError
+from laminar.runtime.config import ClusterConfig, load_config, new_token, token_problem
+from laminar.runtime.errors import ConfigError
 from tests.support.procs import TOKEN
 
 REFUSED = {

@@ -19,9 +19,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from laminar.config import load_config
-from laminar.devmode.progress import Progress
 from laminar.devmode.runview import RunView
+from laminar.runtime.config import load_config
 from laminar.tracking import (
     ThreadedTracker,
     TrackingConfig,
@@ -33,6 +32,7 @@ from laminar.tracking import (
     plan_for_run,
     record_scalars,
 )
+from laminar.tracking.progress import Progress
 
 from ..support.tensorboard import read_scalars
 

@@ -22,17 +22,18 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from laminar.config import ClusterConfig, ServiceConfig
-from laminar.context import ServiceContext, transport_options
 from laminar.roles.data.api import DataApi, Report, TakeRequest
 from laminar.roles.data.service import DataConfig, DataService
-from laminar.roles.relay import LatestRequest, RelayApi, RelayConfig, RelayService
+from laminar.roles.relay import RelayConfig, RelayService
+from laminar.roles.relay.api import LatestRequest, RelayApi
 from laminar.roles.trainer.api import TrainerStatus
 from laminar.roles.trainer.checkpoint import latest_checkpoint, load_state, published_mark
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.service import TrainerService
-from laminar.rpc_client import RpcClient, remote
-from laminar.service import Service, ServiceHost
+from laminar.runtime.config import ClusterConfig, ServiceConfig
+from laminar.runtime.context import ServiceContext, transport_options
+from laminar.runtime.rpc.client import RpcClient, remote
+from laminar.runtime.service import Service, ServiceHost
 from laminar.trajectory import Trajectory
 from tests.support.models import tiny_qwen2
 from tests.support.poll import until

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from laminar.config import ClusterConfig
 from laminar.roles.data.api import DataApi, SampleRequest
-from laminar.roles.relay import LatestRequest, RelayApi
+from laminar.roles.relay.api import LatestRequest, RelayApi
 from laminar.roles.trainer.service import TrainerService
 from laminar.roles.trainer.sim import SimTrainerConfig, SimTrainerService
-from laminar.rpc_client import remote
+from laminar.runtime.config import ClusterConfig
+from laminar.runtime.rpc.client import remote
 from tests.support.poll import until
 
 from .test_trainer_loop import CLUSTER, HASH, Hosted, Loop

@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from laminar.clock import RealClock
+from laminar.runtime.clock import RealClock
 
 from .failures import UNKNOWN, FailureKind, FailureLedger, Rejection
 from .parking import Parking

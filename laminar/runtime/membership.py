@@ -7,13 +7,15 @@ leave) while only the manager role implements it. :class:`MembershipApi` declare
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from typing import Literal
+from collections.abc import AsyncIterator
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
 from .endpoint import endpoint, stream
-from .stats import HeartbeatStats, RolloutPhase, RolloutStats, TrainerStats, parse_stats
+from .stats import HeartbeatStats
+
+S = TypeVar("S", bound=HeartbeatStats)
 
 MemberState = Literal["alive", "dead", "left"]
 
@@ -38,17 +40,11 @@ class Member(JoinRequest):
     incarnation: int = 1  # bumps each time the same instance id joins again (a restart)
     stats: dict[str, float] = Field(default_factory=dict)  # the last heartbeat's, as sent
 
-    # The stats typed by role (``laminar.stats``); None until the first heartbeat. Readers use
-    # these, never ``stats[key]``: a misspelled field fails loudly, a misspelled key read as 0.
-
-    def typed_stats(self) -> HeartbeatStats | None:
-        return parse_stats(self.role, self.stats)
-
-    def rollout_stats(self) -> RolloutStats | None:
-        return RolloutStats.parse(self.stats)
-
-    def trainer_stats(self) -> TrainerStats | None:
-        return TrainerStats.parse(self.stats)
+    def stats_as(self, model: type[S]) -> S | None:
+        """The last heartbeat's stats as the model of this member's role (its ``api``), None
+        before the first heartbeat. Readers use this, never ``stats[key]``: a misspelled field
+        fails loudly, a misspelled key reads as 0."""
+        return model.parse(self.stats)
 
 
 class JoinReply(BaseModel):
@@ -62,16 +58,6 @@ class JoinReply(BaseModel):
 class Heartbeat(BaseModel):
     instance: str
     stats: dict[str, float] = Field(default_factory=dict)
-
-
-def rollout_phase(stats: RolloutStats | Mapping[str, float]) -> RolloutPhase:
-    """What a rollout is doing, from the stats its heartbeats carry (``RolloutStats.phase``).
-
-    One reading for the rollout's own ``state`` endpoint, the admin API and ``laminar status``.
-    """
-    if not isinstance(stats, RolloutStats):
-        stats = RolloutStats.model_validate(stats)
-    return stats.phase
 
 
 class HeartbeatAck(BaseModel):

@@ -37,15 +37,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from laminar import transport
-from laminar.clock import Clock, get_clock
-from laminar.executor import LOOP_DEFAULT, Executor
-from laminar.rpc_client import RpcClient
+from laminar.roles.manager.api import ChainView, follow_chain
+from laminar.runtime.clock import Clock, get_clock
+from laminar.runtime.executor import LOOP_DEFAULT, Executor
+from laminar.runtime.rpc.client import RpcClient
 from laminar.transport.shm import SharedBuffer
-
-from .chain import ChainView, follow_chain
-from .config import PublishConfig
-from .manifest import WeightManifest, chunk_bounds, optimal_chunks, plan_specs, with_checksums
-from .transfer import TransferError, VersionBuffer, VersionConflict, push_version
+from laminar.weights.config import PublishConfig
+from laminar.weights.manifest import (
+    WeightManifest,
+    chunk_bounds,
+    optimal_chunks,
+    plan_specs,
+    with_checksums,
+)
+from laminar.weights.transfer import TransferError, VersionBuffer, VersionConflict, push_version
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +123,7 @@ class WeightPublisher:
         version goes out once that is done (:meth:`hand_off`)."""
         start = self.clock.time()
         if specs is None:
-            from .tensors import plan_tensors  # torch: only for a caller that hands over tensors
+            from laminar.weights.tensors import plan_tensors  # torch: only for a caller that hands over tensors
 
             named = list(named)
             manifest = plan_tensors(named, version)
@@ -135,7 +140,7 @@ class WeightPublisher:
             segment = self._segments[id(array)].name if shared else None
             copying = fill(manifest, segment, view)
         else:
-            from .tensors import copy_into
+            from laminar.weights.tensors import copy_into
 
             copy_into(named, manifest, view)
         bounds = chunk_bounds(
@@ -266,6 +271,7 @@ class WeightPublisher:
             self._apply,
             retry_s=self.config.retry_s,
             on_error=lambda exc: self._note("chain watch interrupted", error=str(exc)),
+            sleep=self.clock.sleep,
         )
 
     def _apply(self, view: ChainView) -> None:

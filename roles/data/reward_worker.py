@@ -2,7 +2,8 @@
 
 A reward function may run code the model wrote (a unit test of a generated program, say). So
 :class:`laminar.roles.data.rewards.RewardPool` never forks it from the data role (a fork shares the
-role's memory, environment and connections): it starts ``python -m laminar.reward_worker`` with
+role's memory, environment and connections): it starts ``python -m
+laminar.roles.data.reward_worker`` with
 an environment that holds neither the cluster token nor any other ``LAMINAR_*`` variable but the
 run's process mark (exec'd, so not even ``/proc/self/environ`` has them), in a process group of
 its own (killed whole, with whatever left it, when a call times out), its stdout pointed at

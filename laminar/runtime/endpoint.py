@@ -1,6 +1,6 @@
 """Typed endpoints: how a role declares what it serves, and the three verbs to reach it.
 
-A role is a :class:`~laminar.service.Service` whose methods are marked::
+A role is a :class:`~laminar.runtime.service.Service` whose methods are marked::
 
     class Manager(Service):
         @endpoint
@@ -15,7 +15,7 @@ cannot carry fails at import, not at the first call.
 
 A role declares its endpoints once, on a contract class of stubs (``DataApi``), which clients
 import without the implementation; the service class inherits the contract and overrides each stub.
-:func:`check_contracts` (run for every :class:`~laminar.service.Service` subclass) makes an
+:func:`check_contracts` (run for every :class:`~laminar.runtime.service.Service` subclass) makes an
 override that disagrees with its contract (kind, request or response model, a missing decorator)
 an error when the implementing class is created: otherwise a client built from the contract would
 send what the server cannot read, and find out only at the first call.
@@ -48,7 +48,7 @@ from pydantic import BaseModel
 
 from .errors import EndpointDefinitionError
 
-log = structlog.get_logger("laminar.rpc")
+log = structlog.get_logger("laminar.runtime.rpc.server")
 
 P = ParamSpec("P")
 R = TypeVar("R", covariant=True)
@@ -201,7 +201,8 @@ class LocalNotifies:
 
     ``notify`` on a local object cannot await its call, so something must hold the task (the
     event loop keeps only weak references) and end it: the object, as a connection owns the
-    handlers of its one-way calls. A :class:`~laminar.service.ServiceHost` closes its service's
+    handlers of its one-way calls. A :class:`~laminar.runtime.service.ServiceHost` closes its
+    service's
     at stop; other objects close theirs with ``local_notifies(obj).close()``. A failure is logged,
     never raised, as on the wire.
     """

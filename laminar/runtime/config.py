@@ -100,7 +100,7 @@ class ClusterConfig(Strict):
         description="`laminar serve` warns when a role's event loop has not turned for this "
         "long (code blocking it: a time.sleep or a CPU-bound loop in an environment or a reward "
         "hook), naming the code that holds it, and again with the stall's length once it "
-        "turns (laminar.loopwatch); from the role's start to its stop. Below "
+        "turns (laminar.runtime.loopwatch); from the role's start to its stop. Below "
         "heartbeat_timeout_s, so the warning comes before the member is marked dead. null: no "
         "watch.",
     )
@@ -113,7 +113,8 @@ class ClusterConfig(Strict):
     schedule: ScheduleConfig = Field(
         default_factory=ScheduleConfig,
         description="How generation and training interleave (laminar, sync, one_step, "
-        "tail_batching); every role reads it. See laminar/schedules.py and docs/schedules.md.",
+        "tail_batching); every role reads it. See laminar/runtime/schedules.py and "
+        "docs/schedules.md.",
     )
 
     @model_validator(mode="after")

@@ -21,11 +21,11 @@ from laminar.transport import Limits, TransportOptions
 
 from .clock import Clock, get_clock
 from .config import ClusterConfig, ServiceConfig
-from .errors import CallTimeout, PeerUnavailable
+from .errors import STREAM_ERRORS, CallTimeout, PeerUnavailable
 from .executor import Executor, ExecutorFactory, ThreadExecutor
 from .membership import Member, MembershipApi
-from .peers import STREAM_ERRORS, Outage, Peer, follow_stream
-from .rpc_client import RpcClient, remote
+from .peers import Outage, Peer, follow_stream
+from .rpc.client import RpcClient, remote
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -50,7 +50,7 @@ def transport_options(cluster: ClusterConfig, token: bytes) -> TransportOptions:
 class ServiceContext:
     """What a service gets from its host: identity, config, clock, logs, metrics, tasks, peers,
     and executors for blocking work (``executors`` makes them: threads unless a harness says
-    otherwise; :mod:`laminar.executor`)."""
+    otherwise; :mod:`laminar.runtime.executor`)."""
 
     def __init__(
         self,
@@ -98,6 +98,16 @@ class ServiceContext:
         for _, executor in executors:
             executor.close()
 
+    def bind_tasks(self, group: asyncio.TaskGroup | None) -> None:
+        """Where :meth:`spawn` starts tasks: the host's task group while the service runs (None
+        once it has ended: spawning is refused from then on)."""
+        self._group = group
+
+    def cancel_tasks(self) -> None:
+        """Cancel every task still owned (the host's last step, after the group is gone)."""
+        for task in list(self._tasks):
+            task.cancel()
+
     def spawn(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
         """Run ``coro`` as a task owned by the service: cancelled at stop, fatal if it raises."""
         if self._group is None:
@@ -118,7 +128,8 @@ class ServiceContext:
         """Run ``coro`` to its end even if the caller is cancelled meanwhile; its result.
 
         An endpoint's task belongs to its connection and is cancelled when that closes
-        (:mod:`laminar.rpc`): a rollout that stops, or is killed, right after sending its last
+        (:mod:`laminar.runtime.rpc.server`): a rollout that stops, or is killed, right after
+        sending its last
         report. A handler that writes to a store on another thread and then updates what the loop
         holds (the data role queues each new trajectory for its reward) must not be cut between
         the two: the write commits whatever the caller does, and the rest would be lost (a

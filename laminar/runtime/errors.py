@@ -11,7 +11,8 @@ class StartInterrupted(BaseException):
     """A stop signal (SIGTERM, SIGINT) that ended a role's start while the start blocked its
     event loop (vLLM's engine start: ``laminar.engines.vllm_engine``), so that the loop could not
     hear it. A ``BaseException``, as ``KeyboardInterrupt`` is, so that the code it interrupts
-    does not take it for an error of its own; :class:`laminar.service.ServiceHost` ends the role
+    does not take it for an error of its own; :class:`laminar.runtime.service.ServiceHost` ends the
+    role
     quietly on it, as a stop."""
 
 
@@ -81,3 +82,12 @@ REMOTE_ERROR_KINDS: dict[str, type[RemoteError]] = {
     "bad_request": BadRequest,
     "unknown_method": UnknownMethod,
 }
+
+#: The errors a call may escape by trying again, perhaps at another address: the peer went away
+#: or went silent. A ``RemoteError`` is the peer's answer; asking again asks the same question.
+RETRYABLE: tuple[type[Exception], ...] = (PeerUnavailable, CallTimeout)
+
+#: A subscription that may work if opened again: the peer went away, went silent, or its stream
+#: raised (a restarting peer may refuse before it is ready); ``ConnectionError`` covers the
+#: transport's own errors where a stream runs over a raw connection.
+STREAM_ERRORS: tuple[type[Exception], ...] = (*RETRYABLE, RemoteError, ConnectionError)

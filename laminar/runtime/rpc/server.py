@@ -1,6 +1,6 @@
 """Request/reply, one-way and streaming calls over any transport connection: the serving side.
-The calling side is :mod:`laminar.rpc_client`; the frames both exchange are in
-:mod:`laminar.rpc_wire`.
+The calling side is :mod:`laminar.runtime.rpc.client`; the frames both exchange are in
+:mod:`laminar.runtime.rpc.wire`.
 
 Guarantees, and why:
 
@@ -20,7 +20,8 @@ Guarantees, and why:
   While it does not read, it sends a PONG every ping interval unasked, so the peer's liveness
   check does not take a busy server for a dead one.
 * A stream sends at most the consumer's window of items ahead of what the consumer has taken
-  (CREDIT frames top it up), so a slow consumer holds its producer (:mod:`laminar.rpc_calls`).
+  (CREDIT frames top it up), so a slow consumer holds its producer
+  (:mod:`laminar.runtime.rpc.calls`).
 * Frames are handed to the server and the client as they arrive (``Connection.deliver_to``), not
   through a reader task: a call's round trip is then one task wake-up on each side, as with a
   bare asyncio echo, and ``benchmarks/transport.py`` measures it against one.
@@ -59,9 +60,9 @@ from laminar.transport import (
     listen,
 )
 
-from .endpoint import EndpointSpec, endpoints_of
-from .rpc_calls import Calls, Credit
-from .rpc_wire import (
+from ..endpoint import EndpointSpec, endpoints_of
+from .calls import Calls, Credit
+from .wire import (
     K_CALL,
     K_CANCEL,
     K_CREDIT,
@@ -92,7 +93,7 @@ __all__ = [
     "encode_model",
 ]
 
-log = structlog.get_logger("laminar.rpc")
+log = structlog.get_logger("laminar.runtime.rpc.server")
 
 
 class CallContext(NamedTuple):
@@ -328,7 +329,7 @@ class RpcServer:
         try:
             sent = 0
             async for item in items:
-                await credit.take()  # the consumer's window (laminar.rpc_calls)
+                await credit.take()  # the consumer's window (laminar.runtime.rpc.calls)
                 payload, buffers = encode_model(self._checked(spec, item))
                 await conn.send(Frame({"k": K_ITEM, "i": call_id}, payload, buffers))
                 sent += 1

@@ -23,29 +23,57 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
-from .errors import CallTimeout, PeerUnavailable, RemoteError
-
-if TYPE_CHECKING:
-    from .context import ServiceContext
+from .clock import Clock
+from .errors import RETRYABLE, STREAM_ERRORS, RpcError
 
 S = TypeVar("S")
 T = TypeVar("T")
 Item = TypeVar("Item")
 
-#: A call that may succeed if tried again, perhaps at another address.
-PEER_ERRORS: tuple[type[Exception], ...] = (PeerUnavailable, CallTimeout)
 
-#: A subscription that may work if opened again: the peer went away, went silent, or its stream
-#: raised (a restarting peer may refuse before it is ready); ``ConnectionError`` covers the
-#: transport's own errors where a stream runs over a raw connection.
-STREAM_ERRORS: tuple[type[Exception], ...] = (
-    PeerUnavailable,
-    CallTimeout,
-    RemoteError,
-    ConnectionError,
-)
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How :meth:`Peer.call` retries: the whole policy in one value, so a caller states it once
+    (usually as a module constant) instead of writing a loop around its call.
+
+    ``attempts`` in all (None: until it succeeds), ``backoff_s`` on the service clock between
+    them, on the errors ``retry_on`` names. ``unless(exc)`` true: that error is the caller's to
+    handle, raised at once without forgetting the peer (e.g. a reply too large to send, which
+    asking again will not fix).
+    """
+
+    attempts: int | None = None
+    backoff_s: float = 1.0
+    retry_on: tuple[type[Exception], ...] = RETRYABLE
+    unless: Callable[[Exception], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if self.attempts is not None and self.attempts < 1:
+            raise ValueError(f"attempts must be at least 1 (or None), not {self.attempts}")
+
+
+#: Until it succeeds, once a second, on the errors another address or a later try may cure.
+PERSIST = RetryPolicy()
+
+#: One attempt; any failure is noted (the peer's address forgotten) and raised. For a call whose
+#: caller asks afresh anyway (a periodic report, a pull loop), with whatever is new by then.
+ONCE = RetryPolicy(attempts=1, retry_on=(RpcError,))
+
+
+class PeerHost(Protocol):
+    """What a :class:`Peer` needs of its owner: a log, a clock, a way to find a role's member and
+    to connect to it. ``ServiceContext`` is one; this module does not import it, so the context
+    owns its peers and not the other way round."""
+
+    log: Any
+    clock: Clock
+
+    async def find(self, role: str, *, poll_s: float = ...) -> str: ...
+
+    def connect(self, cls: type[S], address: str) -> S: ...
 
 
 class Outage:
@@ -102,7 +130,7 @@ class Peer(Generic[S]):
     """
 
     def __init__(
-        self, ctx: ServiceContext, role: str, api_cls: type[S], *, address: str | None = None
+        self, ctx: PeerHost, role: str, api_cls: type[S], *, address: str | None = None
     ) -> None:
         self.ctx = ctx
         self.role = role
@@ -143,33 +171,30 @@ class Peer(Generic[S]):
     async def call(
         self,
         fn: Callable[[S], Awaitable[T]],
+        policy: RetryPolicy = PERSIST,
         *,
-        attempts: int | None = None,
-        backoff: float = 1.0,
-        retry_on: tuple[type[Exception], ...] = PEER_ERRORS,
-        unless: Callable[[Exception], bool] | None = None,
+        give_up: Callable[[], bool] | None = None,
     ) -> T:
-        """``await fn(api)``, retried on ``retry_on`` errors after ``backoff`` seconds on the
-        service clock, at most ``attempts`` times in all (None: until it succeeds).
+        """``await fn(api)``, retried as ``policy`` says. ``give_up()``, asked before each retry,
+        true: the call is no longer wanted (what it was for has moved on). After the last attempt,
+        or on giving up, the last error is raised.
 
-        ``unless(exc)`` true: that error is the caller's to handle, raised at once without
-        forgetting the peer (e.g. a reply too large to send, which asking again will not fix).
-        After the last attempt the last error is raised.
+        ``fn`` runs anew at each attempt, so a request it builds there is as fresh as the retry.
         """
-        if attempts is not None and attempts < 1:
-            raise ValueError(f"attempts must be at least 1 (or None), not {attempts}")
         attempt = 0
         while True:
             attempt += 1
             try:
                 result = await fn(await self.api())
-            except retry_on as exc:
-                if unless is not None and unless(exc):
+            except policy.retry_on as exc:
+                if policy.unless is not None and policy.unless(exc):
                     raise
                 self.lost(exc)
-                if attempts is not None and attempt >= attempts:
+                if policy.attempts is not None and attempt >= policy.attempts:
                     raise
-                await self.ctx.clock.sleep(backoff)
+                await self.ctx.clock.sleep(policy.backoff_s)
+                if give_up is not None and give_up():
+                    raise
                 continue
             self.outage.ok()
             return result

@@ -1,7 +1,8 @@
 """The calling side of RPC: :class:`RpcClient` (one address, reconnects with backoff, fails fast
 when the connection drops) and typed proxies (``remote(Manager, client).join.call(req)``).
 
-The frame kinds are in :mod:`laminar.rpc_wire`, the guarantees in :mod:`laminar.rpc`.
+The frame kinds are in :mod:`laminar.runtime.rpc.wire`, the guarantees in
+:mod:`laminar.runtime.rpc.server`.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from laminar.transport import (
 )
 from laminar.transport.frames import check_outgoing
 
-from .endpoint import EndpointSpec, endpoints_of
-from .errors import REMOTE_ERROR_KINDS, CallTimeout, PeerUnavailable
-from .rpc_wire import (
+from ..endpoint import EndpointSpec, endpoints_of
+from ..errors import REMOTE_ERROR_KINDS, CallTimeout, PeerUnavailable
+from .wire import (
     K_CALL,
     K_CANCEL,
     K_CREDIT,
@@ -45,7 +46,7 @@ from .rpc_wire import (
     encode_model,
 )
 
-log = structlog.get_logger("laminar.rpc")
+log = structlog.get_logger("laminar.runtime.rpc.server")
 
 S = TypeVar("S")
 
@@ -323,7 +324,7 @@ class RpcClient:
                     finished = True
                     self._result(item, None)
                 taken += 1
-                if taken == half:  # top the producer's window up (laminar.rpc_calls.Credit)
+                if taken == half:  # top the producer's window up (laminar.runtime.rpc.calls.Credit)
                     taken = 0
                     self._grant(conn, call_id, half)
                 yield decode_model(item_type, item)

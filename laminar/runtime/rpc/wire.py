@@ -1,6 +1,7 @@
 """The RPC protocol on the wire: frame kinds and how models are encoded. Shared by the serving side
-(:mod:`laminar.rpc`), its bookkeeping (:mod:`laminar.rpc_calls`) and the calling side
-(:mod:`laminar.rpc_client`).
+(:mod:`laminar.runtime.rpc.server`), its bookkeeping (:mod:`laminar.runtime.rpc.calls`) and the
+calling side
+(:mod:`laminar.runtime.rpc.client`).
 
 Frame kinds (meta ``k``), all other meta keys short: ``i`` call id, ``m`` method::
 
@@ -12,7 +13,7 @@ Frame kinds (meta ``k``), all other meta keys short: ``i`` call id, ``m`` method
     PING                              ->  PONG (liveness of an otherwise quiet connection)
 
 ``c`` on a STREAM is the number of items the server may send before it waits for CREDIT; a
-STREAM without it is not flow-controlled (see :mod:`laminar.rpc_calls`).
+STREAM without it is not flow-controlled (see :mod:`laminar.runtime.rpc.calls`).
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ K_CALL, K_REPLY, K_ERROR, K_NOTIFY, K_STREAM, K_ITEM, K_END, K_CANCEL = range(16
 K_PING, K_PONG, K_CREDIT = 24, 25, 26
 
 #: Requests (calls, streams, notifies) one connection may have running at once; see
-#: :class:`laminar.rpc_calls.Calls`. A stream counts for as long as it is open.
+#: :class:`laminar.runtime.rpc.calls.Calls`. A stream counts for as long as it is open.
 MAX_IN_FLIGHT = 64
 
 #: Stream items a consumer lets the producer send ahead of what it has taken; it grants half a
 #: window more each time it has taken half a window.
 STREAM_WINDOW = 16
 
-#: Quiet checks per ``peer_timeout`` on the calling side (:mod:`laminar.rpc_client`): a ping goes
+#: Quiet checks per ``peer_timeout`` on the calling side (:mod:`laminar.runtime.rpc.client`): a
+#: ping goes
 #: out at each of the first ones, the connection is closed at the last, so a healthy peer has two
 #: pings' worth of round trips to answer.
 PING_CHECKS = 3

@@ -15,7 +15,8 @@ different interleavings. So a role asks its context for a named executor
   in submission order. Not zero, so that a loop polling the store cannot stand virtual time
   still; constant, so calls complete in the order they were submitted.
 
-An executor belongs to whoever made it (for roles: the :class:`~laminar.context.ServiceContext`,
+An executor belongs to whoever made it (for roles: the
+:class:`~laminar.runtime.context.ServiceContext`,
 which closes it at stop). Code outside a role that takes an executor argument (a test's own
 publisher, a benchmark) gets :data:`LOOP_DEFAULT`: the running loop's default executor, what
 ``run_in_executor(None, ...)`` has always meant.
@@ -94,7 +95,8 @@ class ThreadExecutor:
 class InLoopExecutor:
     """Calls run on the event loop, ``cost_s`` after submission, in submission order (see the
     module docstring). The cost is time on the loop's clock, the one ``ctx.clock`` reads: virtual
-    under :class:`~laminar.clock.VirtualTimeLoop`. A call blocks the loop while it runs, so this
+    under :class:`~laminar.runtime.clock.VirtualTimeLoop`. A call blocks the loop while it runs, so
+    this
     is for tests and simulation, where that is the point."""
 
     def __init__(self, name: str = "in-loop", *, cost_s: float = 1e-3) -> None:

@@ -24,16 +24,15 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from laminar import transport
-from laminar.config import ServiceConfig
-from laminar.context import ServiceContext
-from laminar.endpoint import endpoint, stream
-from laminar.service import Service
+from laminar.roles.manager.api import ChainFollower, ChainView, RelayInfo
+from laminar.runtime.config import ServiceConfig
+from laminar.runtime.context import ServiceContext
+from laminar.runtime.endpoint import endpoint, stream
+from laminar.runtime.service import Service
 from laminar.transport.shm import sweep_dead_segments
-from laminar.weights.chain import ChainFollower, ChainView, RelayInfo
-from laminar.weights.manifest import WeightManifest
 from laminar.weights.transfer import (
     TransferError,
     VersionBuffer,
@@ -41,6 +40,8 @@ from laminar.weights.transfer import (
     push_version,
     receive_versions,
 )
+
+from .api import LatestRequest, RelayApi, RelayStatus, SharedVersion, VersionState
 
 
 def default_weights_scheme() -> str:
@@ -70,53 +71,6 @@ class RelayConfig(ServiceConfig):
     retry_s: Annotated[float, Field(gt=0)] = Field(
         0.2, description="Pause before retrying a failed forward or chain watch."
     )
-
-
-class SharedVersion(BaseModel):
-    """Where a local rollout maps a version from (``available`` false: none yet)."""
-
-    available: bool
-    version: int = -1
-    segment: str = ""
-    manifest: WeightManifest | None = None
-
-
-class LatestRequest(BaseModel):
-    newer_than: int = -1
-
-
-class VersionState(BaseModel):
-    version: int
-    chunks: int
-    received: int
-    verified: bool
-
-
-class RelayStatus(BaseModel):
-    instance: str
-    weights: str
-    chain_epoch: int
-    chain_applied_at: float  # wall clock when this relay acted on the newest chain view
-    position: int | None
-    downstream: str | None
-    versions: list[VersionState]
-    forwarded: dict[int, float]  # version -> wall clock when the downstream verified it
-    received_at: dict[int, float]  # version -> wall clock when it was verified here
-
-
-class RelayApi:
-    @endpoint
-    async def latest(self, req: LatestRequest) -> SharedVersion:
-        raise NotImplementedError
-
-    @stream
-    async def versions(self, req: LatestRequest) -> AsyncIterator[SharedVersion]:
-        raise NotImplementedError
-        yield  # pragma: no cover
-
-    @endpoint
-    async def status(self) -> RelayStatus:
-        raise NotImplementedError
 
 
 class RelayService(Service, RelayApi):

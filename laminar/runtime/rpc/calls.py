@@ -1,5 +1,6 @@
 """The serving side's bookkeeping for one connection: which requests run, which wait, and how many
-stream items each open stream may still send. No I/O here; :class:`laminar.rpc.RpcServer` wires it
+stream items each open stream may still send. No I/O here;
+:class:`laminar.runtime.rpc.server.RpcServer` wires it
 to a connection.
 
 Two bounds, and why each exists:
@@ -25,7 +26,7 @@ from typing import Any
 
 from laminar.transport import Frame
 
-from .rpc_wire import K_NOTIFY
+from .wire import K_NOTIFY
 
 
 class Credit:

@@ -1,8 +1,8 @@
 """The runtime every role shares: lifecycle, RPC serving, heartbeats, metrics. What a service
 works with (its identity, clock, owned tasks, peers, executors) is its context
-(:mod:`laminar.context`).
+(:mod:`laminar.runtime.context`).
 
-A role is a :class:`Service` subclass with endpoints (see :mod:`laminar.endpoint`). The
+A role is a :class:`Service` subclass with endpoints (see :mod:`laminar.runtime.endpoint`). The
 :class:`ServiceHost` runs one service:
 
 1. binds its RPC listener (any transport) and its Prometheus ``/metrics`` endpoint,
@@ -47,8 +47,8 @@ from .endpoint import check_contracts, local_notifies
 from .errors import RpcError, StartInterrupted
 from .membership import Heartbeat, JoinRequest, LeaveRequest, MembershipApi
 from .metrics import RpcMetrics, start_metrics_server
-from .rpc import RpcServer
-from .rpc_client import remote
+from .rpc.client import remote
+from .rpc.server import RpcServer
 
 T = TypeVar("T")
 
@@ -189,7 +189,7 @@ class ServiceHost:
         metrics_server = None
         try:
             async with asyncio.TaskGroup() as group, contextlib.AsyncExitStack() as stack:
-                ctx._group = group
+                ctx.bind_tasks(group)
                 service = self.service = self.service_cls(ctx)
                 rpc_metrics = RpcMetrics(ctx.registry, ctx.role)
                 self.server = RpcServer(
@@ -236,7 +236,7 @@ class ServiceHost:
         except* StartInterrupted as stopped:  # a stop that came while on_start held the loop
             ctx.log.info("stopped while starting", signal=str(stopped.exceptions[0]))
         finally:
-            ctx._group = None
+            ctx.bind_tasks(None)
             if self.service is not None:
                 await local_notifies(self.service).close()
             if self.server is not None:
@@ -266,8 +266,7 @@ class ServiceHost:
                     await mgr.leave.options(timeout=1.0).call(LeaveRequest(instance=ctx.instance))
         if self.server is not None:
             await self.server.close()
-        for task in list(ctx._tasks):
-            task.cancel()
+        ctx.cancel_tasks()
 
     async def _membership(self, manager: str, metrics: str | None) -> None:
         """Join the manager, then heartbeat; rejoin whenever the manager forgot us."""
