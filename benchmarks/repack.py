@@ -130,7 +130,7 @@ def write_config(directory: Path, args: argparse.Namespace, repack: bool) -> Pat
             "concurrency": args.concurrency,
             "min_take": max(1, args.concurrency // 8),
             # as these figures were measured: leasing as slots free (the emulated data role never
-            # stalls, which is what leases ahead are for: README, generation benchmark)
+            # stalls, which is what leases ahead are for: docs/benchmarks.md, *Generation*)
             "lease_ahead": 0,
             "flush_interval_s": 0.5,
             "take_wait_s": 0.5,

@@ -164,6 +164,7 @@ def _jsonable(value: Any) -> Any:
 
 def _default(info: FieldInfo) -> str:
     if info.default_factory is not None:
+        # ignored below: pydantic types it as maybe taking the validated data; ours take none
         value = info.default_factory()  # type: ignore[call-arg]
     elif info.default is PydanticUndefined:
         return "**required**"

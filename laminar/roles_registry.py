@@ -28,9 +28,8 @@ BUILTIN: dict[str, str] = {
 
 # Role names -> (the role, ``module:ConfigModel``): what checking a config needs, from modules that
 # import neither torch nor vLLM, so ``laminar run`` and ``laminar doctor`` validate every role
-# before anything starts without the trainer's imports (11 s to reject a typo, measured, when
-# they loaded the service classes). tests/unit/test_roles_registry.py keeps each equal to its
-# service class's ``role`` and ``config_model``.
+# before anything starts without the trainer's imports (which would cost seconds before a typo
+# is rejected). A test keeps each equal to its service class's ``role`` and ``config_model``.
 BUILTIN_CONFIGS: dict[str, tuple[str, str]] = {
     "manager": ("manager", "laminar.roles.manager.service:ManagerConfig"),
     "data": ("data", "laminar.roles.data.config:DataConfig"),

@@ -5,8 +5,8 @@
 For the test problems of ``--steps`` operations (the held-out set ``laminar eval`` uses), runs the
 greedy episodes with the calculator, and for each wrong one compares its lines with the
 demonstration's (the ``?`` marks dropped): prints a few, then how many first go wrong at each line
-and whether that line was handed to the calculator. The README's analysis of the example (which
-lines the trained policy still gets wrong) comes from this.
+and whether that line was handed to the calculator. The analysis of the example in
+docs/benchmarks.md (*Learning*: which lines the trained policy still gets wrong) comes from this.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ the operation up (a search tool, in an agent's terms) and computes the step make
 always right; the model's part is the running value, the next label and when to call. The warm
 start (``laminar sft`` on :func:`demonstration`) sees a call on :data:`TOOL_RATE` of the lines, a
 hash of the record and the line deciding which, so it has learned *that* it may call but not
-*where* it needs to; RL can raise accuracy by calling the tool where the model would slip. The
-README reports held-out accuracy and tool calls per episode, by chain length, before and after.
+*where* it needs to; RL can raise accuracy by calling the tool where the model would slip.
+docs/benchmarks.md (*Learning*) reports held-out accuracy and tool calls per episode, by chain
+length, before and after.
 
 Latency: each call also waits a simulated remote-tool latency, log-normal with median
 :data:`LATENCY_MEDIAN_S` and sigma :data:`LATENCY_SIGMA` (p99 ~ 10x the median), drawn from a hash

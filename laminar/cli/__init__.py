@@ -1,4 +1,4 @@
-"""The ``laminar`` command: ``serve`` one role, ``run`` a config on this machine (after the
+"""The ``laminar`` command: ``serve`` one role, ``run`` a config on the local machine (after the
 ``doctor`` preflight), ``status``, ``repack`` (through the manager's admin HTTP API), ``plot`` a
 run directory, ``simulate`` the paper's scale, and the recipe's ``model``, ``sft`` and ``eval``.
 

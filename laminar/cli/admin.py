@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from laminar.runtime.config import ConfigError, LaminarConfig, load_config
+from laminar.runtime.config import ClusterConfig, ConfigError, LaminarConfig, load_config
 from laminar.runtime.errors import LaminarError, PeerUnavailable
 
 from .common import loop_runner, make_console
@@ -21,13 +21,13 @@ if TYPE_CHECKING:
     from ..devmode.status import AdminClient
 
 
-def _token(args: argparse.Namespace, cluster: object) -> bytes:
-    token = os.environ.get(cluster.token_env, "").encode()  # type: ignore[attr-defined]
+def _token(args: argparse.Namespace, cluster: ClusterConfig) -> bytes:
+    token = os.environ.get(cluster.token_env, "").encode()
     info_file = Path(args.run_dir) / "cluster.json"
     if not token and info_file.is_file():
         info = json.loads(info_file.read_text())
         token = Path(info["token_file"]).read_text().strip().encode()
-    return token or cluster.token()  # type: ignore[attr-defined]
+    return token or cluster.token()
 
 
 class Found(NamedTuple):
@@ -80,7 +80,7 @@ def _fetch_status(found: Found, timeout: float) -> ClusterStatus:
         ) from exc
 
 
-def _admin(args: argparse.Namespace, status: object = None) -> AdminClient:
+def _admin(args: argparse.Namespace, status: ClusterStatus | None = None) -> AdminClient:
     """A client of the manager's admin HTTP API: ``--admin URL``, or the URL the manager
     published in its own member record (asked over RPC)."""
     from ..devmode.status import AdminClient, admin_url
@@ -91,7 +91,7 @@ def _admin(args: argparse.Namespace, status: object = None) -> AdminClient:
     found = _find_cluster(args)
     if status is None:
         status = _fetch_status(found, args.timeout)
-    url = admin_url(status, found.manager)  # type: ignore[arg-type]
+    url = admin_url(status, found.manager)
     if url is None:
         raise LaminarError(
             "the manager serves no admin API (manager.admin is null); pass --admin URL"

@@ -1,4 +1,4 @@
-"""``laminar run`` (every role of a config on this machine, after the ``doctor`` preflight),
+"""``laminar run`` (every role of a config on the local machine, after the ``doctor`` preflight),
 ``laminar doctor`` and ``laminar plot``."""
 
 from __future__ import annotations

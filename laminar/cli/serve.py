@@ -128,10 +128,10 @@ def exit_without_final_collection(code: int) -> NoReturn:
     handlers, flush the standard streams, ``os._exit``.
 
     Why: a stopped role's work is done, and what is left of its exit is freeing what its imports
-    made. Measured here, the interpreter's exit took 3.8 s after importing the rollout's modules
-    (vLLM) and 2.1 s after the trainer's (torch, transformers), against 0.2 s for the CLI alone:
-    seconds of every ``laminar run`` stop, restart and test teardown, counted against the
-    role's stop grace. Only after a clean stop: a crash takes the interpreter's ordinary path,
+    made. After the rollout's imports (vLLM) or the trainer's (torch, transformers) that final
+    collection lasts seconds, against a fraction of one for the CLI alone (docs/benchmarks.md,
+    *Stopping*): seconds of every ``laminar run`` stop, restart and test teardown, counted
+    against the role's stop grace. Only after a clean stop: a crash takes the interpreter's ordinary path,
     with its traceback."""
     import atexit
     import threading

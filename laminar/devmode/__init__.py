@@ -1,6 +1,6 @@
 """The single-node dev mode (``laminar run``) and ``laminar status``: what a person watches.
 
-``supervisor`` (every role on this machine, restarted when it dies), ``rundir`` (the run
+``supervisor`` (every role on the local machine, restarted when it dies), ``rundir`` (the run
 directory), ``runview`` and ``progress`` (the live progress line and its records), ``plots``
 (curves and timelines as PNG), ``status`` (the cluster table). Roles never import this package.
 """

@@ -24,9 +24,14 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from laminar.roles.rollout.api import RolloutPhase
 from laminar.tracking.progress import policy_reward
 
-PHASE_COLOUR = {"running": "#2ca02c", "switching": "#ffbf00", "draining": "#9467bd"}
+PHASE_COLOUR = {
+    RolloutPhase.RUNNING: "#2ca02c",
+    RolloutPhase.SWITCHING: "#ffbf00",
+    RolloutPhase.DRAINING: "#9467bd",
+}
 DEAD_COLOUR = "#d62728"
 ENV_COLOUR = "#1f77b4"  # episodes waiting for the environment
 

@@ -10,9 +10,14 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from laminar.roles.rollout.api import RolloutPhase
 from laminar.tracking.progress import Progress, alive
 
-PHASE_STYLE = {"running": "green", "switching": "yellow", "draining": "magenta"}
+PHASE_STYLE = {
+    RolloutPhase.RUNNING: "green",
+    RolloutPhase.SWITCHING: "yellow",
+    RolloutPhase.DRAINING: "magenta",
+}
 
 
 def _fmt(value: float | None, spec: str) -> str:

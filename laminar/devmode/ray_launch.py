@@ -200,7 +200,7 @@ class RayProcesses:
 
     async def _kill_here(self, name: str) -> None:
         """The last resort when an actor cannot be reached: kill the instance's group from
-        here, if it ran on this machine (its pid and the run's mark name it)."""
+        here, if it ran on the local machine (its pid and the run's mark name it)."""
         pid = self.pids.get(name)
         if pid and self.places[name].machine.node_id == self.home:
             left = await asyncio.to_thread(kill_group, pid, self.mark)
@@ -258,7 +258,7 @@ class RaySupervisor(Supervisor):
         self.ray = require_ray()  # before anything: a clear error without Ray
         super().__init__(config, overrides, console, resume)
         for child in self.children:
-            child.cpu = None  # run.cpus plans this machine's cores; Ray places on many
+            child.cpu = None  # run.cpus plans the local machine's cores; Ray places on many
 
     async def run(self) -> int:
         cluster = RayCluster(self.ray)

@@ -17,7 +17,7 @@ from typing import Any
 from rich.table import Table
 
 from laminar.roles.manager.api import parse_stats
-from laminar.roles.rollout.api import RolloutStats
+from laminar.roles.rollout.api import RolloutPhase, RolloutStats
 from laminar.runtime.config import ClusterConfig
 from laminar.runtime.context import transport_options
 from laminar.runtime.errors import LaminarError
@@ -26,7 +26,11 @@ from laminar.runtime.rpc.client import RpcClient, remote
 from laminar.runtime.stats import VersionedStats
 
 _STATE_STYLE = {"alive": "green", "dead": "bold red", "left": "dim"}
-_PHASE_STYLE = {"running": "green", "draining": "yellow", "switching": "cyan"}
+_PHASE_STYLE = {
+    RolloutPhase.RUNNING: "green",
+    RolloutPhase.DRAINING: "yellow",
+    RolloutPhase.SWITCHING: "cyan",
+}
 
 
 async def fetch_status(

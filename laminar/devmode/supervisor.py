@@ -1,4 +1,4 @@
-"""``laminar run``: every role of a config as a supervised process on this machine (dev mode).
+"""``laminar run``: every role of a config as a supervised process on the local machine (dev mode).
 
 The manager starts first; its ``LAMINAR_READY`` line gives the address every other role joins.
 Each child's output goes to ``<run_dir>/logs/<name>.log`` (and to the console, prefixed with its

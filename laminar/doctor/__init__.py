@@ -1,17 +1,16 @@
-"""``laminar doctor``: what a run needs against what this machine has, checked before it starts.
+"""``laminar doctor``: what a run needs against what the machine has, checked before it starts.
 
-Why a preflight: a run that cannot work on a machine used to fail minutes in, deep in a child's
-log, and then restart until its budget was spent. On a 2-core machine whose NUMA node 0 holds
-9.5 of its 23 GiB, both vLLM rollouts of the example refused their KV cache, restarted three
-times and the run idled for 15 minutes; a missing SFT model, a small ``/dev/shm`` or a missing
-token fail the same way, late. Every one of these is knowable up front from the config and a
+Why a preflight: a run that cannot work on a machine fails minutes in, deep in a child's log,
+and then restarts until its budget is spent: vLLM rollouts whose KV cache does not fit the NUMA
+node they run on refuse it at every restart while the run idles; a missing SFT model, a small
+``/dev/shm`` or a missing token fail the same way, late. Every one of these is knowable up front from the config and a
 few files under ``/proc`` and ``/sys``, so ``laminar doctor`` says so at once, one line per
 problem with its fix, and ``laminar run`` runs it first and refuses to start on a blocker.
 
 So that each check is testable on a machine it is not running on, the facts and the needs are
 gathered once and the checks are pure functions of them:
 
-* :mod:`.facts` — :class:`MachineFacts`, what this machine has (cores, NUMA memory as vLLM's CPU
+* :mod:`.facts` — :class:`MachineFacts`, what the machine has (cores, NUMA memory as vLLM's CPU
   worker computes it, ``/dev/shm``, disks, the environment, the kernel's autogroup setting);
 * :mod:`.probe` — whether vLLM and ucxx import, asked of a subprocess that overlaps the rest
   (``laminar doctor``), or only whether they are installed, from package metadata (the preflight
@@ -55,7 +54,7 @@ def doctor(
     *,
     preflight: bool = False,
 ) -> list[Finding]:
-    """Every finding for ``config`` on this machine (None: the machine-only checks).
+    """Every finding for ``config`` on the local machine (None: the machine-only checks).
     ``preflight``: what ``laminar run`` checks before starting: no test-suite-only checks, and
     vLLM and ucxx from their package metadata, not imported (no subprocess)."""
     probe = probe_for(config, mode, full=not preflight)  # first, so it overlaps loading roles

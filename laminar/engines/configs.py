@@ -67,7 +67,7 @@ class VllmEngineConfig(Strict):
 
 
 class ToolCalls(Strict):
-    """Multi-turn episodes with tool calls (issue 19; the paper's Fig. 12 workload: a code
+    """Multi-turn episodes with tool calls (the paper's Fig. 12 workload: a code
     sandbox, at most 8 calls). A response is cut into turns at ``calls`` points evenly spread
     over its length; at each, the sequence leaves the batch for the tool's latency (its KV cache
     released: the next turn is a new request, its whole context prefilled again), gains the

@@ -3,7 +3,7 @@
 Why a module of its own: KV migration (:mod:`laminar.engines.vllm_kv`) copies a request's blocks
 out of one engine's cache and into another's, and the cache's tensor layout depends on the vLLM
 release and the attention backend. Kept apart from vLLM, the layout logic is unit-tested on CPU
-with synthetic tensors of every layout (``tests/unit/test_kv_layouts.py``), GPU layouts included.
+with synthetic tensors of every layout, GPU layouts included.
 
 The layouts, as the installed vLLM (0.32) and earlier releases allocate one attention layer's
 cache:
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -175,7 +176,7 @@ def merge_ranks(items: Sequence[object]) -> tuple[dict[str, object], list[int]] 
     reasons = [item for item in items if isinstance(item, str)]
     if reasons:
         return reasons[0]
-    layouts = [item[0] for item in items]  # type: ignore[index]
+    layouts = [cast(tuple[dict[str, Any], object], item)[0] for item in items]
     size = len(items)
     ranks = {int(layout.get("tp_rank", 0)): i for i, layout in enumerate(layouts)}
     if sorted(ranks) != list(range(size)) or any(

@@ -2,8 +2,8 @@
 
 Why bytes, and why here: vLLM on CPU sizes its KV cache as ``gpu_memory_utilization`` x the
 memory of the worker's NUMA node, minus the worker's own RSS. That depends on the machine, not
-on the rollout: on a 2-core machine whose node 0 holds 9.5 of its 23 GiB, 0.05 x 9.5 GiB is less
-than the worker's RSS, the request goes negative and the engine refuses to start. A rollout's
+on the rollout: where node 0 holds a small share of the memory, a small share of that node is
+less than the worker's RSS, the request goes negative and the engine refuses to start. A rollout's
 need is known in advance (``max_num_seqs`` sequences of at most ``max_model_len`` tokens, each
 token costing ``2 x layers x kv_heads x head_dim x dtype bytes``), so on CPU we always ask vLLM
 for that many bytes (``kv_cache_memory_bytes``), with headroom; on GPUs

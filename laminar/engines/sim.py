@@ -229,7 +229,8 @@ class SimEngine(Engine):
 
     async def _load_shared(self, segment: str, manifest: WeightManifest) -> None:
         """Mapped and verified as by every backend; with no model to hand tensors to, no tensors
-        are made (a sim rollout never loads torch: 3-4 CPU-s at its first version)."""
+        are made (a sim rollout never pays torch's import, seconds of CPU at its first
+        version)."""
         await self._map_verified(segment, manifest)
         await self._load_weights(())
 

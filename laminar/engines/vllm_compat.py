@@ -27,8 +27,8 @@ internals, which change between vLLM releases without notice:
 Nothing else in Laminar names one of these attributes. When vLLM moves one, ``missing_internals``
 names it (``scheduler_stats_only`` for the front end's): the engine asks its workers at start and
 logs a warning (KV export then answers None and migration falls back to re-prefill; a weight load
-fails loudly; the front end keeps its stats), and
-``tests/slow/test_vllm_engine.py`` fails on it, so an upgrade breaks one module and one test.
+fails loudly; the front end keeps its stats), and the vLLM engine's slow tests fail on it, so an
+upgrade breaks one module and its tests.
 
 This module imports no vLLM and no torch: the accessors take the runner vLLM hands the worker.
 """
@@ -95,8 +95,7 @@ class _ExpectedReloadWarnings(logging.Filter):
 def quiet_expected_reload_warnings() -> None:
     """Drop the reload warnings above in this process (vLLM's worker); any other layer's
     "Failed to load weights" is still said. That the reloaded rotary layer is right is checked
-    token for token: ``tests/slow/test_vllm_engine.py`` (in-place reload against
-    transformers)."""
+    token for token, against transformers, by the vLLM engine's slow tests."""
     logger = logging.getLogger(RELOAD_LOGGER)
     if not any(isinstance(f, _ExpectedReloadWarnings) for f in logger.filters):
         logger.addFilter(_ExpectedReloadWarnings())

@@ -235,8 +235,8 @@ class VllmEngine(VllmKvMigration, Engine):
         class _KeepLatest(PrometheusStatLogger):
             """Keeps the scheduler's latest stats (KV use, queue: what the repack planner
             reads). A Prometheus logger by type only: vLLM adds its own unless given one, and
-            Laminar exports none of vLLM's metrics, whose bookkeeping cost the rollout 7% of its
-            front-end CPU (py-spy, docs/benchmarks.md)."""
+            Laminar exports none of vLLM's metrics, whose bookkeeping is a share of the
+            rollout's front-end CPU worth saving (docs/benchmarks.md, *Generation*)."""
 
             def __init__(self, vllm_config: Any, engine_indexes: Any = None) -> None:
                 pass  # no metrics registered
@@ -313,10 +313,10 @@ class VllmEngine(VllmKvMigration, Engine):
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._llm is not None:
             # vLLM's shutdown SIGTERMs its engine core and waits up to 5 s (on the event loop)
-            # before it SIGKILLs what is left. On CPU it always waited them out: the engine
-            # core and its worker each spend about 4 s after their work is done in the
-            # interpreter's final garbage collection (measured here: `import vllm` alone makes
-            # a process's exit take 4.3 s). A CPU engine holds nothing a graceful exit would
+            # before it SIGKILLs what is left. On CPU it always waits them out: the engine
+            # core and its worker each spend seconds after their work is done in the
+            # interpreter's final garbage collection, which `import vllm` alone makes long
+            # (docs/benchmarks.md, *Stopping*). A CPU engine holds nothing a graceful exit would
             # save (no device memory; the KV cache is host memory, gone with the process), so
             # its processes are killed at once. A GPU engine keeps vLLM's grace period, which
             # lets its processes release device memory themselves.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import uuid
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import structlog
 
@@ -167,7 +167,7 @@ class VllmKvMigration:
         if kv.layout.get("model") != self.config.model:
             theirs = kv.layout.get("model")
             return f"KV state of model {theirs}, this engine runs {self.config.model}"
-        tp = int(self.config.extra.get("tensor_parallel_size", 1))  # type: ignore[call-overload]
+        tp = int(cast("int | str", self.config.extra.get("tensor_parallel_size", 1)))
         if len(kv.data) != tp or int(kv.layout.get("tp_size", 1)) != tp:
             return f"KV state of {len(kv.data)} TP shards, this engine has {tp} TP ranks"
         return None

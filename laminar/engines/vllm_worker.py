@@ -263,6 +263,7 @@ def staged_to_device(
             if events[slot] is not None:
                 events[slot].synchronize()  # its previous upload is done: safe to overwrite
             staging = buffers[slot][:n]
+            # ignored below: src is None only when nbytes is 0, and then the loop never runs
             staging.copy_(src[start : start + n])  # type: ignore[index]
             out[start : start + n].copy_(staging, non_blocking=cuda)
             if cuda:

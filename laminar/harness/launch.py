@@ -20,9 +20,8 @@ The command line, the environment, the group, the output lines and the ready lin
 
 Rollouts are pinned one core each, round robin (``pin_rollouts``), the way ``laminar run``'s CPU
 plan pins them (:mod:`laminar.proc.cpus`): left alone, every vLLM CPU engine binds its OpenMP
-threads to the same cores, and two engines' spinning threads starved each other so badly that a
-second engine took over 180 s to start on a 2-core machine (issue 15's CI failure). Sim engines
-ignore it.
+threads to the same cores, and two engines' spinning threads starve each other so badly that,
+where cores are few, a second engine takes minutes to start. Sim engines ignore it.
 """
 
 from __future__ import annotations
@@ -113,9 +112,9 @@ class ProcessCluster:
         """Start several members (``(role, name)`` pairs, ``args[name]`` added to a command) at
         once; wait until each is ready.
 
-        Their start-ups overlap: a vLLM rollout spends ~20 s importing and loading, and started
-        one after another two of them took twice that, while a started one was already busy
-        generating on the cores the next one needed. The manager must be up already.
+        Their start-ups overlap: a vLLM rollout spends most of its start importing and loading,
+        and started one after another two of them take twice that, while a started one is
+        already busy generating on the cores the next one needs. The manager must be up already.
         """
         extra = args or {}
         spawned = [

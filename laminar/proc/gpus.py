@@ -53,7 +53,7 @@ def parse_nvidia_smi(text: str) -> list[str]:
 
 
 def visible_gpus(env: Mapping[str, str]) -> list[str]:
-    """The GPUs this machine lets the run use: the user's ``CUDA_VISIBLE_DEVICES`` if set, else
+    """The GPUs the local machine lets the run use: the user's ``CUDA_VISIBLE_DEVICES`` if set, else
     what ``nvidia-smi -L`` lists (none without the driver)."""
     if "CUDA_VISIBLE_DEVICES" in env:
         return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]

@@ -13,15 +13,15 @@ started there are already running):
   priority, so they use the engine's yields instead of taking turns with its steps. Not for a
   role whose own threads do the heavy work (the trainer: ``Service.computes``), nor for a
   rollout still on its engine's cores (``Service.feeds_engine``; :func:`niceness_for`). Off by
-  default because it is a trade: measured under ``laminar run`` on 2 cores (150 s of the arith
-  example), every role but the trainer at nice 10 trained 45 and 50 versions against 69 and 64
-  at 0, and with the rollouts left at 0 (the rule above) still 46 against 63: the data role
-  and the relay are on the trainer's path too. On a host that only generates it helps.
+  default because it is a trade: where the trainer shares the host, the data role and the relay
+  are on the trainer's path too, and at a lower priority they cost it more versions than the
+  engines gain (docs/benchmarks.md, *Generation*). On a host that only generates it helps.
 * :func:`keep_off_bound_cores`: vLLM binds its CPU worker's OpenMP threads to some cores and
   leaves one free for the engine core and the front end (``VLLM_CPU_NUM_OF_RESERVED_CPU``), but
   pins nothing to it: a rollout then moves itself and its engine core there, off the worker's.
 
-Measured (``benchmarks/generation.py``, one rollout on 2 cores; docs/benchmarks.md).
+What each remedy gains is measured by ``benchmarks/generation.py`` (docs/benchmarks.md,
+*Generation*).
 
 Linux keeps a niceness and an affinity per thread, and a new thread or process inherits its
 creator's: so both are set on every thread that exists, and what those start later follows.

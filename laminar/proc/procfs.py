@@ -16,14 +16,13 @@ id is not recycled while any process of the group remains; once it is empty, it 
 helpers below take a ``mark`` (``NAME=value``): only processes started with it in their
 environment are members (the caller puts it in its children's environment, and it is inherited).
 
-Why groups and not sessions (which roles used until issue 16): where the kernel's autogroup
-scheduler is on (``kernel.sched_autogroup_enabled``, the default of many distributions and of
-the dev machine), every *session* is scheduled as a group of its own. A rollout's session then
-held vLLM's engine core and worker, which poll their queues busily, and the data role and the
-manager, each a session of their own, waited up to 0.6 s at a time for a core: the engine ran
-out of prompts and generation through the roles fell to 0.68 of bare vLLM
-(``benchmarks/generation.py``). Roles in groups share their launcher's session, as bare vLLM's
-processes do.
+Why groups and not sessions: where the kernel's autogroup scheduler is on
+(``kernel.sched_autogroup_enabled``, the default of many distributions), every *session* is
+scheduled as a group of its own. A rollout's session would hold vLLM's engine core and worker,
+which poll their queues busily, and the data role and the manager, each a session of their own,
+would wait for a core behind them: the engine runs out of prompts and generation through the
+roles falls well behind bare vLLM (docs/benchmarks.md, *Generation*). Roles in groups share
+their launcher's session, as bare vLLM's processes do.
 
 **setproctitle wipes environments.** ``/proc/<pid>/environ`` shows the memory that held the
 process's initial environment, and ``setproctitle`` (which vLLM calls in its engine core and

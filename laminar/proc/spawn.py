@@ -85,9 +85,9 @@ _LAST = {"data": 1, "relay": 1, "manager": 2}
 def stop_stages(roles: Mapping[str, str]) -> list[list[str]]:
     """The instances of ``roles`` (instance name -> role) in the order they stop, as stages
     that stop together: the callers first, each callee after everything that calls it. With the
-    data role stopped beside them, rollouts spent their stop retrying an unreachable peer and
-    outlived their grace period (about 5 s of every test cluster's teardown, and a SIGKILL to
-    the vLLM engine of each rollout at the end of ``laminar run``). Empty stages are left out."""
+    data role stopped beside them, rollouts spend their stop retrying an unreachable peer and
+    outlive their grace period (a whole grace period of every test cluster's teardown, and a
+    SIGKILL to the vLLM engine of each rollout at the end of ``laminar run``). Empty stages are left out."""
     stages: list[list[str]] = [[] for _ in range(max(_LAST.values()) + 1)]
     for name, role in roles.items():
         stages[_LAST.get(role, 0)].append(name)

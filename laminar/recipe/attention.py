@@ -5,11 +5,11 @@ Every held-out evaluation (the trainer's, ``laminar eval``, SFT's stop checks) d
 (grouped-query attention, as Qwen2 and Llama have), and transformers' ``sdpa`` attention, given
 an attention mask, expands the keys and values to one head per query head (``repeat_kv``: a copy
 of the whole cache, every layer, every decoding step) because on CUDA that keeps SDPA on its fast
-kernels. On a CPU it is most of the decoding time: 11.3 of 23.6 s of one batch of 50 arith
-problems (``cProfile``, one thread, 2026-11-29), and the cost grows with the square of the
-response length. ``torch.nn.functional.scaled_dot_product_attention`` takes the
-grouped heads itself (``enable_gqa``), masked or not, with the same result (bit for bit here:
-the same greedy tokens on 200 problems, ``tests/unit/test_recipe.py``).
+kernels. On a CPU that copy is most of the decoding time (docs/benchmarks.md, *Evaluation*),
+and its cost grows with the square of the response length.
+``torch.nn.functional.scaled_dot_product_attention`` takes the grouped heads itself
+(``enable_gqa``), masked or not, with the same result (the same greedy tokens, which the recipe's
+tests hold it to).
 
 :func:`fast_attention` switches a model to that for the duration: a model on a CPU whose layers
 are not compiled (for anything but plain masked attention it hands over to transformers' own).

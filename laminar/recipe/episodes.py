@@ -25,8 +25,8 @@ from .tokenizer import EOS, PAD, special_id
 
 DEFAULT_MAX_TURNS = 8
 #: environment steps run concurrently: a sandboxed call is a fork of the jail server
-#: (laminar.tools.jail), so most of a step is the tool's own latency, which overlaps (arith_tool,
-#: 200 greedy episodes: 38 s with 8 at once, 32 s with 32)
+#: (laminar.tools.jail), so most of a step is the tool's own latency, which overlaps: the more
+#: at once, the more of it is hidden
 STEPS_AT_ONCE = 32
 
 
@@ -58,7 +58,7 @@ def check_stop(stop: Callable[[], bool] | None) -> None:
 
 def stopping_criteria(stop: Callable[[], bool] | None) -> Any:
     """For ``generate``: end the call at its next decoding step once ``stop`` says so (one batch
-    of 50 greedy responses took over 10 s on a loaded 2-core machine); None without a ``stop``.
+    of greedy responses can take seconds on a loaded machine); None without a ``stop``.
     The caller then raises :class:`EvalStopped` (:func:`check_stop`): the rows are cut short."""
     if stop is None:
         return None

@@ -20,34 +20,21 @@ minutes always completes its schedule, on whatever machine; a step budget is rep
 Curriculum (``SFT_CURRICULUM`` in the task module, ``--no-curriculum`` to skip it): stages of
 ``(until_step, knobs)``; each pool of training records is drawn with the knobs of the stage the
 run is in (passed to the task's ``generate``), and after the last stage from the task's own
-distribution. Why, measured on ``examples/arith`` (2 cores): without it the run sits on a loss
-plateau for a number of steps that depends on the seed (and on the thread count, through float
-summation order) and then jumps from chance to ~80% within 100 steps; seeds 0 and 2 had not
-jumped after 3,500 steps, nor had seed 1 on another machine. At the plateau the per-token loss
-of the line's result digit is exactly ln 10: the model has learned nothing of
-``(value ± d) mod 10``, because modular arithmetic gives no first-order signal (neither the value
-nor the digit alone says anything about the result), so learning waits for symmetry breaking by
-noise. Training first on problems whose digits are all 1 (the result is then a function of the
-value and the sign alone), then up to 3, then 6, gives the gradient a foothold; the same seeds
-then rise steadily and reach the target within 600-900 steps.
+distribution. Why: where the task gives no first-order signal (modular arithmetic: neither the
+value nor the digit alone says anything about the result), a model trained on the whole
+distribution sits on a loss plateau until noise breaks the symmetry, for a number of steps that
+depends on the seed; easier stages first give the gradient a foothold (docs/benchmarks.md, *The
+warm start*).
 
 ``stop_at``: RL needs a policy that is right on some problems but far from all, so the run stops
 as soon as greedy accuracy on ``val_n`` training-split problems of the task's own distribution
-(checked every ``eval_every`` steps) reaches ``stop_at``. It lands close to the target, not
-wherever the next check happens to fall: near it accuracy rises by 0.2-0.3 in 100 steps
-(arith_tool's seed 2 read 0.54, 0.43 and 0.75 at steps 600-800 and held out 0.684 for a 0.55
-target), and one reading of 100 problems is off by 0.05 as often as not. So once a check reads
-within ``near`` of the target, checks come every ``near_every`` steps, and a reading that reaches
-it is repeated on ``val_n`` other problems (``confirm``): the run stops when the mean of the two
-reaches the target, so a lucky hundred alone does not stop it. ``stop_bucket`` (e.g. ``5-8``) with
-``stop_bucket_at`` also requires that accuracy on ``val_n`` problems whose chain length (a
-record's ``steps``) falls in that bucket: a stop on the whole distribution reads about the same
-once short chains are solved whether the next length is at chance or half learnt, and RL gained
-most where the warm start had begun on it (the README's learning benchmark). Not the bucket
-alone: a warm start stopped on it had 5-8-step chains at 0.42 and 2-step ones at 0.00 (0.27
-held out). A run whose budget ends first has *missed its target*: its model is written beside
-``out`` (``<out>.missed``), never to ``out``, and ``laminar sft`` exits 2, so a Makefile rule or
-an RL config never picks up a broken warm start. The result is written atomically with
+(checked every ``eval_every`` steps) reaches ``stop_at``. Closer checks near the target
+(``near``, ``near_every``), a reading repeated on other problems before it counts (``confirm``)
+and an optional chain-length bucket that must reach ``stop_bucket_at`` too (``stop_bucket``)
+make it land close to the target rather than wherever the next check falls: docs/training.md,
+*The warm start*. A run whose budget ends first has *missed its target*: its model is written
+beside ``out`` (``<out>.missed``), never to ``out``, and ``laminar sft`` exits 2, so a Makefile
+rule or an RL config never picks up a broken warm start. The result is written atomically with
 ``sft.json`` (settings, steps, why it stopped, loss and validation curves) beside the weights.
 """
 

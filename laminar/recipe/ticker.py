@@ -2,8 +2,8 @@
 
 Why a thread: the calls that take long here (a validation check inside SFT, ``laminar eval``)
 block the only loop that could print. An agentic task's are the slow ones: each greedy episode
-waits on its environment (a sandboxed tool call per step, plus its simulated latency), and 100
-episodes of ``examples/arith_tool`` took 15-35 s, 500 took 76 s, with nothing printed meanwhile.
+waits on its environment (a sandboxed tool call per step, plus its simulated latency), so an
+evaluation of a few hundred episodes would print nothing for a minute or more.
 """
 
 from __future__ import annotations

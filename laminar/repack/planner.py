@@ -6,8 +6,8 @@ same weight version that are ramping down are consolidated onto as few destinati
 the released ones pull the newest weights and take fresh prompts.
 
 Inputs are one :class:`RolloutLoad` per rollout (what its heartbeats say) and a
-:class:`RepackPolicy`. Nothing here does I/O or reads a clock, so every rule below is a property
-test (``tests/unit/test_repack_planner.py``).
+:class:`RepackPolicy`. Nothing here does I/O or reads a clock, so every rule below is held by a
+property test.
 
 The rules, and the details the paper leaves open:
 

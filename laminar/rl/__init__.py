@@ -5,7 +5,7 @@ per-token tensor shares one grid, described in :mod:`laminar.rl.batch`.
 
 The names below load their module (and torch) on first use, not when the package is imported:
 :mod:`laminar.rl.config`, which validating a trainer's config needs, imports this package first,
-and a config check must not cost a torch import (``laminar run`` rejecting a typo took 11 s).
+and a config check must not cost a torch import (seconds before ``laminar run`` rejects a typo).
 """
 
 from __future__ import annotations

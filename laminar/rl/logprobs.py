@@ -23,7 +23,7 @@ Three ways to the same numbers (``method``):
 * ``fused``: the same, with its two chunk functions compiled by ``torch.compile`` (a kernel or
   two per chunk instead of a dozen passes over memory); compiles on first use.
 * ``full``: autograd through ``log_softmax`` on the whole upcast tensor; the reference the
-  others are tested against (``tests/unit/test_chunked_logprobs.py``).
+  others are tested against.
 """
 
 from __future__ import annotations

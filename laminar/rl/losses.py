@@ -47,9 +47,9 @@ Aggregation (``PolicyLossConfig.aggregation``):
 * ``seq_mean``: each response's mean over its own tokens, then the mean over responses,
   ``loss = Σ_rows (Σ_t per_token / len_row) / total_sequences``; every response weighs the same,
   so a few long responses cannot dominate an update. Its known cost (Dr. GRPO's length bias): a
-  long wrong response is penalised less per token than a short one, so rambling is cheap. On
-  ``examples/arith`` it was no better than ``token_mean`` at equal learning rate, and with two
-  PPO epochs the responses grew to the length cap and accuracy collapsed (issue 6's notes).
+  long wrong response is penalised less per token than a short one, so rambling is cheap, and
+  with several PPO epochs responses can grow to the length cap (docs/benchmarks.md,
+  *Learning*).
 
 ``total_tokens`` / ``total_sequences`` are passed in rather than read off the mask so the caller
 can use the count of the *whole mini-batch* across gradient-accumulation micro-batches and data-

@@ -178,6 +178,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         # _run_once passed timeout = min(when - time(), MAXIMUM_SELECT_TIMEOUT) for the earliest
         # timer. When it was not capped, land exactly on `when` (time + (when - time) may round).
         now = self._virtual_time
+        # ignored below: asyncio keeps the loop's timers in a private heap, with no public reader
         scheduled = self._scheduled  # type: ignore[attr-defined]
         if scheduled and scheduled[0].when() - now <= timeout:
             self._virtual_time = max(now, scheduled[0].when())

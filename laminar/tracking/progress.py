@@ -60,7 +60,7 @@ def rollout_sample(stats: RolloutStats | None) -> dict[str, Any]:
     version -1 and zeros)."""
     s = stats if stats is not None else RolloutStats(version=-1)
     return {
-        "phase": s.phase,
+        "phase": s.phase.value,
         "version": s.version,
         "kv": round(s.kv_cache_usage, 4),
         "running": s.running,

@@ -8,6 +8,8 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
+from laminar.roles.rollout.api import RolloutPhase
+
 from .config import TrackingConfig
 from .plan import TrackingPlan
 from .progress import Progress, alive
@@ -18,7 +20,7 @@ NOT_SCALARS = frozenset(
     {"version", "cursor", "time", "eval", "sampled_at", "train_start", "train_end", "published_at"}
 )
 #: a live rollout's phases, each counted in ``cluster/rollouts_<phase>``
-PHASES = ("running", "switching", "draining")
+PHASES = tuple(phase.value for phase in RolloutPhase)
 
 
 def record_scalars(record: Mapping[str, Any]) -> dict[str, float]:

@@ -25,7 +25,7 @@ import hmac
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from prometheus_client import generate_latest
@@ -115,6 +115,7 @@ class AdminServer:
         host, _, port = bind.rpartition(":")
         site = web.TCPSite(self._runner, host or "127.0.0.1", int(port or 0))
         await site.start()
+        # ignored below: aiohttp shows a site's bound socket only on its private server
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         h, p = sock.getsockname()[:2]
         self.url = f"http://{h}:{p}"
@@ -243,7 +244,9 @@ class AdminServer:
     async def _resume(self, request: web.Request) -> web.Response:
         return await self._rollout_action(request.match_info["id"], "resume", "")
 
-    async def _rollout_action(self, rid: str, action: str, reason: str) -> web.Response:
+    async def _rollout_action(
+        self, rid: str, action: Literal["drain", "resume"], reason: str
+    ) -> web.Response:
         member = self.manager.members.get(rid)
         if member is None or member.role != "rollout":
             raise ApiError(404, "unknown rollout", {"rollout": rid})
@@ -266,7 +269,7 @@ class AdminServer:
             cause = f"{type(exc).__name__}: {exc}"
             raise ApiError(502, f"{action} failed on {rid}", cause) from None
         event = self.manager.events.publish(
-            action,  # type: ignore[arg-type]
+            action,
             self.manager.ctx.clock.wall(),
             rollout=rid,
             by="operator",

@@ -137,6 +137,7 @@ PolicyPatch: type[BaseModel] = create_model(
     __config__=ConfigDict(extra="forbid"),
     __doc__="A partial policy: the given fields are merged onto the current policy (a field left "
     "out keeps its value; null is no value).",
+    # ignored below: create_model's overloads take no field dict spread as keywords
     **{name: _patch_field(field) for name, field in RepackPolicy.model_fields.items()},  # type: ignore[call-overload]
 )
 

@@ -11,15 +11,37 @@ a failed migration loses nothing and changes no trajectory's version.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import enum
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_serializer, field_validator
 
 from laminar.engines import InflightSequence
 from laminar.runtime.endpoint import endpoint
 from laminar.runtime.stats import VersionedStats
 from laminar.trajectory import Assignment
+
+
+class RolloutPhase(enum.StrEnum):
+    """What a rollout is doing, in the one vocabulary every reader uses: its heartbeat, its
+    ``state`` endpoint, the admin API and dashboard, ``laminar status``, the tracked curves. The
+    rollout's state machine decides it (``state.RolloutPhases.public``)."""
+
+    RUNNING = "running"  # taking prompts
+    DRAINING = "draining"  # an operator's drain: it finishes what it has and takes nothing new
+    SWITCHING = "switching"  # a newer version waits, or a repack moves its trajectories out
+
+    @property
+    def code(self) -> int:
+        """The phase as a heartbeat number (heartbeat stats are floats): its place here."""
+        return list(RolloutPhase).index(self)
+
+    @classmethod
+    def of_code(cls, code: float) -> RolloutPhase:
+        phases = list(cls)
+        if code != int(code) or not 0 <= code < len(phases):
+            raise ValueError(f"no rollout phase has code {code}")
+        return phases[int(code)]
 
 
 class LoadedWeights(BaseModel):
@@ -127,11 +149,10 @@ class RolloutApi:
 
 # -- what its heartbeats carry -----------------------------------------------------------------
 
-RolloutPhase = Literal["running", "draining", "switching"]
-
 
 class RolloutStats(VersionedStats):
-    """``RolloutService.stats``: the engine's load and the rollout's phase flags."""
+    """``RolloutService.stats``: the engine's load, the rollout's phase, and the facts the repack
+    planner reads beside it."""
 
     kv_cache_usage: float = 0.0  # fraction of the engine's KV-cache blocks in use
     running: int = 0
@@ -146,23 +167,13 @@ class RolloutStats(VersionedStats):
     operator_drain: bool = False  # an operator's drain: it takes nothing until resumed
     migrating: bool = False  # a repack is moving its trajectories out
     starved: bool = False  # its last take found the prompt pool dry
+    phase: RolloutPhase = RolloutPhase.RUNNING  # on the wire: its ``code``
 
-    @property
-    def phase(self) -> RolloutPhase:
-        """``switching``: a newer version waits or a repack is moving its trajectories out;
-        ``draining``: an operator told it to take no prompts; ``running``: taking prompts."""
-        if self.paused_for_weights or self.migrating:
-            return "switching"
-        if self.operator_drain:
-            return "draining"
-        return "running"
+    @field_validator("phase", mode="before")
+    @classmethod
+    def _phase_of_code(cls, value: object) -> object:
+        return RolloutPhase.of_code(value) if isinstance(value, int | float) else value
 
-
-def rollout_phase(stats: RolloutStats | Mapping[str, float]) -> RolloutPhase:
-    """What a rollout is doing, from the stats its heartbeats carry (``RolloutStats.phase``).
-
-    One reading for the rollout's own ``state`` endpoint, the admin API and ``laminar status``.
-    """
-    if not isinstance(stats, RolloutStats):
-        stats = RolloutStats.model_validate(stats)
-    return stats.phase
+    @field_serializer("phase")
+    def _phase_code(self, phase: RolloutPhase) -> int:
+        return phase.code

@@ -50,7 +50,7 @@ from pydantic import Field
 from laminar.engines import Engine, EngineConfig, EngineRequest, InflightSequence, create_engine
 from laminar.engines.base import EngineError
 from laminar.roles.data.api import DataApi, LeaseRelease, TakeRequest
-from laminar.roles.rollout.api import RolloutStats, rollout_phase
+from laminar.roles.rollout.api import RolloutStats
 from laminar.runtime.clock import Clock
 from laminar.runtime.config import ServiceConfig
 from laminar.runtime.context import ServiceContext
@@ -213,7 +213,7 @@ class RolloutService(Service, RolloutApi):
             completed=self.completed,
             failed=self.failures,
             env_waiting=self.turns.waiting,
-            **self.phases.stats(),  # paused_for_weights, operator_drain, migrating, starved
+            **self.phases.stats(),  # the phase, and the facts the repack planner reads
         ).wire()
 
     # -- endpoints ---------------------------------------------------------------------------
@@ -226,7 +226,7 @@ class RolloutService(Service, RolloutApi):
     async def state(self) -> RolloutState:
         return RolloutState(
             rollout=self.ctx.instance,
-            phase=rollout_phase(self.stats()),
+            phase=self.phases.public(),
             version=self.engine.version,
             in_flight=len(self.flights),
             env_waiting=self.turns.waiting,

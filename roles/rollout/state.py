@@ -39,6 +39,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
+from .api import RolloutPhase
+
 
 class Phase(enum.Enum):
     STARTING = "starting"  # the engine is not up yet
@@ -103,9 +105,21 @@ class RolloutPhases:
     def may_load(self, in_flight: int) -> bool:
         return self._phase is Phase.PAUSED_FOR_WEIGHTS and self.drained(in_flight)
 
+    def public(self) -> RolloutPhase:
+        """The phase every other reader sees: ``switching`` while a newer version waits or a
+        repack moves trajectories out, ``draining`` under an operator's drain, else ``running``
+        (starting included: it takes nothing until the engine is up either way)."""
+        if self.paused_for_weights or self._migrating:
+            return RolloutPhase.SWITCHING
+        if self._operator_drain:
+            return RolloutPhase.DRAINING
+        return RolloutPhase.RUNNING
+
     def stats(self) -> dict[str, float]:
-        """The heartbeat keys other roles read (``rollout_phase``, the repack planner)."""
+        """The heartbeat keys other roles read: the public phase, and the facts the repack
+        planner reads beside it."""
         return {
+            "phase": float(self.public().code),
             "paused_for_weights": float(self.paused_for_weights),
             "operator_drain": float(self._operator_drain),
             "migrating": float(self._migrating),

@@ -123,7 +123,8 @@ class WeightPublisher:
         version goes out once that is done (:meth:`hand_off`)."""
         start = self.clock.time()
         if specs is None:
-            from laminar.weights.tensors import plan_tensors  # torch: only for a caller that hands over tensors
+            # torch: only for a caller that hands over tensors
+            from laminar.weights.tensors import plan_tensors
 
             named = list(named)
             manifest = plan_tensors(named, version)

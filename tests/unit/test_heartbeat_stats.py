@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from laminar.roles.manager.api import parse_stats
 from laminar.roles.relay.api import RelayStats
-from laminar.roles.rollout.api import RolloutStats, rollout_phase
+from laminar.roles.rollout.api import RolloutPhase, RolloutStats
 from laminar.roles.trainer.api import TrainerStats
 from laminar.runtime.membership import Heartbeat, JoinRequest, Member, MembershipApi
 from laminar.runtime.rpc.client import RpcClient, remote
@@ -35,6 +35,7 @@ ROLLOUT = {
     "operator_drain": 1.0,
     "migrating": 0.0,
     "starved": 0.0,
+    "phase": 1.0,  # its code: draining
 }
 
 
@@ -80,19 +81,18 @@ def test_a_value_that_is_not_what_the_key_means_is_refused_naming_the_key(
         RolloutStats.parse({**ROLLOUT, key: value})
 
 
-@pytest.mark.parametrize(
-    ("flags", "phase"),
-    [
-        ({}, "running"),
-        ({"operator_drain": 1.0}, "draining"),
-        ({"operator_drain": 1.0, "migrating": 1.0}, "switching"),
-        ({"paused_for_weights": 1.0}, "switching"),
-    ],
-)
-def test_rollout_phase_reads_a_dict_and_a_model_alike(flags: dict[str, float], phase: str):
-    raw = {**ROLLOUT, "operator_drain": 0.0, **flags}
-    assert rollout_phase(raw) == phase
-    assert rollout_phase(RolloutStats.model_validate(raw)) == phase
+@pytest.mark.parametrize("phase", list(RolloutPhase))
+def test_the_phase_travels_as_its_code_and_reads_back_as_the_same_value(phase: RolloutPhase):
+    sent = RolloutStats(phase=phase).wire()
+    assert sent["phase"] == float(phase.code)
+    got = RolloutStats.parse(sent)
+    assert got is not None and got.phase is phase and got.phase == phase.value
+
+
+@pytest.mark.parametrize("code", [-1.0, 0.5, float(len(RolloutPhase))])
+def test_a_phase_code_no_phase_has_is_refused(code: float) -> None:
+    with pytest.raises(ValidationError, match="phase"):
+        RolloutStats.parse({**ROLLOUT, "phase": code})
 
 
 def test_member_reads_its_stats_typed_and_the_wire_format_is_unchanged() -> None:

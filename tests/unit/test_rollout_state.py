@@ -3,7 +3,7 @@
 Every legal transition, every illegal one raising, and the guards the service relies on: a load
 waits for an empty flight table and no migration; a migration never overlaps a load or another
 migration; only a stable version accepts migrated trajectories; the heartbeat flags mean what
-the manager reads them as (``rollout_phase``, the repack planner).
+the manager reads them as (the public phase, the repack planner).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from laminar.roles.rollout.api import rollout_phase
+from laminar.roles.rollout.api import RolloutPhase, RolloutStats
 from laminar.roles.rollout.flights import Flight, FlightTable
 from laminar.roles.rollout.state import Phase, RolloutPhases, TransitionError
 from laminar.trajectory import Assignment, SamplingParams
@@ -157,17 +157,18 @@ def test_heartbeat_flags_keep_the_keys_and_meaning_other_roles_read():
         m, _ = machine_in(phase)
         stats = m.stats()
         assert stats == {
+            "phase": float(list(RolloutPhase).index(RolloutPhase(shown))),
             "paused_for_weights": paused,
             "operator_drain": 0.0,
             "migrating": 0.0,
             "starved": 0.0,
         }
-        assert rollout_phase(stats) == shown
+        assert m.public() == shown == RolloutStats.model_validate(stats).phase
     m, _ = machine_in(Phase.GENERATING)
     m.drain()
-    assert m.stats()["operator_drain"] == 1.0 and rollout_phase(m.stats()) == "draining"
+    assert m.stats()["operator_drain"] == 1.0 and m.public() is RolloutPhase.DRAINING
     m.begin_migration()
-    assert m.stats()["migrating"] == 1.0 and rollout_phase(m.stats()) == "switching"
+    assert m.stats()["migrating"] == 1.0 and m.public() is RolloutPhase.SWITCHING
 
 
 def _flight(tid: str) -> Flight:

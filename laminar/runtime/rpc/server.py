@@ -338,6 +338,7 @@ class RpcServer:
                     # no CANCEL could be read, no heartbeat answered.
                     await asyncio.sleep(0)
         finally:
+            # ignored below: each stream handler is an async generator; AsyncIterator has no aclose
             await items.aclose()  # type: ignore[attr-defined]
         await conn.send(Frame({"k": K_END, "i": call_id}))
 
