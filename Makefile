@@ -32,8 +32,8 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # The dev mode on an example task (EXAMPLE, default arith): its data, a model and its SFT warm
-# start (cached under runs/), then every role on this machine for run.duration_s (15 min); plots
-# in runs/latest/plots/. An example without a task.py (examples/hello) needs no preparation.
+# start (cached under runs/), then every role on the local machine for run.duration_s (15 min);
+# plots in runs/latest/plots/. An example without a task.py (examples/hello) needs no preparation.
 run: $(PREPARE) | $(STAMP)
 	$(VENV)/bin/laminar run $(EXAMPLE)
 
@@ -41,22 +41,20 @@ run: $(PREPARE) | $(STAMP)
 run-tool:
 	$(MAKE) run EXAMPLE=examples/arith_tool/config.yaml
 
-# Three workers on two cores: a quarter of the suite's time is spent waiting (on processes it
-# started, on real-time windows), and a third worker fills it; measured on 2 cores, the same suite
-# took 576 s with -n 2 and 516 s with -n 3 (tests/conftest.py orders the longest first). A fourth
-# does not pay: 861 s against 773-791 s with -n 3 (2026-11-28), the vLLM fleet's set-up (one
-# worker's chain) taking 392 s instead of 218 when four workers share the cores.
+# Three workers, one more than a small machine's cores: a share of the suite's time is spent
+# waiting (on processes it started, on real-time windows), and the extra worker fills it (the
+# suite orders its longest files first). A fourth does not pay: the cores are busy already, and
+# the vLLM fleet's set-up, one worker's chain of tests, slows down when more workers share them
+# (the figures: docs/benchmarks.md, *The suite's CPU*).
 #
-# Bytecode is cached for the suite even where the environment says not to (PYTHONDONTWRITEBYTECODE,
-# set on this project's machines): the suite starts ~470 interpreters, each of which otherwise
-# compiles Laminar's modules from source, and every xdist worker rewrites and compiles every test
-# module again. `python benchmarks/bytecode.py` (2026-11-28, 3 alternating pairs): collecting the
-# suite (each of the 3 workers does) 24.5 CPU-s without the cache against 19.8 with it (1.31x), a
-# role's imports 1.90 against 1.58 (1.20x).
+# Bytecode is cached for the suite even where the environment says not to (PYTHONDONTWRITEBYTECODE):
+# the suite starts hundreds of interpreters, each of which otherwise compiles Laminar's modules
+# from source, and every xdist worker rewrites and compiles every test module again
+# (docs/benchmarks.md, *Bytecode*).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
+	$(PY) tests/typecheck.py
 	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -n 3 --dist loadgroup --durations=30
 
 bench: $(STAMP)

@@ -150,4 +150,5 @@ def decode_array(data: bytes, pool: memoryview | None) -> list[Any]:
             f"array of {count} x {dtype.name} at offset {offset} runs past the "
             f"{pool.nbytes}-byte pool"
         )
-    return np.frombuffer(pool, dtype=dtype, count=count, offset=offset).tolist()
+    values: list[Any] = np.frombuffer(pool, dtype=dtype, count=count, offset=offset).tolist()
+    return values

@@ -123,8 +123,8 @@ class Connection(abc.ABC):
 
         Why: a caller that knows its frame went out can time out only what is left (a call's
         reply, with a timer on its future) instead of wrapping the send in ``asyncio.timeout``,
-        which costs three times as much (5 against 1.6 µs, measured) on every small RPC. The
-        default never sends. Raises what ``send`` raises for a frame over ``limits``.
+        which costs several times as much on every small RPC (docs/benchmarks.md, *Transport*).
+        The default never sends. Raises what ``send`` raises for a frame over ``limits``.
         """
         return False
 
@@ -328,7 +328,7 @@ async def connect(address: str, options: TransportOptions) -> Connection:
     """Dial ``address`` and authenticate; returns a connection ready for session frames."""
     transport, rest = get_transport(address)
     # ``asyncio.timeout``, never ``asyncio.wait_for``: on Python 3.11 ``wait_for`` loses a
-    # cancellation that arrives as its inner awaitable finishes (cpython gh-86296), and a refused
+    # cancellation that arrives as its inner awaitable finishes (fixed in 3.12), and a refused
     # connect finishes at once, so a loop retrying connects could not be cancelled.
     async with asyncio.timeout(options.connect_timeout):
         conn = await transport.connect(rest, options)

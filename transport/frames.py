@@ -161,9 +161,9 @@ class Frame:
 class _Encoder(threading.local):
     """One msgpack packer per thread, reused by every :func:`encode_payload` on that thread.
 
-    Why: a packer and its ``default`` hook made afresh for each message cost about as much as
-    packing a small message (1.2 against 0.4 µs, measured), and small calls are the RPC round trip
-    that ``benchmarks/transport.py`` holds against a bare echo. ``default`` reads this message's
+    Why: a packer and its ``default`` hook made afresh for each message cost more than packing a
+    small message (docs/benchmarks.md, *Transport*), and small calls are the RPC round trip that
+    ``benchmarks/transport.py`` holds against a bare echo. ``default`` reads this message's
     buffers and array pool from the encoder, which :func:`encode_payload` resets before each pack
     (packing never re-enters: ``default`` only converts one value). Per thread because executors
     encode too.

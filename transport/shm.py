@@ -5,9 +5,9 @@ lies inside a :class:`SharedBuffer` the sender owns travels as a descriptor (seg
 length); the receiver maps the segment read-only and gets a view of it: zero copies, whatever the
 size. Every other buffer goes inline over the Unix socket like on ``tcp://``.
 
-Why not copy ordinary buffers into fresh segments: on this kind of machine a new tmpfs segment
-costs page allocation (measured ~1.5 GB/s for 256 MiB), slower than the socket itself (~3 GB/s),
-so that "shared memory" path would lose. Producers that want zero-copy write into a SharedBuffer
+Why not copy ordinary buffers into fresh segments: a new tmpfs segment costs page allocation,
+which can be slower than the socket itself (docs/benchmarks.md, *Transport*), so that "shared
+memory" path would lose. Producers that want zero-copy write into a SharedBuffer
 from the start (``SharedBuffer(n).view``), which is what the relay does.
 
 The owner keeps a segment alive and unchanged while readers may map it (the relay keeps the last K

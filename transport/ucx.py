@@ -12,36 +12,33 @@ against ``limits`` (an oversized frame closes the connection before the allocato
 each buffer message must have exactly the size the meta announced. Messages are posted
 synchronously, so a cancelled ``send`` or ``recv`` never leaves half a frame behind.
 
-Measured (2-core VM, no GPU, UCX 1.21, ucxx 0.52): one 256 MiB frame between two processes, median
-of 5, received into preallocated memory (in brackets: the default allocator's fresh ``np.empty``
-per frame, whose page faults cost about as much as the copy), asyncio and uvloop alike:
-
-* UCX defaults: 0.8-1.3 GB/s. Endpoint error handling (needed to notice a dead peer) makes UCX
-  drop shared memory unless ``UCX_MM_ERROR_HANDLING=y``; it falls back to TCP.
-* ``UCX_MM_ERROR_HANDLING=y``: 11.3-11.9 GB/s (7.8-8.2).
-* ``UCX_TLS=tcp`` + ``UCX_RNDV_SCHEME=put_zcopy``: 5.1 GB/s (4.2); ``tcp://`` 4.5-5.1 (3.5-4.2).
+Endpoint error handling (needed to notice a dead peer) makes UCX drop shared memory unless
+``UCX_MM_ERROR_HANDLING=y``: it falls back to TCP, several times slower between two processes
+of one host. Receiving into preallocated memory matters too: a fresh ``np.empty`` per frame
+page-faults about as much as the copy costs (the figures: docs/benchmarks.md, *Transport*).
 
 :func:`_import_ucxx` sets ``UCX_MM_ERROR_HANDLING=y`` and ``UCX_WARN_UNUSED_ENV_VARS=n`` (ucxx
 exports variables this UCX does not know) unless set, before ucxx loads libucx: UCX reads its
 global options, that warning's switch among them, when the library loads, so whatever asks
 whether ucxx is there goes through :func:`available` (a relay that imported ucxx itself first
 printed "UCX WARN unused environment variables" at each start). ``UCXPY_PROGRESS_MODE=blocking``
-is set likewise, for ucxx's own asyncio API only (through it: 12 GB/s, against 4.2 in its default
-thread mode); this module does not use that API. Importing ucxx takes ~0.5 s, on the first
-connect/listen.
+is set likewise, for ucxx's own asyncio API only (far faster through it than in its default
+thread mode); this module does not use that API. Importing ucxx is slow, so it happens on the
+first connect/listen.
 
 Event loops: works under asyncio's default loop and uvloop alike (both tested). ucxx's asyncio API
 is unusable here: in blocking mode it arms the worker only once, after which the loop calls its fd
-callback ~250k times a second (one core per process, for good), and awaiting a request polls with
+callback without pause (one core per process, for good), and awaiting a request polls with
 ``asyncio.sleep(0)``. :class:`_Progress` drives one worker per process instead: it polls while
-requests are in flight and for 0.25 ms after any activity (60-80 us round trip between processes,
-110-130 on ``tcp://``), and otherwise arms the worker and sleeps on its fd: idle costs no CPU.
+requests are in flight and for 0.25 ms after any activity (so a round trip between processes
+beats ``tcp://``'s), and otherwise arms the worker and sleeps on its fd: idle costs no CPU.
 
 Caveats: UCX buffers eager messages (under ``UCX_RNDV_THRESH``, 8 KiB) that nobody asked for yet,
 so a peer flooding small frames grows the receiver's memory; larger sends wait for the receiver.
 ucxx listens on every interface (``host`` only names the advertised address); the handshake in
-:mod:`.base` keeps strangers out. Small frames cost more Python than on ``tcp://`` (~20k against
-~80k frames/s streamed between two processes). Uses ucxx's low-level ``ucxx._lib`` bindings.
+:mod:`.base` keeps strangers out. Small frames cost more Python than on ``tcp://`` (a fraction
+of its frames per second, streamed between two processes). Uses ucxx's low-level ``ucxx._lib``
+bindings.
 """
 
 from __future__ import annotations

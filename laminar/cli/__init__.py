@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from laminar.runtime.config import ConfigError
-from laminar.runtime.errors import LaminarError
+from laminar.runtime.errors import ConfigError, LaminarError
 
 from . import admin, run, serve, simulate
 

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from laminar.runtime.config import ClusterConfig, ConfigError, LaminarConfig, load_config
-from laminar.runtime.errors import LaminarError, PeerUnavailable
+from laminar.runtime.config import ClusterConfig, LaminarConfig, load_config
+from laminar.runtime.errors import ConfigError, LaminarError, PeerUnavailable
 
 from .common import loop_runner, make_console
 

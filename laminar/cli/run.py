@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from laminar.runtime.config import ConfigError, LaminarConfig, load_config
-from laminar.runtime.errors import LaminarError
+from laminar.runtime.config import LaminarConfig, load_config
+from laminar.runtime.errors import ConfigError, LaminarError
 
 from .common import add_set, loop_runner, make_console
 

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from laminar.runtime.config import ConfigError, load_config
+from laminar.runtime.config import load_config
+from laminar.runtime.errors import ConfigError
 
 from ..proc.exits import EX_CONFIG
 from .common import add_set, loop_runner
@@ -130,8 +131,8 @@ def exit_without_final_collection(code: int) -> NoReturn:
     Why: a stopped role's work is done, and what is left of its exit is freeing what its imports
     made. After the rollout's imports (vLLM) or the trainer's (torch, transformers) that final
     collection lasts seconds, against a fraction of one for the CLI alone (docs/benchmarks.md,
-    *Stopping*): seconds of every ``laminar run`` stop, restart and test teardown, counted
-    against the role's stop grace. Only after a clean stop: a crash takes the interpreter's ordinary path,
+    *Stopping*): seconds of every ``laminar run`` stop, restart and test teardown, counted against
+    the role's stop grace. Only after a clean stop: a crash takes the interpreter's ordinary path,
     with its traceback."""
     import atexit
     import threading

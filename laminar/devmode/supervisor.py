@@ -78,8 +78,8 @@ from laminar.runtime.errors import ConfigError
 from laminar.tracking import TrackingPlan, plan_for_run
 
 #: How long the manager may take to say it is ready. A manager that exits is seen at once (its
-#: watcher ends first), so this bounds only one that hangs; 60 s was exceeded by a healthy manager
-#: in CI, started while the suite's other workers were starting vLLM engines on both cores.
+#: watcher ends first), so this bounds only one that hangs, and generously: a healthy manager
+#: started beside other processes that start vLLM engines on the same cores can take minutes.
 MANAGER_READY_S = 300.0
 
 COLOURS = [
@@ -380,8 +380,8 @@ def _write_private(path: Path, text: str) -> None:
 
     The text goes to a private temporary file beside ``path`` that then replaces it, so a reader
     polling for ``cluster.json`` (``laminar admin``, a script waiting for the run) sees no file or
-    the whole file, never the empty one an in-place write shows between its open and its write
-    (a fresh-clone CI run once read exactly that)."""
+    the whole file, never the empty one an in-place write shows between its open and its
+    write."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with open(fd, "w") as f:

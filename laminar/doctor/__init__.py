@@ -1,11 +1,12 @@
 """``laminar doctor``: what a run needs against what the machine has, checked before it starts.
 
-Why a preflight: a run that cannot work on a machine fails minutes in, deep in a child's log,
-and then restarts until its budget is spent: vLLM rollouts whose KV cache does not fit the NUMA
-node they run on refuse it at every restart while the run idles; a missing SFT model, a small
-``/dev/shm`` or a missing token fail the same way, late. Every one of these is knowable up front from the config and a
-few files under ``/proc`` and ``/sys``, so ``laminar doctor`` says so at once, one line per
-problem with its fix, and ``laminar run`` runs it first and refuses to start on a blocker.
+Why a preflight: a run that cannot work on a machine fails minutes in, deep in a child's log, and
+then restarts until its budget is spent: vLLM rollouts whose KV cache does not fit the NUMA node
+they run on refuse it at every restart while the run idles; a missing SFT model, a small
+``/dev/shm`` or a missing token fail the same way, late. Every one of these is knowable up front
+from the config and a few files under ``/proc`` and ``/sys``, so ``laminar doctor`` says so at once,
+one line per problem with its fix, and ``laminar run`` runs it first and refuses to start on a
+blocker.
 
 So that each check is testable on a machine it is not running on, the facts and the needs are
 gathered once and the checks are pure functions of them:

@@ -231,10 +231,11 @@ def check_shm(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
 
 
 def check_scheduler(facts: MachineFacts, needs: RunNeeds) -> list[Finding]:
-    """The kernel's autogroup scheduler gives each session one share of the cores. vLLM's CPU
-    engine processes poll busily, so a role started from another session on the same host (a
-    shell, ``setsid``, ssh) waits for a core behind them, which costs generation a large share of
-    its rate where there are few cores (docs/benchmarks.md, *Generation*). ``laminar run`` keeps every role in its session."""
+    """The kernel's autogroup scheduler gives each session one share of the cores. vLLM's CPU engine
+    processes poll busily, so a role started from another session on the same host (a shell,
+    ``setsid``, ssh) waits for a core behind them, which costs generation a large share of its rate
+    where there are few cores (docs/benchmarks.md, *Generation*). ``laminar run`` keeps every role
+    in its session."""
     if facts.autogroup is None:
         return [Finding("ok", "scheduler", "no autogroup setting here")]
     if not facts.autogroup:

@@ -109,7 +109,8 @@ def token_prompt(token_ids: list[int]) -> dict[str, Any]:
 
     ``AsyncLLM.add_request`` processes a rendered input in place; a bare ``{"prompt_token_ids":
     ...}`` is a raw prompt, which it sends through a thread pool (it may need tokenizing) and
-    back: one thread hop per request, 10% of a rollout's front-end CPU in a profile."""
+    back: one thread hop per request, a share of a rollout's front-end CPU worth saving
+    (docs/benchmarks.md, *Generation*)."""
     return {"type": "token", "prompt_token_ids": token_ids}
 
 
@@ -147,7 +148,7 @@ async def scheduler_stats_only(llm: Any) -> str | None:
     vLLM's engine core sends its scheduler stats (KV-cache use, running, waiting: what the
     repack planner reads) only to a front end that logs stats, and such a front end also keeps
     timing stats of every request and every step (``IterationStats``, ``RequestStateStats``):
-    11% of a rollout's CPU in a profile, for figures Laminar never reads. Both follow
+    a share of a rollout's CPU worth saving, for figures Laminar never reads. Both follow
     ``AsyncLLM.log_stats``, fixed when the engine core starts; the output handler reads it once,
     when it starts (eagerly, in ``AsyncLLM.__init__`` on a running loop). So, before the first
     request: stop the handler, clear the flag on the front end and its output processor (the

@@ -36,8 +36,8 @@ when it exits. It also sets ``SPT_NOENV``, so vLLM's process titles leave the en
 that ``laminar run`` finds a role's processes by in place (:mod:`laminar.proc.procfs`), and
 gives the engine a directory of its own for vLLM's ``ipc://`` socket files
 (``VLLM_RPC_BASE_PATH``), removed at close, by the watch, or by the next start on the host
-(:mod:`laminar.proc.owned_dirs`): vLLM's killed processes cannot unlink them, and every engine
-start used to leave 7 of them in ``/tmp``.
+(:mod:`laminar.proc.owned_dirs`): vLLM's killed processes cannot unlink them, so every engine
+start would leave some in ``/tmp``.
 """
 
 from __future__ import annotations
@@ -273,10 +273,11 @@ class VllmEngine(VllmKvMigration, Engine):
             self._llm, self._ipc = start_async_llm(args, stat_loggers=[_KeepLatest])
         # vLLM reads its environment variables through ``vllm.envs``, one ``os.getenv`` per read
         # until this is called (its API server calls it once started): the front end reads one
-        # per sequence per step for its iteration stats, 8% of the rollout's CPU in a profile.
+        # per sequence per step for its iteration stats, a share of the rollout's CPU worth
+        # saving (docs/benchmarks.md, *Generation*).
         envs.enable_envs_cache()
-        # Only the scheduler's stats from here on (no per-request and per-step timing: 11% of
-        # the rollout's CPU): see vllm_compat.scheduler_stats_only.
+        # Only the scheduler's stats from here on (no per-request and per-step timing, which
+        # Laminar never reads): see vllm_compat.scheduler_stats_only.
         self._front_end_problem = await scheduler_stats_only(self._llm)
         # The engine core and its workers talk through shared-memory queues (``/dev/shm/psm_*``,
         # 160 MiB each by default) that multiprocessing's tracker unlinks once all their users

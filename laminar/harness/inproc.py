@@ -2,9 +2,10 @@
 
 Why: the integration tests of repack, relay failure, rollout failure, data restart and schedules
 used to start real processes and wait in real time (heartbeats, sim engine step times, trainer
-sleeps), so each spent most of its time waiting and a loaded machine made them flaky. Here the same role code runs
-as :class:`ServiceHost` s in one :class:`InprocLoop` (a :class:`VirtualTimeLoop`): a minute of
-heartbeats and decode steps passes in the wall time the callbacks need, and a seed fixes the run.
+sleeps), so each spent most of its time waiting and a loaded machine made them flaky. Here the same
+role code runs as :class:`ServiceHost` s in one :class:`InprocLoop` (a :class:`VirtualTimeLoop`): a
+minute of heartbeats and decode steps passes in the wall time the callbacks need, and a seed fixes
+the run.
 
 The loop (:mod:`.inproc_loop`) makes a run deterministic under a seed (every member's executors
 run their calls on it); the fence

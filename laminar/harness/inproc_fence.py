@@ -55,7 +55,7 @@ class Fence:
 
         def tag_listener(self: InprocListener, *args: Any, **kwargs: Any) -> None:
             listener_init(self, *args, **kwargs)
-            self._inproc_member = MEMBER.get()
+            setattr(self, "_inproc_member", MEMBER.get())  # noqa: B010  (no such attribute declared)
             fence.listeners.setdefault(MEMBER.get(), weakref.WeakSet()).add(self)
 
         def accept_as_owner(self: InprocListener, client: Any) -> None:
@@ -72,14 +72,16 @@ class Fence:
                 raise ConnectionRefusedError(f"{MEMBER.get()} was killed")
             return await connect(self, rest, options)
 
-        InprocListener.__init__ = tag_listener
-        InprocListener.accept = accept_as_owner
-        InprocConnection.__init__ = tag_connection
-        InprocTransport.connect = refuse_the_dead
+        patched = [
+            (InprocListener, "__init__", tag_listener, listener_init),
+            (InprocListener, "accept", accept_as_owner, accept),
+            (InprocConnection, "__init__", tag_connection, conn_init),
+            (InprocTransport, "connect", refuse_the_dead, connect),
+        ]
+        for cls, name, ours, _ in patched:
+            setattr(cls, name, ours)
         try:
             yield
         finally:
-            InprocListener.__init__ = listener_init
-            InprocListener.accept = accept
-            InprocConnection.__init__ = conn_init
-            InprocTransport.connect = connect
+            for cls, name, _, theirs in patched:
+                setattr(cls, name, theirs)

@@ -1,9 +1,10 @@
 """Dividing the local machine's cores between the processes of a dev-mode run (``run.cpus: auto``).
 
-Why a plan at all: left alone, every vLLM CPU engine binds its OpenMP threads to the cores it
-thinks are free, which is core 0 for all of them (they do not know about each other), and torch
-in the trainer starts one thread per core. Two rollouts then share core 0 while the other cores
-run only the trainer's short bursts, and the threads that spin-wait steal from each other. The plan gives each engine its own cores and sizes every thread pool to the cores it has.
+Why a plan at all: left alone, every vLLM CPU engine binds its OpenMP threads to the cores it thinks
+are free, which is core 0 for all of them (they do not know about each other), and torch in the
+trainer starts one thread per core. Two rollouts then share core 0 while the other cores run only
+the trainer's short bursts, and the threads that spin-wait steal from each other. The plan gives
+each engine its own cores and sizes every thread pool to the cores it has.
 
 The rules (pure, so they are unit-tested without starting anything):
 

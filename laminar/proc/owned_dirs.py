@@ -5,8 +5,8 @@ workers ``<VLLM_RPC_BASE_PATH>/<uuid4>`` (the system temp directory by default),
 closed by the process that bound it unlinks its file. On CPU the rollout kills its engine's
 processes at close (:meth:`laminar.engines.vllm_engine.VllmEngine.close`), and a rollout killed
 with -9 has its engine killed by the owner watch (:mod:`laminar.engines.vllm_worker`), so every
-engine start left 7 socket files in ``/tmp`` (measured: 7 after a clean start and close), and a
-machine that had run the suite a few dozen times held 511 of them.
+engine start would leave its socket files in ``/tmp``, and a machine that runs the suite again
+and again would collect hundreds of them.
 
 So each engine gets a directory of its own for those endpoints, named after its owner, the
 rollout process, by pid *and* start time (a recycled pid starts later; see

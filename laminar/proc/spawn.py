@@ -84,10 +84,10 @@ _LAST = {"data": 1, "relay": 1, "manager": 2}
 
 def stop_stages(roles: Mapping[str, str]) -> list[list[str]]:
     """The instances of ``roles`` (instance name -> role) in the order they stop, as stages
-    that stop together: the callers first, each callee after everything that calls it. With the
-    data role stopped beside them, rollouts spend their stop retrying an unreachable peer and
-    outlive their grace period (a whole grace period of every test cluster's teardown, and a
-    SIGKILL to the vLLM engine of each rollout at the end of ``laminar run``). Empty stages are left out."""
+    that stop together: the callers first, each callee after everything that calls it. With the data
+    role stopped beside them, rollouts spend their stop retrying an unreachable peer and outlive
+    their grace period (a whole grace period of every test cluster's teardown, and a SIGKILL to the
+    vLLM engine of each rollout at the end of ``laminar run``). Empty stages are left out."""
     stages: list[list[str]] = [[] for _ in range(max(_LAST.values()) + 1)]
     for name, role in roles.items():
         stages[_LAST.get(role, 0)].append(name)
@@ -289,9 +289,9 @@ def end_role_groups(
 
     Why here: a rollout removes its engine's directory when it closes the engine, and the
     engine's owner watch removes it when the rollout dies first; a rollout SIGKILLed (a stop that
-    outlived its grace, :func:`kill_role`) and its group ended at once leaves neither time to.
-    Fresh-clone CI runs left such a directory of 7 sockets in ``/tmp`` now and then, until the
-    next engine start on the host swept it."""
+    outlived its grace, :func:`kill_role`) and its group ended at once leaves neither time to,
+    and its directory of sockets would stay in ``/tmp`` until the next engine start on the host
+    swept it."""
     ended = end_groups(gids, grace, mark, settle=settle)
     owned_dirs.sweep()
     return ended

@@ -73,7 +73,7 @@ def _register() -> None:
 def _switchable(model: Any) -> bool:
     """``model`` attends with ``sdpa``, on a CPU, with no layer compiled: a compiled layer
     guards on its config, so a switch there and back would recompile it for every evaluation
-    (``trainer.compile``, a minute here)."""
+    (``trainer.compile``, which is slow)."""
     if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
         return False
     if any(p.device.type != "cpu" for p in model.parameters()):

@@ -85,8 +85,8 @@ class SftConfig:
     stop_bucket: str | None = None  # and a chain-length bucket ("5-8") must reach...
     stop_bucket_at: float | None = None  # ...this accuracy
     #: once the overall target is reached, both are checked this often (a bucket can jump from
-    #: chance to 0.9 within 200 steps: seed 1's 5-8-step chains read 0.16 at 1,200 and 0.88 at
-    #: 1,400, so a check every 100 steps stops past the point RL gains most from)
+    #: chance to nearly solved within a couple of hundred steps, so a check every 100 steps stops
+    #: past the point RL gains most from: docs/benchmarks.md, *Learning*)
     bucket_every: int = 20
     curriculum: bool = True  # the task's SFT_CURRICULUM, if it has one
     eval_every: int = 100

@@ -6,44 +6,12 @@ same weight version that are ramping down are consolidated onto as few destinati
 the released ones pull the newest weights and take fresh prompts.
 
 Inputs are one :class:`RolloutLoad` per rollout (what its heartbeats say) and a
-:class:`RepackPolicy`. Nothing here does I/O or reads a clock, so every rule below is held by a
+:class:`RepackPolicy`. Nothing here does I/O or reads a clock, so every rule is held by a
 property test.
 
-The rules, and the details the paper leaves open:
-
-* **Groups.** Rollouts are grouped by weight version; a trajectory never moves across versions.
-* **Candidates** (Algorithm 1, line 3): ``kv_used < min(C_max, kv_prev)`` and ``n_reqs < B``:
-  the rollout is past its KV peak and its batch is below the roofline batch size. Additions:
-
-  - a rollout with requests *waiting* for admission is still backfilling (Fig. 9: KV falls only
-    once nothing waits), so it is no candidate;
-  - a rollout that is ``draining`` (it takes no prompts: a newer version waits, the prompt pool
-    is empty, or an operator drained it) is ramping down by construction even while its tails'
-    growing contexts push KV use up a little, so it is a candidate whenever ``kv_used < C_max``;
-  - ``require_draining`` (default on): *only* draining rollouts are candidates. The paper's
-    rollouts generate a batch, then pull weights, so a falling KV means the batch is ending.
-    Laminar's rollouts refill continuously and ramp down only when they stop taking prompts; a
-    refilling rollout whose KV dips for a step would be "released" only to refill at once, a
-    migration that frees nothing. ``require_draining: false`` gives the paper's rule exactly.
-  - rollouts with nothing in flight have nothing to move.
-
-  A candidate that is not ``accepting`` (an operator drain, a migration under way) may be a
-  source but never a destination.
-* **Order** (line 4): smallest KV footprint first (ties by fewer requests, then by id, so a plan
-  is deterministic).
-* **Destinations** (lines 9-11): other candidates of the group that are neither released nor
-  over capacity after the move: ``C_load + s.kv <= C_max`` and ``N_load + s.n <= B``, where the
-  loads include what the plan already sends there. Best fit: the one that ends up densest (ties
-  by more requests, then id).
-* **Open detail: can a rollout that has received trajectories be released later in the same
-  plan?** No. Releasing it would move the trajectories it just received a second time (two
-  migrations, two transfer costs) and would make "where does this trajectory end up" depend on
-  plan order. A destination is therefore never a source in the same plan: every trajectory moves
-  at most once per plan. The next plan (``period_s`` later) may release it, when its tails have
-  shrunk further.
-* **Worth it.** A move is only planned when the source can be emptied entirely (all its
-  requests go to one destination): a rollout that keeps even one trajectory cannot load new
-  weights, so a partial move would cost a transfer and free nothing.
+The rules, and the details the paper leaves open (which rollouts are candidates, in what order,
+where a trajectory goes, why a destination is never a source in the same plan, why a move always
+empties its source): docs/repack.md, *The planner*.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ One file describes a cluster. Top-level sections:
 
 * ``cluster`` — what every process shares: heartbeat timing, timeouts, frame limits, logging, and
   *where the token comes from* (an environment variable; the token itself never sits in a file).
-* ``run`` — what ``laminar run`` starts on this machine and for how long.
+* ``run`` — what ``laminar run`` starts on the local machine and for how long.
 * one section per role (``manager``, and in later stages ``data``, ``trainer``, ...): that role's
   own settings, validated by the role's ``config_model``.
 
@@ -140,7 +140,7 @@ class ClusterConfig(Strict):
         """``peer_timeout_s``, or its default from the heartbeat timeout."""
         if self.peer_timeout_s is not None:
             return self.peer_timeout_s
-        # the floor: a test cluster's sub-second heartbeats must not make a busy 2-core machine's
+        # the floor: a test cluster's sub-second heartbeats must not make a busy small machine's
         # scheduling hiccups look like dead peers
         return max(3 * self.heartbeat_timeout_s, 5.0)
 
@@ -189,7 +189,7 @@ class RoleSpec(Strict):
 
 
 class RunConfig(Strict):
-    """What `laminar run` starts on this machine."""
+    """What `laminar run` starts on the local machine."""
 
     roles: list[RoleSpec] = Field(
         default_factory=lambda: [RoleSpec(role="manager")],
@@ -382,10 +382,10 @@ def new_token() -> str:
 
 #: Below this many estimated bits a token is refused. Far under what a random token scores and
 #: far over what a pattern does ("0123456789abcdef": 5, "abcd" * 4: 8, "1111222233334444": 11).
-#: Measured (2026-11-24, 400,000 draws): ``secrets.token_hex(8)``, 16 characters, scored under 43
-#: bits one time in 70, under 35 one in 20,000 and under 31 once, each bit lower about half as
-#: often; a fresh-clone CI run drew one at 29 ("7707a7d77a77d702") when this bound was 30, and
-#: refused it. At 20 that is about one in 10^9 draws.
+#: Random tokens score low now and then: for ``secrets.token_hex(8)`` (16 characters) each bit
+#: lower is about half as likely, so a bound near 30 refuses a random token once in a while,
+#: and at 20 it almost never does (the estimate's distribution: docs/benchmarks.md, *Figures
+#: behind code choices*).
 MIN_TOKEN_BITS = 20.0
 
 #: Words that mark a value as a placeholder someone forgot to replace (compared lower-cased,

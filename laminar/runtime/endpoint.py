@@ -229,7 +229,7 @@ class LocalNotifies:
 
 def local_notifies(obj: Any) -> LocalNotifies:
     """The owner of ``obj``'s local one-way calls (created on first use)."""
-    owned = vars(obj).get(_NOTIFIES_ATTR)
+    owned: LocalNotifies | None = vars(obj).get(_NOTIFIES_ATTR)
     if owned is None:
         owned = LocalNotifies()
         setattr(obj, _NOTIFIES_ATTR, owned)
@@ -263,7 +263,8 @@ class LocalRef:
         )
 
     def stream(self, *args: Any) -> AsyncIterator[Any]:
-        return self._declared.fn(self._obj, *args)
+        items: AsyncIterator[Any] = self._declared.fn(self._obj, *args)
+        return items
 
     def options(self, *, timeout: float) -> LocalRef:
         return self

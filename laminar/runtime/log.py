@@ -36,4 +36,5 @@ def configure_logging(
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(role=role, instance=instance)
-    return structlog.get_logger("laminar")
+    logger: structlog.stdlib.BoundLogger = structlog.get_logger("laminar")
+    return logger

@@ -17,9 +17,9 @@ frames are the loop's own (:func:`loop_machinery`), no Python code of the role h
 process waited for a CPU, or a callback without Python frames ran; the stall says so (``idle``)
 rather than name the loop as the culprit. The thread keeps looking while the stall lasts: one
 turn of the loop runs every callback that is ready, so one stall can pass from one holder to
-another (a starved process that goes on into a blocking call, seen on a loaded machine, was
-reported as idle only; a connection callback slowed by a loaded machine, read first, hid the
-``time.sleep`` run right after it, seen in a CI run). A new holder (another callback or task:
+another (a starved process that goes on into a blocking call would be reported as idle only; a
+connection callback slowed by a loaded machine, read first, would hide the ``time.sleep`` run
+right after it). A new holder (another callback or task:
 the frame the loop entered, not the line it is at) is said when found, up to
 :data:`MAX_HOLDERS` per stall, and the stall's end names the last one said.
 

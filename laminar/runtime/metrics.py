@@ -62,13 +62,13 @@ class _Quiet(WSGIRequestHandler):
 class MetricsServer:
     """``/metrics`` (the registry, Prometheus' text format) and ``/healthz`` over HTTP.
 
-    Why a thread and not the service's event loop: the role process needs no web framework for
-    two GET routes, and aiohttp's import alone was ~0.25 CPU-s of every ``laminar serve``'s start
-    (~1.1-1.3 CPU-s in all, 2026-11-28); prometheus_client ships this threaded server for the
-    purpose. A scrape then never waits behind a long step on the loop, and reads only
-    prometheus_client's metric objects, which take their own locks. ``/healthz`` still says
-    whether the *loop* runs, not just the process: it asks the loop to run a callback and waits
-    up to :data:`HEALTH_WAIT_S` (200 ``{"ok": true}``; else 503 with how long it waited).
+    Why a thread and not the service's event loop: the role process needs no web framework for two
+    GET routes, and aiohttp's import alone is a sizeable share of the CPU every ``laminar serve``
+    spends starting; prometheus_client ships this threaded server for the purpose. A scrape then
+    never waits behind a long step on the loop, and reads only prometheus_client's metric objects,
+    which take their own locks. ``/healthz`` still says whether the *loop* runs, not just the
+    process: it asks the loop to run a callback and waits up to :data:`HEALTH_WAIT_S` (200 ``{"ok":
+    true}``; else 503 with how long it waited).
     """
 
     def __init__(
@@ -96,7 +96,8 @@ class MetricsServer:
 
     def _app(self, environ: dict[str, Any], start: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO") != "/healthz":
-            return self._metrics(environ, start)
+            scraped: Iterable[bytes] = self._metrics(environ, start)
+            return scraped
         ok = self._loop_answers()
         silent = f"the event loop ran nothing for {HEALTH_WAIT_S} s"
         body = {"ok": True} if ok else {"ok": False, "error": silent}

@@ -32,8 +32,8 @@ Who coordinates what:
   manager is not involved: it would only relay what these two already know.
 
 The data-role gate alone already bounds staleness (a rollout at the wrong version gets nothing);
-the trainer's hold makes the switch global. The helpers here are pure (no I/O), unit-tested in
-``tests/unit/test_schedules.py``; ``docs/schedules.md`` describes the settings.
+the trainer's hold makes the switch global. The helpers here are pure (no I/O), so unit-tested;
+``docs/schedules.md`` describes the settings.
 """
 
 from __future__ import annotations

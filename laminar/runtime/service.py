@@ -110,8 +110,8 @@ def signals_end_the_start() -> Iterator[None]:
     for a start that blocks the event loop (vLLM's engine start), which :class:`ServiceHost`
     takes as a stop.
 
-    Why: ``AsyncLLM.from_engine_args`` blocks the loop for the whole start (over a minute on a
-    loaded 2-core machine: three interpreters import torch and vLLM), so the loop's own signal
+    Why: ``AsyncLLM.from_engine_args`` blocks the loop for the whole start (long on a loaded
+    machine: three interpreters import torch and vLLM), so the loop's own signal
     handling (the service's stop) waited for its end. A rollout stopped meanwhile outlived its
     stop's grace and was killed (a run stopped in its first minute), and one whose launcher was
     killed lived on until the start ended. vLLM waits for its engine in Python (a poll of its

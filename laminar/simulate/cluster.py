@@ -19,7 +19,7 @@ figures as ``benchmarks/schedules.py`` (:mod:`.measure`) come out, so the two ca
 
 The sim engine advances one decode step at a time (one event per step, not per token), so a
 run's wall time grows with rollouts x steps: tens of rollouts for minutes of cluster time take
-seconds to a few minutes here; the 1024-GPU cells of the paper are the sweep's.
+seconds to minutes of wall time; the 1024-GPU cells of the paper are the sweep's.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from laminar.harness.inproc import InprocCluster
 from laminar.harness.inproc_loop import InprocLoop, run_inproc
 from laminar.roles_registry import builtin_roles, load_role
 from laminar.runtime.clock import get_clock
-from laminar.runtime.config import ConfigError, LaminarConfig
+from laminar.runtime.config import LaminarConfig
+from laminar.runtime.errors import ConfigError
 from laminar.runtime.membership import MembershipApi
 from laminar.runtime.rpc.client import RpcClient
 

@@ -8,8 +8,8 @@ H800-80GB GPUs, 8 per machine, NVLink 400 GB/s, 8 x 400 Gbps between machines; Q
 whole KV cache of its batch once (memory-bound), or does ``2 N`` FLOPs per sequence
 (compute-bound), whichever takes longer, plus a tensor-parallel all-reduce per layer. With the
 stated efficiencies it reproduces the paper's measured 7B table (Fig. 4: 7 / 12.5 / 18 / 30 ms at
-batch 1 / 64 / 128 / 256, context 4096) within 10% (``tests/unit/test_simulate_engine.py``), and
-the same formula with the 32B and 72B shapes gives their step times.
+batch 1 / 64 / 128 / 256, context 4096) within 10% (a test holds it there), and the same formula
+with the 32B and 72B shapes gives their step times.
 
 **Eager decoding** (an assumption, fitted): the verl-based systems (verl, one-step, stream,
 RollPacker) run vLLM as verl configures it by default, ``enforce_eager: True`` (no CUDA graphs,
@@ -142,15 +142,15 @@ class Roofline:
 
 def train_cost(model: ModelShape, gpus: int) -> TrainCostModel:
     """One actor update of ``model`` on ``gpus`` GPUs: ``8 N`` FLOPs per token at 35% MFU (the
-    paper's assumption, issue 17), plus 5 s per update (optimizer step, gradient reduce,
+    paper's assumption), plus 5 s per update (optimizer step, gradient reduce,
     offload); :meth:`TrainCostModel.train_time` gives the seconds."""
     return TrainCostModel(flops_per_token=8 * model.params, gpus=gpus, mfu=0.35, base_s=5.0)
 
 
 #: The relay chain's effective link rate and per-chunk start cost, fitted to the paper's Fig. 18
 #: (measured broadcast latency of 32B and 72B to 4..128 machines; the best fit of the formula, all
-#: 12 points within 13%): 0.47 / 1.00 s at 4 machines and 0.81 / 1.49 s at 128 (measured ~0.42 /
-#: 0.95 and ~0.73 / 1.62; the measurements grow with log(machines), the formula with its square
+#: 12 points within 13%): 0.47 / 1.00 s at 4 machines and 0.81 / 1.49 s at 128 (the paper's
+#: ~0.42 / 0.95 and ~0.73 / 1.62; the paper's grow with log(machines), the formula with its square
 #: root). The rate is 39% of the 8 x 400 Gbps NICs: a relay stages each chunk in host memory.
 RELAY_LINK_BPS = 155e9
 RELAY_CHUNK_START_S = 5e-4

@@ -13,8 +13,8 @@ step ``s + t - g`` whatever happens meanwhile, short of a preemption. The runnin
 of those finish steps (plus the admission order, for preemption and for what :meth:`take`
 returns), and an event costs O(log n) for what it changes, not a pass over the whole batch. A
 paper cell has ~70k events over batches of hundreds of sequences; the numpy arrays this replaced
-spent most of a cell's time in numpy's per-call overhead. ``benchmarks/simulator.py`` (five
-cells against the numpy engine, 2026-11-28): 2.5x less CPU (pairs 2.3-2.7), the same answers.
+spent most of a cell's time in numpy's per-call overhead. ``benchmarks/simulator.py`` compares
+the two on the same cells (docs/benchmarks.md, *The simulator's engine*).
 
 What it models, as vLLM does:
 

@@ -17,8 +17,8 @@ weights stay cached in host memory, a "warm" switch over PCIe), and each job's b
 weights goes to its host-memory copy while the pool serves the other job.
 
 Both jobs run the same model and workload (different prompts: different seeds). The figure is
-RollMux's: cost efficiency, trained tokens/s per GPU, multiplexed over solo (the paper reports
-1.84x over standard disaggregation on its H20 + H800 clusters).
+RollMux's: cost efficiency, trained tokens/s per GPU, multiplexed over solo (the paper reports a
+gain of 1.84 over standard disaggregation on its H20 + H800 clusters).
 """
 
 from __future__ import annotations

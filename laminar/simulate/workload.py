@@ -133,8 +133,7 @@ class Setup:
     ``overheads=False`` charges nothing but the engines' own steps: no training time, no weight
     movement (broadcasts, the relay chain, loads, the trainer's copy, colocated switches) and no
     KV transfer. Only decode (and prefill, which the roofline prices) then takes time, and each
-    system's throughput has a closed form: the simulator's own check
-    (``tests/unit/test_simulate_engine.py``)."""
+    system's throughput has a closed form: the simulator's own check."""
 
     roofline: Roofline
     place: Placement

@@ -1,1 +1,1 @@
-"""Tools an agent's episodes call (issue 19): the sandbox that runs untrusted code."""
+"""Tools an agent's episodes call: the sandbox that runs untrusted code."""

@@ -6,10 +6,10 @@ in milliseconds and needs nothing a tool's user cannot read. Two ways to run it:
 * ``jail.py --serve FD``: the **fork server** that :func:`laminar.tools.sandbox.run_python`
   starts once per process and keeps. It reads requests from the socket ``FD`` (a tool's spec, and
   the write ends of the pipes its stdout and stderr go to), forks a jail for each (below) and
-  answers with the jail's pid, then its exit status. Why a server: a call used to start two
-  interpreters (this program, then the tool's own), about 100 ms of CPU each call on a 2-core
-  machine, where a fork of this small, warm interpreter takes about a millisecond and the tool
-  runs in the fork. The server is single-threaded, so its forks are safe (the data role, which
+  answers with the jail's pid, then its exit status. Why a server: without it a call starts two
+  interpreters (this program, then the tool's own), where a fork of this small, warm interpreter
+  is a small fraction of that and the tool runs in the fork (docs/benchmarks.md, *The tool
+  sandbox*). The server is single-threaded, so its forks are safe (the data role, which
   has threads, only fork-execs the server); it exits, killing its jails, when the caller's end
   of the socket closes (the caller exited or was killed).
 * ``jail.py SPEC.json``: one call, the jail below in this process (the tests run it as a plain

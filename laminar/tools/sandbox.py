@@ -12,9 +12,8 @@ of its own (claimed: :mod:`.uids`), isolated (``-I -S``), in a fresh directory t
 removes, with a minimal environment (``PATH``, ``HOME`` = that directory, ``LANG``; nothing of the
 caller's, so no token). A call costs a fork of a small warm interpreter, not the start of two
 (:mod:`.jail` says why), and the caller's event loop does next to nothing for it: no files, no
-scan of ``/proc`` when the jail ends by itself (profiled in the data role under
-``examples/arith_tool``: the calculator's calls took 56% of its samples with the directory and
-the clean-up here, 8% since). Here, in the caller:
+scan of ``/proc`` when the jail ends by itself (a tool-calling data role spent most of its CPU
+on them otherwise: docs/benchmarks.md, *Learning*). Here, in the caller:
 
 * **wall clock**: past ``wall_s`` the jail is told to stop, kills the tool and reaps it, and the
   tool's death empties its PID namespace (a jail that does not stop is killed; the tool then

@@ -1,9 +1,9 @@
-"""The uid each sandboxed call runs as (as root): one no other call holds, on this whole machine.
+"""The uid each sandboxed call runs as (as root): one no other call holds, on the whole host.
 
 Why it matters: a call's clean-up kills every process of its uid (:mod:`.sandbox`), so two calls
 on one uid would kill each other's tools. Drawn at random from 60,000 uids, 8 calls in flight
 share one with a chance of about 1 in 2,000 per call, which a tool-calling run (hundreds of calls
-a minute) meets within minutes: seen as a call ``killed by SIGKILL`` in ``benchmarks/sandbox.py``.
+a minute) meets within minutes: it shows as a call ``killed by SIGKILL``.
 
 A claim is a byte-range lock on one file (``/tmp/laminar-sandbox-uids.lock``, byte ``uid -
 first``): the kernel releases it when the holder exits, whatever way, so a claim never outlives
@@ -39,7 +39,7 @@ class UidClaims:
         self._pid = 0  # the process that opened the file (a fork holds none of its locks)
 
     def claim(self) -> int:
-        """A uid that no other call on this machine holds, held until :meth:`release`."""
+        """A uid that no other call on the host holds, held until :meth:`release`."""
         with self._lock:
             fd = self._file()
             for _ in range(1000):

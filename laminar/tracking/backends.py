@@ -34,9 +34,9 @@ class TensorBoardTracker:
     ``SummaryWriter`` uses), written synchronously: the caller (its lane's thread) is the writing
     thread, so an I/O error reaches it instead of dying in a writer thread of its own.
 
-    Not tensorboardX (which wrote these files until 2026-11-28): importing it imports torch
-    wherever torch is installed, 3.6 CPU-s here, in the supervisor of every ``laminar run`` and
-    in the sim trainer, which have no other use for torch; this writer imports in 0.6."""
+    Not tensorboardX: importing it imports torch wherever torch is installed, seconds of CPU in
+    the supervisor of every ``laminar run`` and in the sim trainer, which have no other use for
+    torch; this writer's imports are a fraction of that."""
 
     name = "tensorboard"
 

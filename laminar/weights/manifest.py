@@ -6,7 +6,7 @@ shared memory) handles that one buffer and this manifest, never a dict of tensor
 knows nothing about models, a chunk is just a byte range, and "did it arrive intact" is a
 checksum per tensor.
 
-Checksums are CRC-32 (``zlib.crc32``, ~4 GB/s on one core here, the GIL released): they detect
+Checksums are CRC-32 (``zlib.crc32``: fast, and it releases the GIL): they detect
 corruption and bugs (a wrong offset, a truncated chunk, a stale segment), not an adversary; every
 link is already authenticated with the cluster token.
 

@@ -246,7 +246,8 @@ def _rollout_view(member: Member, state: RolloutState | None, now: float) -> Rol
         view.running, view.waiting, view.in_flight = st.running, st.waiting, st.in_flight
         view.generated_tokens, view.completed = st.generated_tokens, st.completed
     if state is not None and member.state == "alive":
-        view.state, view.in_flight, view.version = state.phase, state.in_flight, state.version
+        view.state = state.phase.value
+        view.in_flight, view.version = state.in_flight, state.version
     return view
 
 

@@ -1,7 +1,7 @@
 """The manager's event log: what happened in the cluster, in order, for operators and the dashboard.
 
 Why a log and not only metrics: an operator watching a repack wants the *story* (this plan, these
-trajectories moved from A to B, it took 0.4 s, A then loaded version 7), and the dashboard wants
+trajectories moved from A to B, how long it took, A then loaded version 7), and the dashboard wants
 to draw the weight-version timeline from the same facts. Events are numbered; a reader that
 reconnects with ``since=N`` (SSE's ``Last-Event-ID``) gets everything after N that is still in the
 bounded window, then new ones as they happen. A slow reader never blocks the manager: the window

@@ -1,15 +1,15 @@
 """The heartbeat timeout: which members have been silent too long, counted from when the manager
 was listening.
 
-Why "listening": a check that wakes much later than it asked to (by over a quarter of the
-timeout) means the manager's process was not running (stopped, swapped out, starved of CPU, a VM
-paused) and heard nothing meanwhile: the members' heartbeats sit unread in its sockets, or their
-calls timed out and they are reconnecting. Judged by their last heartbeat, every member would
-look silent and be marked dead at once (measured: a manager stopped for 3 s marked all its
-members dead on waking, each then revived; the data role requeues a dead rollout's trajectories,
-and repeated false deaths can quarantine them). So after a late check a member's silence counts
-from the wake-up: it gets a whole timeout to be heard. A manager late on every check would never
-time anyone out; a closed connection (a killed process) is still noticed at once, elsewhere.
+Why "listening": a check that wakes much later than it asked to (by over a quarter of the timeout)
+means the manager's process was not running (stopped, swapped out, starved of CPU, a VM paused) and
+heard nothing meanwhile: the members' heartbeats sit unread in its sockets, or their calls timed out
+and they are reconnecting. Judged by their last heartbeat, every member would look silent and be
+marked dead at once (a manager stopped for longer than the timeout would mark all its members dead
+on waking, each then revived; the data role requeues a dead rollout's trajectories, and repeated
+false deaths can quarantine them). So after a late check a member's silence counts from the wake-up:
+it gets a whole timeout to be heard. A manager late on every check would never time anyone out; a
+closed connection (a killed process) is still noticed at once, elsewhere.
 """
 
 from __future__ import annotations

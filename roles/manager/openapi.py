@@ -128,10 +128,10 @@ def _patch_field(field: FieldInfo) -> tuple[Any, FieldInfo]:
 
 
 # A partial policy: every field of RepackPolicy with its type and bounds, none required (built
-# from it, so it cannot drift). A field may be left out but not given as null: the document once
-# allowed null here and the server refused it (422), which a schema-driven fuzzer found (issue
-# 15); a bound the document omitted was refused the same way. The handler validates the body
-# against this model, so what it refuses and what the document says are one thing.
+# from it, so it cannot drift). A field may be left out but not given as null: a document that
+# allows null where the server refuses it (422) is what a schema-driven fuzzer finds, and a bound
+# the document omits is refused the same way. The handler validates the body against this
+# model, so what it refuses and what the document says are one thing.
 PolicyPatch: type[BaseModel] = create_model(
     "PolicyPatch",
     __config__=ConfigDict(extra="forbid"),

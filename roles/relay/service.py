@@ -13,7 +13,7 @@ Three owned tasks and a listener:
   that already holds a prefix answers ``have`` and the transfer resumes there.
 
 Local rollouts ask ``latest`` (or follow ``versions``) and get the version's segment name and
-manifest; they map the segment themselves, so the bytes never cross a socket on this machine. At
+manifest; they map the segment themselves, so the bytes never cross a socket on the host. At
 most ``keep`` versions are held, the one arriving included (the newest verified one always stays);
 an older segment is unlinked, which does not disturb a rollout that already mapped it.
 """

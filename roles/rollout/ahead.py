@@ -1,9 +1,9 @@
 """Leases taken ahead: fresh assignments a rollout holds but has not started yet.
 
 Why: a ``take`` is a round trip to the data role, whose process shares the machine with the
-engine. Measured on the 2-core dev machine (issue 16), the data role's process was at times not
-scheduled for 0.1-0.6 s, and a rollout that leased only as slots freed then watched its engine
-drain, down to one sequence (on average 20 of 32 running). With a few leases in hand, a slot
+engine. Where cores are few the data role's process is at times not scheduled for a large part
+of a second, and a rollout that leased only as slots freed would watch its engine drain, down to
+one sequence (docs/benchmarks.md, *Generation*). With a few leases in hand, a slot
 that frees is refilled at once, and the takes can come in batches (``min_take``), which makes
 them, and the data role's wake-ups, several times fewer.
 

@@ -17,9 +17,9 @@ The order of steps is what keeps a trajectory whole (nothing lost, one version, 
 4. **Take back** what the destination refused or could not be reached for: the leases move back
    and the sequences go back into the source's engine (its version cannot have changed: a weight
    load waits for a migration in progress). If step 2 itself failed (the data role was down),
-   the leases never left: the sequences go straight back into the engine. (Dropping them there
-   once made the data role hand the leases back after a weight load, to an engine of another
-   version, which refused them for good: issue 15's chaos benchmark.)
+   the leases never left: the sequences go straight back into the engine. (Dropped there, they
+   would be handed back by the data role after a weight load, to an engine of another version,
+   which would refuse them for good.)
 
 The source is ``migrating`` (:mod:`.state`) from step 1 to the end of step 4, so no weight load
 starts in between; a destination accepts only while its version cannot change (not while starting

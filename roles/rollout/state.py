@@ -2,12 +2,12 @@
 
 Why a machine: the rules that keep a trajectory on one weight version (take nothing while a newer
 version waits; load only when nothing is in flight and no migration can hand trajectories back;
-accept migrated trajectories only while the version cannot change under them) used to live in
-half a dozen flags that three tasks and four endpoints set by hand. Here each rule is a guard on a
-named transition, an illegal step raises :class:`TransitionError`, and the whole thing is tested
-without an engine, a socket or an event loop (``tests/unit/test_rollout_state.py``). The service
-owns the I/O: it calls a transition when an endpoint, a stream or the engine says something
-happened, and waits on ``on_change`` for the guards it needs.
+accept migrated trajectories only while the version cannot change under them) used to live in half a
+dozen flags that three tasks and four endpoints set by hand. Here each rule is a guard on a named
+transition, an illegal step raises :class:`TransitionError`, and the whole thing is tested without
+an engine, a socket or an event loop. The service owns the I/O: it calls a transition when an
+endpoint, a stream or the engine says something happened, and waits on ``on_change`` for the guards
+it needs.
 
 The weight phase (one at a time)::
 

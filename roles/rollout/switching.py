@@ -94,7 +94,7 @@ class WeightSwitcher:
         if shared.available and shared.version > self.engine.version:
             if self._remote_stand_in:
                 # Started before this host's relay joined: load from it once it has, not across
-                # the network for the rest of the run (test_multihost caught a rollout doing so).
+                # the network for the rest of the run.
                 # The stand-in's stream still announces versions until it ends.
                 local = await self._relay()
                 if local is not None and not self._remote_stand_in:

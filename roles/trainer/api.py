@@ -41,7 +41,7 @@ class TrainerStats(VersionedStats):
 
     cursor: int = 0
     max_staleness: int = 0
-    excluded_trajectories: int = 0  # stay 0 in a healthy run (issue 15)
+    excluded_trajectories: int = 0  # stay 0 in a healthy run
     skipped_steps: int = 0
     trained_tokens: int = 0
     batches: int = 0

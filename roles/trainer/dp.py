@@ -91,13 +91,13 @@ def rank_processes() -> ForkServerContext:
 
     A rank is never a fork of the trainer itself (its threads, and a CUDA context on a GPU, do
     not survive a fork). ``spawn`` gives each rank a fresh interpreter, which imports torch and
-    transformers again: about 7 s of one core here, per rank. The forkserver is one fresh
-    interpreter that imports :mod:`.worker` once (one thread after it, no device touched) and
-    forks every rank from that state, so ranks after the first start in a fraction of a second
-    (a 2-rank group forms in 0.76 s against 8.3 s: ``benchmarks/ranks.py``): what an 8-GPU
-    host's seven ranks, or a trainer that forms groups again and again, would otherwise pay each
-    time. The server (424 MiB resident here) lives as long as this process, in its process group
-    (it ends with the trainer's group, like the ranks).
+    transformers again: seconds of CPU per rank. The forkserver is one fresh interpreter that
+    imports :mod:`.worker` once (one thread after it, no device touched) and forks every rank
+    from that state, so ranks after the first start in a fraction of a second
+    (docs/benchmarks.md, *Forming a trainer group*): what an 8-GPU host's seven ranks, or a
+    trainer that forms groups again and again, would otherwise pay each time. The server lives
+    as long as this process, in its process group (it ends with the trainer's group, like the
+    ranks).
 
     Its ranks inherit the server's environment (this process's when the server started), not
     this process's at fork time; what a rank needs from here travels in its arguments (its

@@ -299,8 +299,8 @@ class WeightPublisher:
                 for task in (push, changed):
                     task.cancel()
                 # wait, not await: awaiting a task we cancelled raises its CancelledError, and
-                # suppressing that swallowed a cancellation of this loop arriving meanwhile
-                # (the loop retried on after its owner stopped: tests/unit/test_staging.py)
+                # suppressing that would swallow a cancellation of this loop arriving meanwhile
+                # (the loop would retry on after its owner stopped)
                 await asyncio.wait({push, changed})
                 if not push.cancelled() and (error := push.exception()) is not None:
                     self._note("push to the master failed", master=master, error=repr(error))

@@ -40,7 +40,7 @@ def group_failure(exc: BaseException) -> bool:
 
 def host_of(address: str) -> str:
     """The host of an RPC address (``tcp://HOST:PORT``); a wildcard bind (``0.0.0.0``, ``::``)
-    gives this machine's name, which the other hosts can resolve."""
+    gives the local machine's name, which the other hosts can resolve."""
     host = address.split("://", 1)[-1].rpartition(":")[0].strip("[]")
     return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
 

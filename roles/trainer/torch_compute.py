@@ -96,7 +96,8 @@ class TorchCompute:
     async def train(self, screened: Screened, version: int) -> StepResult:
         assert self.group is not None
         group = self.group
-        # packing (torch ops) too goes off the loop: one run was seen blocking it 2 s here
+        # packing (torch ops) too goes off the loop: on a large batch it would block it for
+        # seconds
         return await self._run(lambda: group.train(packed(screened, self.config)))
 
     async def checkpoint(self, progress: Progress, saved_at: float) -> None:

@@ -101,7 +101,7 @@ def _reset_group_names() -> None:
     that name. ``destroy_process_group`` resets the counter, but a rendezvous that failed (its
     port taken between offer and listen: EADDRINUSE) has already counted one, so rank 0's next
     group got name 1 while a fresh rank's got 0, and the two never met (a hang until the
-    timeout; ``tests/unit/test_trainer_wire.py``). torch has no public reset."""
+    timeout). torch has no public reset."""
     from torch.distributed import distributed_c10d
 
     if not dist.is_initialized():

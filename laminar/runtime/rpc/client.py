@@ -13,6 +13,7 @@ import itertools
 import random
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar, cast
 
 import structlog
@@ -121,9 +122,9 @@ class RpcClient:
                     raise PeerUnavailable(self.address, str(exc)) from exc
                 except ConnectionRefusedError as exc:
                     # Nothing listens there: the peer is gone, or restarted on another port.
-                    # Retrying this address until the call's timeout (30 s) kept rollouts paused
-                    # and the trainer idle after a relay or data role restart (issue 15's chaos
-                    # benchmark); failing now lets the caller look the peer up again.
+                    # Retrying this address until the call's timeout would keep rollouts paused
+                    # and the trainer idle after a relay or data role restart; failing now lets
+                    # the caller look the peer up again.
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     raise PeerUnavailable(self.address, self.last_error) from exc
                 except (OSError, TimeoutError, ConnectionClosed) as exc:
@@ -133,7 +134,7 @@ class RpcClient:
                     continue
                 self._failures = 0
                 self._conn, self._loop = conn, asyncio.get_running_loop()
-                conn.deliver_to(self._on_frame, lambda reason, c=conn: self._lost(c, reason))
+                conn.deliver_to(self._on_frame, partial(self._lost, conn))
                 if conn.can_stall and self.options.peer_timeout is not None:
                     self._spawn(self._watch(conn, self.options.peer_timeout))
                 return conn
@@ -176,7 +177,8 @@ class RpcClient:
 
     def _on_frame(self, frame: Frame) -> None:
         """A reply or stream item, from the event loop as it arrives: straight to its waiter."""
-        waiter = self._pending.get(frame.meta.get("i"))
+        call_id = frame.meta.get("i")
+        waiter = self._pending.get(call_id) if isinstance(call_id, int) else None
         if isinstance(waiter, asyncio.Queue):
             waiter.put_nowait(frame)
         elif waiter is not None and not waiter.done():
@@ -220,7 +222,7 @@ class RpcClient:
         request_frame = Frame({"k": K_CALL, "i": call_id, "m": method}, payload, buffers)
         conn: Connection | None = self._conn
         # The loop the connection was made on: on Python 3.11 asyncio.get_running_loop() makes a
-        # getpid() system call each time (strace: 4.6 per call here before, with asyncio.timeout).
+        # getpid() system call each time (docs/benchmarks.md, *Transport*).
         loop = self._loop
         if conn is None or loop is None:
             loop = asyncio.get_running_loop()
@@ -229,9 +231,9 @@ class RpcClient:
         try:
             if conn is not None and conn.try_send(request_frame):
                 # Connected, and the request went out without waiting: only the reply is left to
-                # time out, and a timer on its future does that for a third of asyncio.timeout's
-                # cost (1.6 against 5 µs, measured; the common case, and the round trip of
-                # benchmarks/transport.py).
+                # time out, and a timer on its future does that for a fraction of
+                # asyncio.timeout's cost (docs/benchmarks.md, *Transport*). The common case, and
+                # the round trip benchmarks/transport.py times.
                 timer = loop.call_later(timeout, _expire, future)
                 try:
                     frame = await future

@@ -203,6 +203,7 @@ class RpcServer:
                 window = meta.get("c")
                 if window is not None and (not isinstance(window, int) or window < 1):
                     raise FrameError(f"bad stream window {window!r}")
+                assert isinstance(call_id, int)  # checked above: every kind but NOTIFY has one
                 calls.open_stream(call_id, window)
             calls.submit(frame)
             if calls.read_ahead_full() and not paused:

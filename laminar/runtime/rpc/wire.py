@@ -45,8 +45,8 @@ PING_CHECKS = 3
 def encode_model(model: BaseModel | None) -> tuple[bytes, list[memoryview]]:
     # WIRE_CONTEXT: ``wire_array`` fields come out as typed arrays, sent as one raw buffer. The
     # pydantic-core serializer and validator are called directly: ``model_dump`` and
-    # ``model_validate`` wrap them in about as much Python again (0.73 against 0.32 µs, 0.94
-    # against 0.49 µs for a two-field model, measured), four times per round trip.
+    # ``model_validate`` wrap them in about as much Python again (docs/benchmarks.md,
+    # *Transport*), four times per round trip.
     if model is None:
         return encode_payload(None)
     return encode_payload(model.__pydantic_serializer__.to_python(model, context=WIRE_CONTEXT))
