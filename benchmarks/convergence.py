@@ -19,11 +19,14 @@ reward of each version), ``sync_final`` (the last accuracy of the ``sync`` run),
 speed-ups and the mean final accuracies. The goal: ``laminar`` at sync's final accuracy in at most
 1/1.77 of sync's time, and a final accuracy not lower.
 
-Fairness: every run gets the same machine and the same roles (two vLLM rollouts and one
-trainer). Under ``laminar`` the cores are divided between rollouts and trainer
-(``run.cpus=auto``), since both work at once; under ``sync`` and ``one_step`` generation and
-training take turns, so nothing is pinned (``run.cpus=off``) and each phase runs on every core, as
-a colocated synchronous system would (``--sync-cpus auto`` pins them as ``laminar`` is pinned).
+Fairness: every run gets the same machine, the same roles (two vLLM rollouts and one trainer)
+and the same placement (``run.cpus=auto``: the cores divided between rollouts and trainer). A
+colocated synchronous system would give each phase every core in turn; on CPU that cannot be
+emulated, since vLLM's CPU engines keep their threads spinning between steps and a trainer
+sharing their cores (``--sync-cpus off``) is starved rather than helped.
+Every schedule trains on every complete group (``data.drop_constant_groups=false``, whatever the
+example's config says): a round schedule cannot drop groups after its round ends (the trainer
+would wait for a batch no round fills), and the comparison keeps one data pipeline for all.
 The order of the schedules rotates from seed to seed, so no schedule always runs first (on a cold
 page cache) or last.
 
@@ -63,12 +66,13 @@ def run_schedule(schedule: str, seed: int, sft: Path, args: argparse.Namespace) 
     cpus = args.sync_cpus if schedule != "laminar" else "auto"
     cmd = laminar("run", str(config), "--duration", str(60 * args.minutes),
                   "--set", "run.display=lines", "--set", "run.progress_interval_s=30",
-                  "--set", f"run.cpus={cpus}",
+                  "--set", f"run.cpus='{cpus}'",  # quoted: YAML reads a bare off as false
                   "--set", f"cluster.schedule.kind={schedule}",
                   "--set", f"trainer.model={sft}", "--set", f"rollout.engine.model={sft}",
                   "--set", f"data.tokenizer={sft}", "--set", f"trainer.seed={seed}",
                   "--set", f"trainer.eval.n={args.n}",
-                  "--set", f"trainer.eval.every_s={args.eval_every_s}")  # fmt: skip
+                  "--set", f"trainer.eval.every_s={args.eval_every_s}",
+                  "--set", "data.drop_constant_groups=false")  # fmt: skip
     if schedule != "laminar":  # a round is one global batch
         cmd += ["--set", f"cluster.schedule.round_prompts={round_prompts(config)}"]
     for item in args.set:
@@ -150,8 +154,9 @@ def main() -> None:
     ap.add_argument(
         "--sync-cpus",
         choices=("off", "auto"),
-        default="off",
-        help="run.cpus for sync and one_step (off: each phase on every core)",
+        default="auto",
+        help="run.cpus for sync and one_step (off: nothing pinned; the engines' spinning "
+        "threads then starve the trainer)",
     )
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--set", action="append", default=[], help="config overrides for every run")

@@ -303,6 +303,23 @@ def check_sandbox() -> str | None:
     """None if tools can be sandboxed here, else why not (one sandboxed ``pass``)."""
     try:
         result = asyncio.run(run_python("pass", SandboxLimits(wall_s=30)))
+    except OSError as exc:  # the jail could not even start (its interpreter, a limit)
+        return f"the jail did not start: {exc}"
     finally:
         JailServer.close_current()  # the caller (laminar doctor, laminar run) runs no tools
     return None if result.ok else result.reason
+
+
+def main() -> int:
+    """``python -m laminar.tools.sandbox``: whether tool code can be sandboxed here (exit 0), or
+    why not (exit 1); ``make run`` picks its example by it."""
+    problem = check_sandbox()
+    if problem is None:
+        print("tool code can be sandboxed here")
+        return 0
+    print(f"tool code cannot be sandboxed here: {problem}")
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -126,8 +126,7 @@ class DataService(Service, DataApi):
         self.sampler = make_policy(c.sampler.kind, SAMPLERS, c.sampler.options)
         self.eviction = make_policy(c.eviction.kind, EVICTIONS, c.eviction.options)
         # Round schedules (sync, one_step, tail_batching; laminar.runtime.schedules): prompts go
-        # out in
-        # gated rounds. None under laminar: every path below behaves as without schedules.
+        # out in gated rounds. None under laminar: every path below behaves as without schedules.
         schedule = ctx.cluster.schedule
         self.rounds = (
             RoundGate(schedule, c.samples_per_prompt, c.seed, c.epochs) if schedule.rounds else None
@@ -136,6 +135,13 @@ class DataService(Service, DataApi):
             raise ConfigError(
                 f"data.redundant_samples does not work with the {schedule.kind} schedule's rounds "
                 "(a round waits for every sample it started): set it to 0"
+            )
+        if self.rounds is not None and c.drop_constant_groups:
+            raise ConfigError(
+                f"data.drop_constant_groups does not work with the {schedule.kind} schedule's "
+                "rounds (a round ends with its groups complete; dropping the constant ones leaves "
+                "the trainer short of a batch, and the next round waits for the trainer): set it "
+                "to false"
             )
         if self.rounds is not None and c.focus is not None:
             raise ConfigError(

@@ -34,9 +34,10 @@ from pydantic import BaseModel, ValidationError
 
 from laminar.repack import RepackPolicy, plan_repack
 from laminar.roles.rollout.api import DrainRequest, RolloutApi
+from laminar.roles.trainer.api import LEARNING_MAX_POINTS, LearningRequest
 from laminar.runtime.errors import CallTimeout, PeerUnavailable, RemoteError, UnknownMethod
 
-from .cluster_view import ScrapeGauges, cluster_status
+from .cluster_view import ScrapeGauges, cluster_status, learning_view
 from .openapi import (
     ROUTES,
     DrainBody,
@@ -202,6 +203,18 @@ class AdminServer:
 
     async def _status(self, _: web.Request) -> web.Response:
         return _json(await cluster_status(self.manager))
+
+    async def _learning(self, request: web.Request) -> web.Response:
+        q = request.query
+        since = _int(q.get("since"), "since") or 0
+        limit = _int(q.get("limit"), "limit")
+        if limit is not None and not 1 <= limit <= LEARNING_MAX_POINTS:
+            raise ApiError(400, f"limit must be 1 to {LEARNING_MAX_POINTS}", limit)
+        # clamped, not refused: no version reaches it, and the wire carries 64-bit integers
+        ask = LearningRequest(since=min(since, 2**62))
+        if limit is not None:
+            ask.limit = limit
+        return _json(await learning_view(self.manager, ask))
 
     # -- repack ------------------------------------------------------------------------------
 

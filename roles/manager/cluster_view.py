@@ -1,4 +1,5 @@
-"""What the admin API shows of the cluster: ``/v1/status`` and the scrape-time gauges.
+"""What the admin API shows of the cluster: ``/v1/status``, ``/v1/learning`` and the scrape-time
+gauges.
 
 Read from the manager's live view (``view.ManagerView``: members and their heartbeat stats,
 typed by ``laminar.runtime.stats``; the relay chain; the event log), refined by asking the data
@@ -18,13 +19,14 @@ from prometheus_client.core import GaugeMetricFamily
 from laminar.roles.data.api import DataApi, DataStatus
 from laminar.roles.relay.api import RelayApi, RelayStatus
 from laminar.roles.rollout.api import RolloutApi, RolloutState, RolloutStats
-from laminar.roles.trainer.api import TrainerApi, TrainerStats
+from laminar.roles.trainer.api import LearningApi, LearningRequest, TrainerApi, TrainerStats
 from laminar.runtime.errors import RpcError
 from laminar.runtime.membership import Member
 
 from .openapi import (
     AdminStatus,
     ChainSummary,
+    LearningView,
     RelayView,
     RolloutView,
     StalenessSummary,
@@ -33,6 +35,7 @@ from .openapi import (
 from .view import ManagerView
 
 STATUS_TIMEOUT_S = 1.0  # per role
+TRAINER_ROLES = ("trainer", "sim_trainer")  # whoever serves LearningApi
 
 
 def rollout_state(member: Member, stats: RolloutStats | None) -> str:
@@ -192,7 +195,8 @@ async def cluster_status(m: ManagerView) -> AdminStatus:
         {v.version for v in views if v.member_state == "alive" and v.version is not None}
     )
     trainer_version = trainer.version if trainer is not None else None
-    beat = trainer_m[0].stats_as(TrainerStats) if trainer_m else None
+    beating = trainer_m or [x for x in members if x.role in TRAINER_ROLES and x.state == "alive"]
+    beat = beating[0].stats_as(TrainerStats) if beating else None
     if trainer_version is None and beat is not None:
         trainer_version = beat.version
     staleness = StalenessSummary(
@@ -226,6 +230,27 @@ async def cluster_status(m: ManagerView) -> AdminStatus:
         members=counts,
         last_event=m.events.last_seq,
         errors=errors,
+    )
+
+
+async def learning_view(m: ManagerView, request: LearningRequest) -> LearningView:
+    """What ``GET /v1/learning`` shows: the live trainer's curves, or none (never an error)."""
+    trainers = [x for x in m.members.values() if x.role in TRAINER_ROLES and x.state == "alive"]
+    if not trainers:
+        return LearningView()
+    trainer = trainers[0]
+    api = m.ctx.connect(LearningApi, trainer.address)
+    try:
+        async with asyncio.timeout(STATUS_TIMEOUT_S * 1.5):
+            series = await api.learning.options(timeout=STATUS_TIMEOUT_S).call(request)
+    except (RpcError, TimeoutError, OSError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        return LearningView(trainer=trainer.instance, errors={"trainer": error})
+    return LearningView(
+        trainer=trainer.instance,
+        version=series.version,
+        versions=series.versions,
+        evals=series.evals,
     )
 
 

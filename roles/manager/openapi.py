@@ -17,6 +17,7 @@ from pydantic.json_schema import models_json_schema
 from laminar.repack import RepackPlan, RepackPolicy, RolloutLoad
 from laminar.roles.data.api import DataStatus
 from laminar.roles.rollout.api import RolloutState
+from laminar.roles.trainer.api import LEARNING_MAX_POINTS, EvalPoint, VersionPoint
 
 from .events import ClusterEvent
 from .repack import RepackOutcome
@@ -104,6 +105,19 @@ class AdminStatus(BaseModel):
     last_event: int = Field(description="Sequence number of the newest event.")
     errors: dict[str, str] = Field(
         default_factory=dict, description="Roles that did not answer in time, and why."
+    )
+
+
+class LearningView(BaseModel):
+    """The trainer's learning curves: reward, trained tokens/s and staleness per version, and
+    held-out accuracy per evaluation."""
+
+    trainer: str | None = Field(None, description="The trainer asked; null: none is alive.")
+    version: int | None = Field(None, description="The trainer's newest version.")
+    versions: list[VersionPoint] = Field(default_factory=list)
+    evals: list[EvalPoint] = Field(default_factory=list)
+    errors: dict[str, str] = Field(
+        default_factory=dict, description="The trainer, if it did not answer in time, and why."
     )
 
 
@@ -197,6 +211,24 @@ ROUTES: tuple[Route, ...] = (
         description="Rollouts, relays and the chain, the trainer, the data role's buffer, "
         "staleness and the repack policy. Roles that do not answer within a short timeout "
         "are null (and named in `errors`); this never fails because a role is down.",
+    ),
+    Route(
+        "GET", "/v1/learning", "_learning", "Whether the run learns: its learning curves",
+        LearningView, errors=(400,),
+        params=(
+            Param("since", "query", "Only versions after this one (and evaluations of it and "
+                  "later ones); 0, the default: from the oldest the trainer kept.",
+                  {"type": "integer", "minimum": 0}),
+            Param("limit", "query", f"At most this many versions and evaluations, the newest "
+                  f"(default 500, at most {LEARNING_MAX_POINTS}).",
+                  {"type": "integer", "minimum": 1, "maximum": LEARNING_MAX_POINTS}),
+        ),
+        description="Per trained version: the policy's mean reward, tokens trained per second "
+        "and the staleness trained on; per held-out evaluation (`trainer.eval`): accuracy. "
+        "Asked of the live trainer (the torch one or the emulated one), which keeps what this "
+        "process trained; poll with `since` set to the newest version seen for what is new. "
+        "No live trainer is an empty answer (`trainer` null), and so is one that does not "
+        "answer in time (named in `errors`): never a failure.",
     ),
     Route(
         "GET", "/metrics", "_metrics", "Prometheus metrics of the manager",

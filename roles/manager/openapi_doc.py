@@ -25,6 +25,10 @@ EXAMPLES: dict[str, str] = {
     "GET /v1/status": (
         'curl -s -H "$AUTH" $ADMIN/v1/status | jq ".rollouts[] | {id, state, version}"'
     ),
+    "GET /v1/learning": (
+        'curl -s -H "$AUTH" "$ADMIN/v1/learning?limit=20" | jq ".versions[] | {version, reward}"\n'
+        'curl -s -H "$AUTH" "$ADMIN/v1/learning?since=120" | jq ".evals"   # what is new after 120'
+    ),
     "GET /metrics": 'curl -s -H "$AUTH" $ADMIN/metrics | grep laminar_',
     "GET /v1/repack/plan": "curl -s -H \"$AUTH\" $ADMIN/v1/repack/plan | jq '.plan.moves'",
     "POST /v1/repack": 'curl -s -X POST -H "$AUTH" $ADMIN/v1/repack',

@@ -27,8 +27,9 @@ version:
    has been sampled, the global barrier every rollout switches at), else hold it;
 7. **record** one metrics line (``metrics_file``, TensorBoard/W&B through
    :class:`TrainerTracking`; each numeric extra of the batch's rewards as its mean,
-   ``reward/<name>``: :func:`reward_extras`) and keep it for ``status``; **evaluate** when
-   ``eval_every_s`` has passed and the compute measures anything.
+   ``reward/<name>``: :func:`reward_extras`) and keep it for ``status`` and ``learning`` (the
+   admin API's curves); **evaluate** when ``eval_every_s`` has passed and the compute measures
+   anything (its result kept the same way).
 
 Time comes only from the service's clock; blocking work runs in the compute's executor.
 """
@@ -44,10 +45,12 @@ from typing import Any
 from prometheus_client import Gauge, Histogram
 
 from laminar.rl.screen import ExcludeScope, screen_batch
+from laminar.roles.trainer.api import EvalPoint, LearningRequest, LearningSeries, VersionPoint
 from laminar.roles.trainer.publisher import WeightPublisher
 from laminar.runtime.context import ServiceContext
 from laminar.runtime.schedules import may_publish
 from laminar.tracking import TrackingConfig, TrainerTracking
+from laminar.tracking.progress import policy_reward
 from laminar.trajectory import Trajectory
 from laminar.weights.config import PublishConfig
 
@@ -99,6 +102,7 @@ class TrainLoop:
         self.training = True
         self.published: list[int] = []  # versions handed to the publisher, in order
         self.records: list[dict[str, Any]] = []  # one per version trained (module docstring)
+        self.evals: list[dict[str, Any]] = []  # one per evaluation that measured something
         self.publisher: WeightPublisher | None = None
         self.tracking: TrainerTracking | None = None
         self.source = BatchSource(ctx, log, settings.data, settings.sample_wait_s)
@@ -301,7 +305,49 @@ class TrainLoop:
             accuracy=result.get("accuracy"),
             seconds=result.get("eval_s"),
         )
-        self._write({"eval": True, "version": version, "time": self.ctx.clock.wall(), **result})
+        record = {"eval": True, "version": version, "time": self.ctx.clock.wall(), **result}
+        self.evals.append(record)
+        self._write(record)
+
+    def learning(self, request: LearningRequest) -> LearningSeries:
+        """The learning curves' points (:class:`~laminar.roles.trainer.api.LearningApi`): the
+        newest ``limit`` versions after ``since`` and evaluations of versions from ``since``."""
+        since, limit = request.since, request.limit
+        points: list[VersionPoint] = []
+        # newest first, so a long run's answer costs what it returns, not what it kept
+        for i in range(len(self.records) - 1, -1, -1):
+            record = self.records[i]
+            if record["version"] <= since or len(points) == limit:
+                break
+            before = self.records[i - 1]["time"] if i > 0 else None
+            interval = record["time"] - before if before is not None else 0.0
+            has_reward = record.get("reward_generated") is not None or (
+                record.get("reward_mean") is not None
+            )
+            points.append(
+                VersionPoint(
+                    version=record["version"],
+                    time=record["time"],
+                    reward=policy_reward(record) if has_reward else None,
+                    reward_trained=record.get("reward_mean"),
+                    tokens=record["tokens"],
+                    tokens_per_s=record["tokens"] / interval if interval > 0 else None,
+                    staleness_mean=record["staleness_mean"],
+                    staleness_max=record["staleness_max"],
+                )
+            )
+        evals = [
+            EvalPoint(
+                version=e["version"],
+                time=e["time"],
+                accuracy=e["accuracy"],
+                n=e.get("n"),
+                buckets={k: b["accuracy"] for k, b in (e.get("buckets") or {}).items()},
+            )
+            for e in self.evals[-limit:]
+            if e["version"] >= since and e.get("accuracy") is not None
+        ]
+        return LearningSeries(version=self.progress.version, versions=points[::-1], evals=evals)
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.tracking is not None:

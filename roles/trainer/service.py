@@ -37,7 +37,7 @@ from laminar.runtime.context import ServiceContext
 from laminar.runtime.endpoint import endpoint
 from laminar.runtime.service import Service
 
-from .api import TrainerApi, TrainerStatus
+from .api import LearningRequest, LearningSeries, TrainerApi, TrainerStatus
 from .config import TrainerConfig
 from .loop import LoopSettings, TrainLoop
 from .torch_compute import TorchCompute
@@ -104,3 +104,7 @@ class TrainerService(Service, TrainerApi):
             skipped_steps=loop.integrity.skipped_steps,
             version_conflicts=publisher.conflicts if publisher else 0,
         )
+
+    @endpoint
+    async def learning(self, request: LearningRequest) -> LearningSeries:
+        return self.loop.learning(request)

@@ -40,6 +40,7 @@ from laminar.runtime.context import ServiceContext
 from laminar.runtime.endpoint import endpoint
 from laminar.runtime.service import Service
 
+from .api import LearningApi, LearningRequest, LearningSeries
 from .config import SimTrainerConfig
 from .loop import LoopSettings, TrainLoop
 from .sim_compute import SimCompute, SimTrainerState
@@ -67,7 +68,7 @@ def loop_settings(c: SimTrainerConfig) -> LoopSettings:
     )
 
 
-class SimTrainerService(Service):
+class SimTrainerService(Service, LearningApi):
     role: ClassVar[str] = "sim_trainer"
     computes: ClassVar[bool] = True  # keeps its priority and cores (laminar.proc.placement)
     config_model: ClassVar[type[ServiceConfig]] = SimTrainerConfig
@@ -108,3 +109,7 @@ class SimTrainerService(Service):
             published=list(loop.published),
             records=list(loop.records),
         )
+
+    @endpoint
+    async def learning(self, request: LearningRequest) -> LearningSeries:
+        return self.loop.learning(request)

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from subprocess import PIPE
 from typing import Any
@@ -51,6 +51,7 @@ from laminar.proc.children import Child, ChildProcesses
 from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV, end_group, group_members
 from laminar.runtime.config import ClusterConfig, RoleSpec, load_config
 from laminar.runtime.loopwatch import MAX_HOLDERS
+from tests.support import poll
 from tests.support.devrun import (
     STARTUP_S,
     kill_session,
@@ -658,7 +659,8 @@ def test_a_child_is_restarted_while_an_escaped_process_holds_its_pipes_and_leaks
         await asyncio.wait_for(processes.supervise(child), 60)
         await processes.sweep()
         child.log.close()
-        await asyncio.sleep(0.2)  # the loop closes a transport's pipes on its next iterations
+        with suppress(TimeoutError):  # the loop closes a transport's pipes on its next iterations
+            await poll.until(lambda: asyncio.sleep(0, open_fds() <= before), 10)
         return open_fds() - before
 
     try:

@@ -18,6 +18,7 @@ from laminar.runtime.context import transport_options
 from laminar.runtime.errors import PeerUnavailable
 from laminar.runtime.rpc.client import RpcClient, remote
 from tests.support.devrun import kill_session, run_manager, start_run, write_run_config
+from tests.support.poll import until
 from tests.support.procs import ROOT, SUPPORT_ROLES, TOKEN, env, laminar, run_cli, start, stop
 from tests.support.roles import Calculator, Pair, Sleep
 
@@ -42,7 +43,12 @@ async def test_server_killed_fails_pending_calls_with_peer_unavailable() -> None
         pending = [
             asyncio.create_task(proxy.sleep.call(Sleep(seconds=60, tag=str(i)))) for i in range(5)
         ]
-        await asyncio.sleep(0.2)  # the calls are running on the server
+
+        async def running() -> bool:  # the calls are running on the server
+            tags = (await proxy.history.call()).tags
+            return all(f"started:{i}" in tags for i in range(5))
+
+        await until(running, 30)
         assert not any(t.done() for t in pending)
         os.kill(proc.pid, signal.SIGKILL)
         # The lost connection fails them: PeerUnavailable (a timeout would be CallTimeout), and

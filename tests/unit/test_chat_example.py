@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,13 +33,10 @@ def task() -> Task:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def data(tmp_path_factory: pytest.TempPathFactory, task: Task) -> Path:
+    """What ``python examples/chat/task.py generate`` writes (its ``main``, in this process)."""
     out = tmp_path_factory.mktemp("chat-data")
-    subprocess.run(
-        [sys.executable, str(CHAT / "task.py"), "generate", "--out", str(out), *SIZES],
-        check=True,
-        capture_output=True,
-    )
+    assert task.module.main(["generate", "--out", str(out), *SIZES]) == 0
     return out
 
 

@@ -159,3 +159,27 @@ def test_focus_with_round_schedules_is_a_config_error(options):
             DataService(ctx)
     finally:
         ctx.close_executors()
+
+
+@pytest.mark.parametrize("kind", ["sync", "one_step", "tail_batching"])
+def test_dropping_constant_groups_under_rounds_is_a_config_error(options, kind):
+    """A round ends with its groups complete; dropping the constant ones would leave the trainer
+    short of a batch while the next round waits for the trainer: the run would stall forever."""
+    cluster = ClusterConfig(schedule=ScheduleConfig(kind=kind, round_prompts=2))
+    config = DataConfig(
+        metrics=None,
+        prompts="x.jsonl",
+        tokenizer="tok",
+        reward="tests.support.task:reward_len",
+        drop_constant_groups=True,
+    )
+    ctx = ServiceContext(
+        role="data", instance="data-x", cluster=cluster, config=config, options=options
+    )
+    try:
+        with pytest.raises(
+            ConfigError, match=rf"drop_constant_groups does not work with the {kind}"
+        ):
+            DataService(ctx)
+    finally:
+        ctx.close_executors()

@@ -15,7 +15,6 @@ import pytest
 from laminar.roles.data.config import DataConfig
 from laminar.roles.data.prompts import load_prompts, prepare_prompts, resolve_id_key
 from laminar.roles.data.records import MISSING, field, read_records
-from laminar.roles.data.service import DataService
 from laminar.runtime.errors import ConfigError
 
 from ..support.chat_model import verl_rows, write_chat_tokenizer
@@ -180,26 +179,6 @@ def test_overlong_prompts_are_skipped_and_counted_or_refused() -> None:
     assert {x.reason for x in both.left_out} == {"max_prompt_tokens"}
     with pytest.raises(ConfigError, match=r"no prompts of at most 1 tokens \(of 5 records\)"):
         prepare(max_model_len=2, overlong="skip")
-
-
-async def test_the_data_role_skips_overlong_prompts_and_counts_them(serve, tmp_path: Path) -> None:
-    model = write_chat_tokenizer(tmp_path / "m")
-    rows = verl_rows(4)
-    rows[2]["prompt"] = [{"role": "user", "content": "What is " + "1+" * 40 + "1?"}]
-    train = write_parquet(tmp_path / "train.parquet", rows)
-    cfg = config(train, model, max_model_len=40, store=str(tmp_path / "data.sqlite"), metrics=None)
-    _, svc = await serve(DataService, config=cfg)
-    assert svc.stats()["prompts_left_out"] == 1.0
-    status = await svc.status()
-    assert status.prompts_left_out == 1
-    stored = [row[0] for row in svc.store.db.execute("SELECT prompt_id FROM prompts ORDER BY idx")]
-    assert stored == ["0", "1", "3"]
-    # refuse: the same data role does not start, naming the record
-    refused = cfg.model_copy(
-        update={"overlong_prompts": "refuse", "store": str(tmp_path / "b.sqlite")}
-    )
-    with pytest.raises(ConfigError, match=r"record 2 \(prompt id '2', \d+ tokens\)"):
-        load_prompts(refused)
 
 
 def test_laminar_doctor_takes_a_datasets_directory(tmp_path: Path) -> None:

@@ -16,14 +16,11 @@ import pytest
 
 from laminar.roles.data.context import store_clock
 from laminar.roles.data.rounds import RoundGate
-from laminar.roles.data.service import DataService
 from laminar.roles.data.store import Store
 from laminar.runtime.clock import DEFAULT_EPOCH, VirtualClock, run_virtual
 from laminar.runtime.schedules import ScheduleConfig
 from laminar.trajectory import PartialChunk, SamplingParams
-from tests.support.poll import until
 from tests.unit.test_data_store import make_store, traj
-from tests.unit.test_report_items import data_config
 
 PARAMS = SamplingParams(max_tokens=8)
 DATA = Path(__file__).resolve().parents[2] / "roles" / "data"
@@ -88,21 +85,6 @@ def test_an_older_store_reads_its_pseudo_rollout_leases_as_parked(tmp_path):
     assert store.parked_count() == 2 and store.leases() == {"r2": ["p0/0"]}
     store.close()
     assert Store(path).parked_count() == 2  # a current store is left as it is
-
-
-async def test_a_restarted_data_role_requeues_what_an_earlier_run_parked(serve, tmp_path):
-    config = data_config(tmp_path, 3)
-    host, svc = await serve(DataService, config=config)
-    host.stop()
-    await until(lambda: asyncio.sleep(0, svc.store is None), 10)
-    store = Store(config.store)
-    store.refill(3, samples=1, seed=0, epochs=1)
-    store.park(store.queued_groups()[:2])
-    assert store.parked_count() == 2
-    store.close()
-    _, svc = await serve(DataService, config=config)
-    assert svc.store is not None and svc.store.parked_count() == 0
-    assert svc.store.queued_count() == 3
 
 
 def test_the_store_stamps_rows_with_its_clock(tmp_path):

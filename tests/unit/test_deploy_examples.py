@@ -120,9 +120,3 @@ def test_the_slurm_script_makes_its_files_private_before_it_writes_them() -> Non
     lines = [line.strip() for line in SBATCH.read_text().splitlines()]
     first_write = min(i for i, line in enumerate(lines) if line.startswith(("mkdir", "echo")))
     assert "umask 077" in lines[:first_write]
-
-
-def test_sbatch_is_valid_bash() -> None:
-    import subprocess
-
-    subprocess.run(["bash", "-n", str(SBATCH)], check=True)

@@ -11,7 +11,7 @@ against Kubernetes, Bash and the Ray example's own command lines, offline:
   selector that does not match its pod template, a Service selecting no pods, a named port, a
   volume or a ``$(VAR)`` in a command that is not declared (Kubernetes passes an undeclared
   ``$(VAR)`` through literally), a StatefulSet's ``serviceName`` that is no Service;
-* every Slurm script passes ``bash -n``;
+* every Slurm script passes ``bash -n`` (``tests/integration/test_deploy_manifests.py``);
 * the Ray example's commands parse with the CLI's own parser and its ``--set`` items load.
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import re
 import shlex
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,6 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate.utils")
 
 DEPLOY = Path(__file__).resolve().parents[2] / "examples" / "deploy"
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
-SCRIPTS = sorted((DEPLOY / "slurm").glob("*.sbatch"))
 RAY_README = DEPLOY / "ray" / "README.md"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
 VERSIONS = [kubernetes_validate.all_versions()[0], kubernetes_validate.latest_version()]
@@ -108,12 +106,6 @@ def test_cross_references_that_no_schema_checks() -> None:
     for name, svc in services.items():
         selector = svc["spec"].get("selector", {})
         assert any(selector.items() <= labels.items() for labels in pod_labels), name
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_slurm_scripts_are_valid_bash(script: Path) -> None:
-    out = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
 
 
 def _ray_commands() -> list[list[str]]:

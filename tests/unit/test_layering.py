@@ -31,8 +31,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 
 #: package name -> directory (pyproject's package-dir mapping: roles/ and transport/ install
@@ -604,17 +602,6 @@ def test_swallowed_cancel_check_sees_every_spelling(tmp_path: Path) -> None:
     ]
 
 
-def test_torch_probe_blames_the_module_that_loads_torch() -> None:
-    pytest.importorskip("torch")
-    found = heavy_imports(["laminar.weights.shared", "laminar.weights.tensors", "no.such.module"])
-    assert found["laminar.weights.shared"] == []
-    assert found["laminar.weights.tensors"] == ["torch"]
-    assert "ModuleNotFoundError" in found["no.such.module"]
-
-
-# -- the real tree -------------------------------------------------------------------------------
-
-
 def _graph() -> tuple[dict[str, dict[str, int]], dict[str, Path]]:
     return import_graph(ROOTS), module_files(ROOTS)
 
@@ -687,16 +674,6 @@ def test_no_import_cycles_counting_type_only_imports() -> None:
     graph = import_graph(ROOTS, type_only=True)
     found = cycles(graph)
     assert not found, describe_cycles(graph, found, module_files(ROOTS))
-
-
-def test_runtime_and_cli_import_no_torch() -> None:
-    found = heavy_imports(TORCH_FREE_RUNTIME)
-    assert not _torch_report(found), _torch_report(found)
-
-
-def test_role_contracts_and_control_plane_import_no_torch() -> None:
-    found = heavy_imports(TORCH_FREE_ROLES)
-    assert not _torch_report(found), _torch_report(found)
 
 
 def test_no_raw_time_in_roles() -> None:

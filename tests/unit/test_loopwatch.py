@@ -11,6 +11,19 @@ from collections.abc import Callable
 import pytest
 
 from laminar.runtime.loopwatch import LoopWatch, Stall
+from tests.support.poll import until
+
+#: A bound on waiting for the watch thread's report: a hang, never a timing check.
+SAID_S = 30.0
+
+
+def said_at_least(said: list[Stall], n: int, ended: int = 0):  # type: ignore[no-untyped-def]
+    """A probe for :func:`until`: the watch has said ``n`` things, ``ended`` of them ends."""
+
+    async def probe() -> bool:
+        return len(said) >= n and sum(s.ended for s in said) >= ended
+
+    return probe
 
 
 def hold_the_loop(seconds: float) -> None:
@@ -26,10 +39,8 @@ async def test_a_blocked_loop_is_said_with_the_code_holding_it() -> None:
         await asyncio.sleep(3 * threshold)  # turning: nothing to say
         assert said == []
         hold_the_loop(4 * threshold)
-        for _ in range(100):  # the watch thread says the end once the loop stamps again
-            await asyncio.sleep(threshold / 4)
-            if len(said) == 2:
-                break
+        # the watch thread says the end once the loop stamps again
+        await until(said_at_least(said, 2, ended=1), SAID_S)
     finally:
         watch.close()
     assert [s.ended for s in said] == [False, True], said
@@ -47,9 +58,9 @@ async def test_each_stall_is_said_once_and_close_stops_the_watch() -> None:
     watch = LoopWatch(asyncio.get_running_loop(), 0.25, said.append)
     watch.start()
     try:
-        for _ in range(2):
+        for i in range(1, 3):
             hold_the_loop(1.0)
-            await asyncio.sleep(0.6)
+            await until(said_at_least(said, 2 * i, ended=i), SAID_S)  # the loop turns again
     finally:
         watch.close()
     assert [s.ended for s in said] == [False, True, False, True], said
@@ -85,7 +96,7 @@ async def test_laminar_serve_logs_stalls_but_not_once_the_role_is_stopping() -> 
     watch = watch_loop(log, 0.25, lambda: stopping)
     try:
         hold_the_loop(1.0)
-        await asyncio.sleep(0.5)
+        await until(lambda: asyncio.sleep(0, len(log.lines) >= 2), SAID_S)  # and its end
         stopping = True
         hold_the_loop(1.0)
         await asyncio.sleep(0.5)
@@ -111,9 +122,9 @@ def test_a_loop_held_without_python_frames_is_told_apart(loop_kind: str) -> None
         watch.start()
         try:
             asyncio.get_running_loop().call_soon(time.sleep, 1.0)
-            await asyncio.sleep(0.6)
+            await until(said_at_least(said, 2, ended=1), SAID_S)
             hold_the_loop(1.0)
-            await asyncio.sleep(0.6)
+            await until(said_at_least(said, 4, ended=2), SAID_S)
         finally:
             watch.close()
 
@@ -142,7 +153,7 @@ def one_turn(
             loop.call_soon(first, 1.0)
             loop.call_soon(hold_the_loop, 1.0)
             await asyncio.sleep(0.01)  # the two run here, in one turn of the loop
-            await asyncio.sleep(0.6)  # the watch sees the loop turn again
+            await until(said_at_least(said, 1, ended=1), SAID_S)  # the watch sees it turn again
         finally:
             watch.close()
 

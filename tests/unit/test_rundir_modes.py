@@ -3,18 +3,15 @@
 The run directory holds the cluster token (in ``token`` and the children's environment), the
 logs and the data role's SQLite store. Each test runs under umask 022, the usual default, which
 made all of them world-readable: the directory must be 0700 and the files 0600 all the same,
-including what the roles themselves create (a real child process makes a SQLite file in WAL
-mode, as the data role does).
+including what the roles themselves create (a real child process making a SQLite file in WAL
+mode, as the data role does: ``tests/integration/test_rundir_modes.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import stat
-import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,10 +19,7 @@ import pytest
 
 from laminar.devmode.rundir import prepare_run_dir
 from laminar.devmode.supervisor import Supervisor
-from laminar.proc.children import Child, ChildProcesses
-from laminar.proc.procfs import KEEP_ENVIRON, MARK_ENV
-from laminar.runtime.config import RoleSpec, load_config
-from tests.support.procs import env
+from laminar.runtime.config import load_config
 
 
 def mode(path: Path) -> int:
@@ -105,54 +99,6 @@ def test_a_reader_polling_for_the_cluster_file_never_sees_it_half_written(tmp_pa
     assert all(json.loads(text)["manager"].startswith("tcp://") for text in seen)
     assert mode(path) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.json"]
-
-
-# What the data role does to its store: WAL mode, a write, and the three files while it is open.
-SQLITE = r"""
-import os, sqlite3, stat
-db = sqlite3.connect("store.sqlite")
-db.execute("PRAGMA journal_mode=WAL")
-db.execute("CREATE TABLE t (x)")
-db.execute("INSERT INTO t VALUES (1)")
-db.commit()
-for name in ("store.sqlite", "store.sqlite-wal", "store.sqlite-shm"):
-    print(name, oct(stat.S_IMODE(os.stat(name).st_mode)))
-"""
-
-
-async def test_logs_and_what_a_child_writes_are_private(tmp_path: Path) -> None:
-    mark = uuid.uuid4().hex
-    lines: list[str] = []
-    work = tmp_path / "work"
-    work.mkdir()
-    processes = ChildProcesses(
-        env=env(**KEEP_ENVIRON, **{MARK_ENV: mark}),
-        mark=f"{MARK_ENV}={mark}",
-        grace=1.0,
-        log_dir=tmp_path / "run" / "logs",
-        stopping=asyncio.Event(),
-        command=lambda child: [
-            sys.executable,
-            "-c",
-            f"import os; os.chdir({str(work)!r})\n{SQLITE}",
-        ],
-        echo=lambda child, line: lines.append(line),
-        say=lambda message, style="": None,
-        gave_up=lambda child: None,
-    )
-    child = Child("data-0", "data", "data", RoleSpec(role="data", restart="never"), "cyan")
-    try:
-        await asyncio.wait_for(processes.supervise(child), 30)
-    finally:
-        await processes.sweep()
-        child.log.close()
-    assert sorted(lines) == [
-        "store.sqlite 0o600",
-        "store.sqlite-shm 0o600",
-        "store.sqlite-wal 0o600",
-    ], lines
-    assert mode(tmp_path / "run" / "logs") == 0o700
-    assert mode(tmp_path / "run" / "logs" / "data-0.log") == 0o600
 
 
 def test_the_data_store_is_owner_only_whatever_the_umask(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ from laminar.runtime.config import ServiceConfig
 from laminar.runtime.context import ServiceContext
 from laminar.runtime.rpc.client import RpcClient, remote
 from laminar.runtime.service import Service, ServiceHost
-from tests.support.poll import until
+from tests.support.poll import STOP_S, until
 from tests.support.roles import Calculator, Pair, Sleep
 
 
@@ -201,7 +201,8 @@ async def test_a_stop_lets_promised_work_finish_then_ends_tasks_and_refuses_new_
     caller = asyncio.create_task(service.ctx.run_to_end(service.promised(started), name="p"))
     await started.wait()
     host.stop()
-    await asyncio.sleep(0.05)  # the stop has begun: it waits for the promised work
+    # the stop has begun: it waits for the promised work
+    await until(lambda: asyncio.sleep(0, service.ctx._no_new_work), STOP_S)
     with pytest.raises(RuntimeError, match="promising-0 is stopping: refused not started"):
         await service.ctx.run_to_end(asyncio.sleep(0), name="refused")
     assert await asyncio.wait_for(caller, 5) == "done"
@@ -226,9 +227,11 @@ class SlowStart(Service):
 
     role: ClassVar[str] = "slow"
     release: ClassVar[asyncio.Event]
+    entered: ClassVar[asyncio.Event]
     stop_s: ClassVar[float] = 0.0
 
     async def on_start(self) -> None:
+        SlowStart.entered.set()
         await SlowStart.release.wait()
 
     async def on_stop(self) -> None:
@@ -250,14 +253,18 @@ async def test_a_role_stopped_while_it_starts_leaves_and_is_not_lost(
     manager_host, manager = await serve(
         ManagerService, config=ManagerConfig(bind="tcp://127.0.0.1:0", metrics=None, admin=None)
     )
-    SlowStart.release, SlowStart.stop_s = asyncio.Event(), stop_s
+    SlowStart.release, SlowStart.entered, SlowStart.stop_s = (
+        asyncio.Event(),
+        asyncio.Event(),
+        stop_s,
+    )
     ctx = ServiceContext(
         role="slow", instance="slow-0", cluster=cluster,
         config=ServiceConfig(metrics=None), options=options,
     )  # fmt: skip
     host = ServiceHost(SlowStart, ctx, manager=manager_host.ctx.address)
     task = asyncio.create_task(host.run())
-    await asyncio.sleep(0.1)  # in on_start
+    await asyncio.wait_for(SlowStart.entered.wait(), 10)  # in on_start
     host.stop()  # the signal arrives while it starts
     SlowStart.release.set()
     await asyncio.wait_for(task, 10)

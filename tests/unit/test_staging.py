@@ -31,9 +31,13 @@ from laminar.weights.config import PublishConfig
 from laminar.weights.manifest import WeightManifest, plan_specs
 from laminar.weights.tensors import plan_tensors, tensors_from
 from tests.support.cancel import cancel_after
+from tests.support.poll import until
 
 from ..support.models import tiny_qwen2
 from .test_trainer_device import batch
+
+#: A bound on waiting for a background copy to be taken in: a hang, never a timing check.
+COPY_S = 30.0
 
 
 def test_a_plan_copies_every_tensor_to_its_place() -> None:
@@ -150,10 +154,7 @@ async def test_a_version_under_copy_goes_out_when_its_copy_is_done() -> None:
         v2 = publisher.stage(2, specs=specs, fill=_background(2, gates[2], writes), shared=False)
         assert v2.view.obj is not v1.view.obj  # v1's buffer was not recycled under its copy
         gates[1].set()
-        for _ in range(500):
-            if publisher._pending is v1:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: asyncio.sleep(0, publisher._pending is v1), COPY_S)
         assert publisher._pending is v1 and 1 in publisher.digests
         staged = dict(tensors_from(v1.manifest, v1.view))
         for name, tensor in _weights(1):
@@ -164,10 +165,7 @@ async def test_a_version_under_copy_goes_out_when_its_copy_is_done() -> None:
         await publisher.hand_off(v3)
         gates[3].set()
         gates[2].set()
-        for _ in range(500):
-            if publisher._pending is v3:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: asyncio.sleep(0, publisher._pending is v3), COPY_S)
         assert publisher._pending is v3 and 2 not in publisher.digests
         assert sorted(writes) == [1, 2, 3]
         # a copy that fails loses its version only
@@ -175,8 +173,9 @@ async def test_a_version_under_copy_goes_out_when_its_copy_is_done() -> None:
         v4 = publisher.stage(4, specs=specs, fill=lambda m, s, v: failed, shared=False)
         await publisher.hand_off(v4)
         failed.set_exception(RuntimeError("a rank died"))
-        for _ in range(50):
-            await asyncio.sleep(0.01)
+        await until(
+            lambda: asyncio.sleep(0, not publisher._unfinished and not publisher._copies), COPY_S
+        )
         assert publisher._pending is v3 and 4 not in publisher.digests
         assert not publisher._unfinished and not publisher._copies
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from laminar.roles.data.service import STORE_CLOSED, DataService
-from tests.unit.test_report_items import data_config
+from tests.integration.test_report_items import data_config
 
 
 async def test_a_store_call_queued_after_the_close_gets_the_stopping_error(serve, tmp_path):

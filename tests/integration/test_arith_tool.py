@@ -78,8 +78,7 @@ def test_greedy_episodes_of_a_tiny_model(tmp_path: Path) -> None:
         assert e.reward in (0.0, 1.0)
     # stopped (a trainer that stops mid-evaluation): the turn's generate ends at once
     from laminar.recipe.episodes import EvalStopped
-
-    from .test_recipe import stop_after
+    from tests.unit.test_recipe import stop_after
 
     asked, stop = stop_after(3)
     with pytest.raises(EvalStopped):
