@@ -143,6 +143,34 @@ def one_seed(seed: int, order: list[str], args: argparse.Namespace) -> dict[str,
     return result
 
 
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Held-out accuracy against wall-clock, one panel per seed, one line per schedule; a cross
+    at the run's end marks its last checkpoint's accuracy, measured after the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = [r for r in summary["per_seed"] if not r.get("sft_missed")]
+    fig, axes = plt.subplots(1, len(seeds), figsize=(5.5 * len(seeds), 3.6), squeeze=False)
+    for ax, result in zip(axes[0], seeds, strict=True):
+        for schedule, run in result["runs"].items():
+            ts = [p["t"] / 60 for p in run["evals"]]
+            (line,) = ax.plot(ts, [p["accuracy"] for p in run["evals"]], marker="o", label=schedule)
+            end = max([ts[-1]] + [p["t"] / 60 for p in run["rewards"]])
+            colour = line.get_color()
+            ax.plot([end], [run["final_accuracy"]], marker="x", markersize=9, color=colour)
+        if "sync_final" in result:
+            ax.axhline(result["sync_final"], color="grey", linestyle=":", label="sync's final")
+        ax.set_title(f"seed {result['seed']}")
+        ax.set_xlabel("minutes")
+        ax.set_ylabel("held-out accuracy")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -159,8 +187,15 @@ def main() -> None:
         "threads then starve the trainer)",
     )
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--plot", help="draw the curves here (PNG)")
+    ap.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier --json")
     ap.add_argument("--set", action="append", default=[], help="config overrides for every run")
     args = ap.parse_args()
+    if args.replot:
+        if not args.plot:
+            ap.error("--replot needs --plot")
+        plot(json.loads(Path(args.replot).read_text()), Path(args.plot))
+        return
 
     per_seed = []
     for i, seed in enumerate(args.seeds):
@@ -195,6 +230,8 @@ def main() -> None:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(summary, indent=2))
+    if args.plot:
+        plot(summary, Path(args.plot))
 
 
 if __name__ == "__main__":
