@@ -73,11 +73,13 @@ class SimTrainerService(Service, LearningApi):
     computes: ClassVar[bool] = True  # keeps its priority and cores (laminar.proc.placement)
     config_model: ClassVar[type[ServiceConfig]] = SimTrainerConfig
     config: SimTrainerConfig
+    #: the compute the loop runs (a subclass may measure more, e.g. stand-in evaluations)
+    compute_cls: ClassVar[type[SimCompute]] = SimCompute
 
     def __init__(self, ctx: ServiceContext) -> None:
         super().__init__(ctx)
         c = self.config
-        compute = SimCompute(
+        compute = self.compute_cls(
             ctx.clock,
             self.log,
             c.cost,
@@ -85,7 +87,11 @@ class SimTrainerService(Service, LearningApi):
             c.state_file,
             ctx.executor("trainer-compute", workers=1),
         )
-        self.loop = TrainLoop(ctx, self.log, loop_settings(c), compute)
+        self.loop = TrainLoop(ctx, self.log, self.settings(), compute)
+
+    def settings(self) -> LoopSettings:
+        """The loop's settings, from the config."""
+        return loop_settings(self.config)
 
     async def on_start(self) -> None:
         await self.loop.start()

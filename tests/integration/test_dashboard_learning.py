@@ -22,12 +22,10 @@ import aiohttp
 import pytest
 
 from laminar.devmode.status import admin_url, fetch_status
-from laminar.roles.trainer.loop import TrainLoop
-from laminar.roles.trainer.sim import SimTrainerService, loop_settings
+from laminar.roles.trainer.loop import LoopSettings
+from laminar.roles.trainer.sim import SimTrainerService
 from laminar.roles.trainer.sim_compute import SimCompute
 from laminar.runtime.config import ClusterConfig
-from laminar.runtime.context import ServiceContext
-from laminar.runtime.service import Service
 from laminar.tracking.progress import policy_reward
 
 from ..conftest import session_segments
@@ -67,21 +65,12 @@ class EvaluatingSimTrainer(SimTrainerService):
     """The sim trainer, evaluating every ``EVAL_EVERY_S`` (and at its start) with
     :class:`StandInEval`."""
 
-    def __init__(self, ctx: ServiceContext) -> None:
-        Service.__init__(self, ctx)
-        c = self.config
-        compute = StandInEval(
-            ctx.clock,
-            self.log,
-            c.cost,
-            c.weight_bytes,
-            c.state_file,
-            ctx.executor("trainer-compute", workers=1),
+    compute_cls = StandInEval
+
+    def settings(self) -> LoopSettings:
+        return dataclasses.replace(
+            super().settings(), eval_every_s=EVAL_EVERY_S, eval_at_start=True
         )
-        settings = dataclasses.replace(
-            loop_settings(c), eval_every_s=EVAL_EVERY_S, eval_at_start=True
-        )
-        self.loop = TrainLoop(ctx, self.log, settings, compute)
 
 
 def cluster_config(tmp: Path) -> Path:
